@@ -1,0 +1,1 @@
+"""Capture component: producer, prompt order, capture engines (embedded transformers, SGLang)."""

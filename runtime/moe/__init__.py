@@ -1,0 +1,1 @@
+"""Expert-parallel MoE exchange (NCCL all-to-all default, DeepEP/Mooncake opt-in) and MXFP4 experts."""

@@ -1,0 +1,281 @@
+"""Checks that relate several recipe fields. Each message names both values and the fix."""
+
+from __future__ import annotations
+
+from runtime.recipe.errors import Problem
+from runtime.recipe.schema import Recipe
+from runtime.recipe.sizes import SampleSize
+from runtime.recipe.units import format_bytes
+
+
+def largest_sample(recipe: Recipe) -> SampleSize:
+    """Size of a sample at ``data.max_length`` tokens: the largest one the run can produce."""
+    return SampleSize(recipe.data.max_length, recipe.num_aux_layers, recipe.capture.hidden_size)
+
+
+def check_recipe(recipe: Recipe) -> list[Problem]:
+    """Every cross-field problem of ``recipe`` (an empty list when it is consistent)."""
+    problems: list[Problem] = []
+    problems += _check_batch(recipe)
+    problems += _check_watermarks(recipe)
+    problems += _check_capture(recipe)
+    problems += _check_trainer(recipe)
+    return problems
+
+
+def _check_batch(recipe: Recipe) -> list[Problem]:
+    t = recipe.trainer
+    world = recipe.trainer_world_size
+    product = t.micro_batch_size * t.gradient_accumulation_steps * world
+    if product == t.global_batch_size:
+        return []
+    return [
+        Problem(
+            "trainer.global_batch_size",
+            f"is {t.global_batch_size}, but micro_batch_size {t.micro_batch_size} x "
+            f"gradient_accumulation_steps {t.gradient_accumulation_steps} x trainer ranks {world} "
+            f"(job.trainer.nodes {recipe.job.trainer.nodes} x job.trainer.tasks_per_node "
+            f"{recipe.job.trainer.tasks_per_node}) = {product}",
+            f"set trainer.global_batch_size: {product}, or change the accumulation so the product "
+            f"equals {t.global_batch_size}",
+        )
+    ]
+
+
+def _check_watermarks(recipe: Recipe) -> list[Problem]:
+    tr = recipe.transport
+    g = recipe.trainer.global_batch_size
+    out: list[Problem] = []
+    if tr.high_watermark_samples < g:
+        out.append(
+            Problem(
+                "transport.high_watermark_samples",
+                f"is {tr.high_watermark_samples}, below one global step "
+                f"(trainer.global_batch_size {g}): the trainer could never see a whole step",
+                f"set transport.high_watermark_samples >= {g}",
+            )
+        )
+    if tr.low_watermark_samples < g:
+        out.append(
+            Problem(
+                "transport.low_watermark_samples",
+                f"is {tr.low_watermark_samples}, below one global step "
+                f"(trainer.global_batch_size {g}): the producer could stay paused while a step "
+                "still waits for samples",
+                f"set transport.low_watermark_samples >= {g}",
+            )
+        )
+    if tr.low_watermark_samples > tr.high_watermark_samples:
+        out.append(
+            Problem(
+                "transport.low_watermark_samples",
+                f"is {tr.low_watermark_samples}, above transport.high_watermark_samples "
+                f"{tr.high_watermark_samples}",
+                "make the low watermark <= the high watermark",
+            )
+        )
+    largest = largest_sample(recipe).total_bytes
+    step_bytes = g * largest
+    if tr.high_watermark_bytes < step_bytes:
+        out.append(
+            Problem(
+                "transport.high_watermark_bytes",
+                f"is {format_bytes(tr.high_watermark_bytes)}, below one global step of the largest "
+                f"samples: trainer.global_batch_size {g} x {format_bytes(largest)} "
+                f"(data.max_length {recipe.data.max_length}) = {format_bytes(step_bytes)}",
+                f"raise transport.high_watermark_bytes to at least {step_bytes} "
+                f"({format_bytes(step_bytes)}) or lower data.max_length",
+            )
+        )
+    if tr.low_watermark_bytes > tr.high_watermark_bytes:
+        out.append(
+            Problem(
+                "transport.low_watermark_bytes",
+                f"is {format_bytes(tr.low_watermark_bytes)}, above transport.high_watermark_bytes "
+                f"{format_bytes(tr.high_watermark_bytes)}",
+                "make the low byte watermark <= the high byte watermark",
+            )
+        )
+    if tr.high_watermark_bytes > tr.store_cap_bytes:
+        out.append(
+            Problem(
+                "transport.high_watermark_bytes",
+                f"is {format_bytes(tr.high_watermark_bytes)}, above transport.store_cap_bytes "
+                f"{format_bytes(tr.store_cap_bytes)} (segment x eviction ratio): Mooncake would "
+                "evict samples the trainer has not consumed",
+                "lower transport.high_watermark_bytes below transport.store_cap_bytes, or raise "
+                "the store cap and segment",
+            )
+        )
+    if tr.store_cap_bytes > tr.global_segment_bytes:
+        out.append(
+            Problem(
+                "transport.store_cap_bytes",
+                f"is {format_bytes(tr.store_cap_bytes)}, above transport.global_segment_bytes "
+                f"{format_bytes(tr.global_segment_bytes)}: the eviction ratio would exceed 1",
+                "make transport.store_cap_bytes <= transport.global_segment_bytes",
+            )
+        )
+    if largest > tr.global_segment_bytes:
+        out.append(
+            Problem(
+                "transport.global_segment_bytes",
+                f"is {format_bytes(tr.global_segment_bytes)}, smaller than one sample "
+                f"({format_bytes(largest)} at data.max_length {recipe.data.max_length})",
+                f"raise transport.global_segment_bytes above {largest}",
+            )
+        )
+    ports = {
+        "transport.master_rpc_port": tr.master_rpc_port,
+        "transport.metadata_http_port": tr.metadata_http_port,
+        "transport.metrics_port": tr.metrics_port,
+    }
+    if recipe.capture.engine == "sglang":
+        ports["capture.sglang.port"] = recipe.capture.sglang.port
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in seen:
+            out.append(
+                Problem(name, f"uses port {port}, already used by {seen[port]}", "give each port its own number")
+            )
+        seen[port] = name
+    return out
+
+
+def _check_capture(recipe: Recipe) -> list[Problem]:
+    c = recipe.capture
+    out: list[Problem] = []
+    last = c.num_target_layers - 1
+    for index, layer in enumerate(c.aux_layer_ids):
+        path = f"capture.aux_layer_ids[{index}]"
+        if layer < 0 or layer > last:
+            out.append(
+                Problem(
+                    path,
+                    f"layer id {layer} is outside the target's decoder layers 0..{last} "
+                    f"(capture.num_target_layers {c.num_target_layers})",
+                    f"use ids in 0..{last - 1}",
+                )
+            )
+        elif layer == last:
+            out.append(
+                Problem(
+                    path,
+                    f"layer id {layer} is the last decoder layer (capture.num_target_layers "
+                    f"{c.num_target_layers}); its output is what lhs carries after the final norm",
+                    f"use ids in 0..{last - 1}",
+                )
+            )
+    duplicates = sorted({x for x in c.aux_layer_ids if c.aux_layer_ids.count(x) > 1})
+    if duplicates:
+        out.append(
+            Problem("capture.aux_layer_ids", f"repeats layer ids {duplicates}", "list each layer once")
+        )
+    if c.engine == "sglang":
+        gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
+        if c.sglang.tp_size > gpus:
+            out.append(
+                Problem(
+                    "capture.sglang.tp_size",
+                    f"is {c.sglang.tp_size}, more than the capture component's GPUs "
+                    f"(job.capture.gpus_per_node {recipe.job.capture.gpus_per_node} x nodes "
+                    f"{recipe.job.capture.nodes} = {gpus})",
+                    "lower tp_size or request more GPUs for job.capture",
+                )
+            )
+        if c.sglang.context_length < recipe.data.max_length:
+            out.append(
+                Problem(
+                    "capture.sglang.context_length",
+                    f"is {c.sglang.context_length}, below data.max_length {recipe.data.max_length}",
+                    f"set capture.sglang.context_length >= {recipe.data.max_length}",
+                )
+            )
+        if c.sglang.max_total_tokens < recipe.data.max_length:
+            out.append(
+                Problem(
+                    "capture.sglang.max_total_tokens",
+                    f"is {c.sglang.max_total_tokens}, below data.max_length {recipe.data.max_length}",
+                    f"set capture.sglang.max_total_tokens >= {recipe.data.max_length}",
+                )
+            )
+    if c.expert_parallel > 1 and c.engine != "embedded":
+        out.append(
+            Problem(
+                "capture.expert_parallel",
+                f"is {c.expert_parallel}, but capture.engine is {c.engine}; expert parallelism is a "
+                "setting of the embedded engine (SGLang takes its own server flags)",
+                "set capture.expert_parallel: 1 or capture.engine: embedded",
+            )
+        )
+    return out
+
+
+def _check_trainer(recipe: Recipe) -> list[Problem]:
+    t = recipe.trainer
+    d = t.draft
+    out: list[Problem] = []
+    if d.hidden_size != recipe.capture.hidden_size:
+        out.append(
+            Problem(
+                "trainer.draft.hidden_size",
+                f"is {d.hidden_size}, but capture.hidden_size is {recipe.capture.hidden_size}; the "
+                "draft shares the target's frozen embedding and lm_head",
+                f"set trainer.draft.hidden_size: {recipe.capture.hidden_size}",
+            )
+        )
+    if d.num_attention_heads % d.num_key_value_heads:
+        out.append(
+            Problem(
+                "trainer.draft.num_key_value_heads",
+                f"is {d.num_key_value_heads}, which does not divide trainer.draft.num_attention_heads "
+                f"{d.num_attention_heads}",
+                "choose a divisor of the query heads",
+            )
+        )
+    if d.mask_token_id >= recipe.capture.vocab_size:
+        out.append(
+            Problem(
+                "trainer.draft.mask_token_id",
+                f"is {d.mask_token_id}, outside the vocabulary (capture.vocab_size "
+                f"{recipe.capture.vocab_size})",
+                f"use an id below {recipe.capture.vocab_size}",
+            )
+        )
+    if recipe.data.max_length > d.max_position_embeddings:
+        out.append(
+            Problem(
+                "data.max_length",
+                f"is {recipe.data.max_length}, above trainer.draft.max_position_embeddings "
+                f"{d.max_position_embeddings}",
+                "raise the draft's max positions or lower data.max_length",
+            )
+        )
+    if t.checkpoint.resume_from and t.checkpoint.init_from:
+        out.append(
+            Problem(
+                "trainer.checkpoint.init_from",
+                f"is {t.checkpoint.init_from!r} while trainer.checkpoint.resume_from is "
+                f"{t.checkpoint.resume_from!r}: a full resume and a weights-only warm start exclude "
+                "each other",
+                "keep only one of them",
+            )
+        )
+    schedule = t.schedule
+    if schedule.type == "constant" and schedule.warmup_steps:
+        out.append(
+            Problem(
+                "trainer.schedule.warmup_steps",
+                f"is {schedule.warmup_steps}, but trainer.schedule.type is constant (no warmup)",
+                "use type: constant_with_warmup, or warmup_steps: 0",
+            )
+        )
+    if schedule.total_steps is not None and schedule.warmup_steps >= schedule.total_steps:
+        out.append(
+            Problem(
+                "trainer.schedule.warmup_steps",
+                f"is {schedule.warmup_steps}, not below trainer.schedule.total_steps {schedule.total_steps}",
+                "shorten the warmup",
+            )
+        )
+    return out

@@ -1,0 +1,386 @@
+"""Load a recipe: YAML file -> smoke overlay -> ``--set`` overrides -> typed, checked Recipe.
+
+Also writes and reads the resolved recipe, the one file the runtime reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import difflib
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from runtime.recipe.checks import check_recipe
+from runtime.recipe.errors import Problem, RecipeError
+from runtime.recipe.schema import Recipe
+
+RESOLVED_FORMAT = "dspark-resolved-recipe/1"
+RESOLVED_FILENAME = "recipe.resolved.json"
+
+
+@dataclass
+class LoadedRecipe:
+    """A validated recipe and where it came from."""
+
+    recipe: Recipe
+    source: str
+    """Recipe file as given (relative to the repository when inside it)."""
+    overrides: list[str] = field(default_factory=list)
+    """``--set`` overrides applied, in order."""
+    smoke: bool = False
+    """Whether the smoke overlay was applied."""
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON of the recipe (machine independent)."""
+        return recipe_digest(self.recipe)
+
+
+@dataclass
+class ResolvedRecipe:
+    """The resolved recipe as the runtime sees it."""
+
+    recipe: Recipe
+    digest: str
+    path: Path
+    """The resolved file itself (inside the job folder)."""
+    repo_root: Path
+    """Repository root that relative recipe paths are resolved against."""
+    source: str
+    smoke: bool
+    overrides: list[str]
+
+    @property
+    def job_dir(self) -> Path:
+        """The job folder holding this resolved recipe."""
+        return self.path.parent
+
+    def resolve_path(self, value: str) -> Path:
+        """A recipe path made absolute: relative paths are relative to the repository root."""
+        path = Path(os.path.expandvars(os.path.expanduser(value)))
+        return path if path.is_absolute() else self.repo_root / path
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    """SHA-256 of the canonical JSON form of ``recipe``."""
+    canonical = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
+    """``tiny`` -> ``recipes/tiny.yaml``; a path is returned as is. Errors list what exists."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
+        if not candidate.exists():
+            raise FileNotFoundError(f"recipe file {candidate} does not exist")
+        return candidate
+    for suffix in (".yaml", ".yml"):
+        path = recipes_dir / f"{name_or_path}{suffix}"
+        if path.exists():
+            return path
+    known = sorted(p.stem for p in recipes_dir.glob("*.y*ml"))
+    hint = difflib.get_close_matches(name_or_path, known, n=1)
+    did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
+    raise FileNotFoundError(
+        f"no recipe named '{name_or_path}' in {recipes_dir}.{did_you_mean} Known recipes: {', '.join(known)}"
+    )
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    smoke: bool = False,
+    display_name: str | None = None,
+) -> LoadedRecipe:
+    """Read, overlay, override and validate a recipe file. Raises RecipeError listing every problem."""
+    overrides = list(overrides or [])
+    path = Path(path)
+    name = display_name or str(path)
+    raw = _read_yaml(path, name)
+    smoke_overlay = raw.get("smoke") or {}
+    if not isinstance(smoke_overlay, dict):
+        raise RecipeError(name, [Problem("smoke", "must be a mapping (an overlay of recipe keys)", "", name)])
+
+    if smoke:
+        if not smoke_overlay:
+            raise RecipeError(
+                name,
+                [Problem("smoke", "--smoke was given but the recipe has no smoke overlay", "add a smoke: section", name)],
+            )
+        document = deep_merge(raw, smoke_overlay)
+    else:
+        document = copy.deepcopy(raw)
+    origins: dict[str, str] = {}
+    for item in overrides:
+        key = apply_override(document, item, name)
+        origins[key] = f"--set {item}"
+
+    recipe = _validate(document, name, origins, smoke_overlay if smoke else {})
+    problems = check_recipe(recipe)
+    if not smoke and smoke_overlay:
+        # A typo in the smoke overlay should fail now, not minutes before a gate on the cluster.
+        smoke_doc = deep_merge(raw, smoke_overlay)
+        smoke_recipe = _validate(smoke_doc, name, {}, smoke_overlay, prefix="smoke.")
+        problems += [
+            Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}")
+            for p in check_recipe(smoke_recipe)
+        ]
+    if problems:
+        raise RecipeError(name, [_with_source(p, name, origins, smoke_overlay if smoke else {}) for p in problems])
+    return LoadedRecipe(recipe=recipe, source=name, overrides=overrides, smoke=smoke)
+
+
+def deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overlay`` merged in (mappings merge, everything else replaces); the
+    ``smoke`` key itself is dropped from the result."""
+    merged = copy.deepcopy({k: v for k, v in base.items() if k != "smoke"})
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def apply_override(document: dict[str, Any], item: str, file: str) -> str:
+    """Apply one ``a.b.c=value`` override in place (value parsed as YAML); returns the key."""
+    if "=" not in item:
+        raise RecipeError(
+            file,
+            [Problem(item, "an override must look like key.path=value", f"write --set {item}=VALUE", f"--set {item}")],
+        )
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts):
+        raise RecipeError(file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {item}")])
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]) from exc
+    node: Any = document
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part) if isinstance(node, dict) else None
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise RecipeError(
+                file, [Problem(key, f"{where} is not a section, so {key} cannot be set", "", f"--set {item}")]
+            )
+        node = child
+    node[parts[-1]] = value
+    return key
+
+
+def write_resolved(loaded: LoadedRecipe, job_dir: Path, repo_root: Path) -> Path:
+    """Write ``recipe.resolved.json`` into ``job_dir`` atomically; returns its path."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": RESOLVED_FORMAT,
+        "digest": loaded.digest,
+        "source": loaded.source,
+        "smoke": loaded.smoke,
+        "overrides": loaded.overrides,
+        "repo_root": str(repo_root),
+        "resolved_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": loaded.recipe.model_dump(mode="json"),
+    }
+    target = job_dir / RESOLVED_FILENAME
+    atomic_write_text(target, json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return target
+
+
+def load_resolved(path: str | Path) -> ResolvedRecipe:
+    """Read a resolved recipe written by the launcher and verify its digest."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"resolved recipe {path} does not exist; the launcher writes it into the job folder "
+            "(python -m launcher RECIPE, or python -m launcher resolve RECIPE --job-dir DIR)"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise RecipeError(str(path), [Problem("", f"not valid JSON: {exc}", "re-resolve the recipe with the launcher")]) from exc
+    if payload.get("format") != RESOLVED_FORMAT:
+        raise RecipeError(
+            str(path),
+            [Problem("format", f"is {payload.get('format')!r}, expected {RESOLVED_FORMAT!r}", "re-resolve the recipe")],
+        )
+    recipe = _validate(payload["recipe"], str(path), {}, {})
+    digest = recipe_digest(recipe)
+    if digest != payload.get("digest"):
+        raise RecipeError(
+            str(path),
+            [
+                Problem(
+                    "digest",
+                    f"the recipe content hashes to {digest[:12]}..., but the file records "
+                    f"{str(payload.get('digest'))[:12]}...: it was edited after resolution",
+                    "change the YAML recipe (or --set) and resolve again instead of editing this file",
+                )
+            ],
+        )
+    return ResolvedRecipe(
+        recipe=recipe,
+        digest=digest,
+        path=path.resolve(),
+        repo_root=Path(payload["repo_root"]),
+        source=payload.get("source", ""),
+        smoke=bool(payload.get("smoke")),
+        overrides=list(payload.get("overrides", [])),
+    )
+
+
+def atomic_write_text(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` through a temporary name and a rename (never half-written)."""
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation error -> problems
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_yaml(path: Path, name: str) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"recipe file {name} does not exist") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")]) from exc
+    if not isinstance(data, dict):
+        raise RecipeError(name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")])
+    return data
+
+
+def _validate(
+    document: dict[str, Any],
+    file: str,
+    origins: dict[str, str],
+    smoke_overlay: dict[str, Any],
+    prefix: str = "",
+) -> Recipe:
+    try:
+        return Recipe.model_validate(document)
+    except ValidationError as exc:
+        problems = [_problem_from_error(err, document) for err in exc.errors()]
+        if prefix:
+            problems = [Problem(prefix + p.path, p.message, p.fix, f"smoke overlay in {file}") for p in problems]
+        else:
+            problems = [_with_source(p, file, origins, smoke_overlay) for p in problems]
+        raise RecipeError(file, problems) from None
+
+
+def _with_source(problem: Problem, file: str, origins: dict[str, str], smoke_overlay: dict[str, Any]) -> Problem:
+    if problem.source:
+        return problem
+    path = problem.path.split("[")[0]
+    for key, origin in origins.items():
+        if path == key or path.startswith(key + ".") or key.startswith(path + "."):
+            return Problem(problem.path, problem.message, problem.fix, origin)
+    if _has_path(smoke_overlay, path.split(".")):
+        return Problem(problem.path, problem.message, problem.fix, f"smoke overlay in {file}")
+    return Problem(problem.path, problem.message, problem.fix, file)
+
+
+def _has_path(tree: Any, parts: list[str]) -> bool:
+    for part in parts:
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return bool(parts)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that holds the field at ``loc`` (following nested sections)."""
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        inner = _section_type(info.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
+    loc = tuple(err["loc"])
+    path = _dotted(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        name = str(loc[-1])
+        known = sorted(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        if close:
+            return Problem(path, f"unknown key '{name}'. Did you mean '{close[0]}'?", f"rename it to '{close[0]}'")
+        return Problem(path, f"unknown key '{name}'", f"remove it; known keys here: {', '.join(known)}")
+    if kind == "missing":
+        parent = _model_at(loc[:-1])
+        info = parent.model_fields.get(str(loc[-1])) if parent else None
+        description = f" ({info.description})" if info and info.description else ""
+        return Problem(path, f"required key is missing{description}", f"add {loc[-1]}: <value>")
+    given = err.get("input")
+    shown = repr(given)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    parent = _model_at(loc[:-1])
+    info = parent.model_fields.get(str(loc[-1])) if parent and loc else None
+    expected = _describe_type(info.annotation) if info else ""
+    fix = f"write {expected}" if expected else "correct the value"
+    message = err["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return Problem(path, f"{message} (got {shown})", fix)
+
+
+def _describe_type(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    text = text.replace("typing.", "")
+    if "Literal" in str(annotation):
+        options = [a for a in typing.get_args(annotation) if not isinstance(a, type)]
+        if options:
+            return "one of " + ", ".join(repr(o) for o in options)
+    return f"a value of type {text}"

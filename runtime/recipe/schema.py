@@ -1,0 +1,489 @@
+"""The recipe schema: every knob of a run, typed, with a default, a unit in its name and a docstring.
+
+This module is shared by the login-node launcher and by the runtime inside the allocation, so it
+imports nothing heavier than pydantic. Field-level checks live here; checks that relate several
+fields live in :mod:`runtime.recipe.checks` so that their messages can name both fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.recipe.units import ByteSize
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# job: the Slurm side
+# ----------------------------------------------------------------------------------------------
+
+
+class ComponentResources(Section):
+    """Resources of one het group (one component) of the Slurm job."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes for this component."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs requested per node (gres gpu)."""
+    tasks_per_node: int = Field(1, ge=1)
+    """Tasks (processes) per node; the trainer runs one rank per task."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores per task."""
+    mem_gib: int | None = Field(None, ge=1)
+    """Memory per node in GiB (``--mem``); null lets the site default apply."""
+    exclusive: bool = False
+    """Request whole nodes (``--exclusive``)."""
+    constraint: str | None = None
+    """Slurm ``--constraint`` feature expression."""
+    extra_sbatch: dict[str, str] = Field(default_factory=dict)
+    """Further ``#SBATCH --key=value`` lines for this component only."""
+    srun_args: list[str] = Field(default_factory=list)
+    """Extra arguments for this component's ``srun`` line."""
+
+
+class JobSection(Section):
+    """Slurm job settings shared by both components."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Job name; also the default Mooncake store id and the run folder name."""
+    partition: str | None = None
+    """Slurm partition; null uses the cluster default."""
+    account: str | None = None
+    """Slurm account; null uses the user's default. Never put credentials here."""
+    qos: str | None = None
+    """Slurm quality of service."""
+    time_limit_min: int = Field(60, ge=1)
+    """Wall-clock limit of the whole job in minutes."""
+    signal_delay_s: int = Field(120, ge=10)
+    """Seconds before the time limit at which Slurm sends USR2 so the job can requeue itself."""
+    max_requeues: int = Field(3, ge=0)
+    """How many time-outs or preemptions may requeue the job before it gives up."""
+    runs_dir: str = "runs"
+    """Folder (relative to the repository unless absolute) holding one folder per submitted job."""
+    python: str = "python3"
+    """Python interpreter used inside the allocation."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before each component starts (module loads, venv or conda activation)."""
+    container_image: str | None = None
+    """Container image for pyxis/enroot (``srun --container-image``); null runs on the host."""
+    container_mounts: list[str] = Field(default_factory=list)
+    """``--container-mounts`` entries, ``src:dst`` each."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for both components (never credentials: those come from the
+    submitting shell's environment)."""
+    master_port: int = Field(29500, ge=1024, le=65535)
+    """TCP port of the trainer's torch.distributed rendezvous on its first node."""
+    capture: ComponentResources = Field(
+        default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32)
+    )
+    """Het group 0: Mooncake master, capture engine and producer."""
+    trainer: ComponentResources = Field(
+        default_factory=lambda: ComponentResources(gpus_per_node=4, tasks_per_node=4, cpus_per_task=16)
+    )
+    """Het group 1: the FSDP2 trainer ranks."""
+
+
+# ----------------------------------------------------------------------------------------------
+# capture
+# ----------------------------------------------------------------------------------------------
+
+
+class SpecialTokens(Section):
+    """Special token ids of the target tokenizer."""
+
+    bos_id: int | None = Field(None, ge=0)
+    """Beginning-of-sequence token id."""
+    eos_id: int | None = Field(None, ge=0)
+    """End-of-sequence token id."""
+    pad_id: int = Field(0, ge=0)
+    """Padding token id (used only inside padded engine batches, never stored)."""
+
+
+class SGLangSettings(Section):
+    """Settings of the patched SGLang server used by ``capture.engine: sglang``."""
+
+    patch_target: str = "kimi_k3_dspark_sglang_0.5.23"
+    """Name (or alias) of the patch target in ``patches/sglang/MANIFEST.yaml``."""
+    host: str = "127.0.0.1"
+    """Address the server listens on; the producer runs on the same node."""
+    port: int = Field(30000, ge=1024, le=65535)
+    """HTTP port of the server."""
+    tp_size: int = Field(8, ge=1)
+    """Tensor parallel degree."""
+    mem_fraction_static: float = Field(0.76, gt=0, lt=1)
+    """Fraction of GPU memory for weights and KV cache."""
+    context_length: int = Field(66048, ge=1)
+    """Maximum context length the server accepts."""
+    max_running_requests: int = Field(1, ge=1)
+    """Concurrent requests in the server."""
+    max_total_tokens: int = Field(66048, ge=1)
+    """Token capacity of the KV pool."""
+    attention_backend: str = "trtllm_mla"
+    """SGLang ``--attention-backend``."""
+    moe_runner_backend: str = "marlin"
+    """SGLang ``--moe-runner-backend``."""
+    mamba_scheduler_strategy: str = "extra_buffer"
+    """Mamba/linear-attention radix cache strategy."""
+    max_mamba_cache_size: int = Field(5, ge=1)
+    """Mamba state cache slots."""
+    disable_cuda_graph: bool = True
+    """CUDA graphs off (prefill-only capture gains nothing from them)."""
+    chunked_prefill_size: int = -1
+    """Chunked prefill size; -1 turns chunking off so a sample is one prefill."""
+    skip_tokenizer_init: bool = True
+    """The producer sends token ids; the server needs no tokenizer."""
+    trust_remote_code: bool = True
+    """Allow the model's own code from the checkpoint folder."""
+    health_timeout_s: float = Field(3600.0, gt=0)
+    """How long to wait for the server to become healthy (loading 1.5 TB takes a while)."""
+    request_timeout_s: float = Field(900.0, gt=0)
+    """Timeout of one capture request."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further ``sglang.launch_server`` arguments, verbatim."""
+
+
+class CaptureSection(Section):
+    """The capture component: target model, engine and producer."""
+
+    engine: Literal["sglang", "embedded"] = "embedded"
+    """``sglang``: patched SGLang server (production); ``embedded``: in-process transformers."""
+    target_path: str
+    """Local folder of the target checkpoint (Hugging Face layout)."""
+    target_revision: str | None = None
+    """Revision (commit) of the target checkpoint, recorded in every sample's meta."""
+    num_target_layers: int = Field(..., ge=2)
+    """Decoder layers of the target."""
+    hidden_size: int = Field(..., ge=1)
+    """Hidden size H of the target."""
+    vocab_size: int = Field(..., ge=2)
+    """Vocabulary size of the target (and of the draft's frozen embedding / lm_head)."""
+    aux_layer_ids: list[int] = Field(..., min_length=1)
+    """Decoder layers whose outputs feed the draft, in concatenation order. Layer id i is
+    HF ``hidden_states[i + 1]``; the last decoder layer is not allowed."""
+    special_tokens: SpecialTokens = Field(default_factory=SpecialTokens)
+    """Special token ids of the target tokenizer."""
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the embedded engine's forward (float32 gives exact CPU tests)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the embedded engine runs; auto picks CUDA when present."""
+    batch_size: int = Field(1, ge=1)
+    """Samples per embedded-engine forward (padded with attention masks, never mixed)."""
+    engines_per_node: int | None = Field(None, ge=1)
+    """Data-parallel embedded engines on the capture node; null: one per GPU, or one on CPU."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel degree of the embedded engine for MoE targets."""
+    moe_exchange: Literal["nccl", "deepep", "mooncake"] = "nccl"
+    """MoE dispatch/combine backend when ``expert_parallel > 1``."""
+    owns_master: bool = True
+    """The capture component starts the Mooncake master on its node."""
+    progress_interval_s: float = Field(30.0, gt=0)
+    """Seconds between producer progress lines in a non-TTY log."""
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    """Server settings for ``engine: sglang``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# transport
+# ----------------------------------------------------------------------------------------------
+
+
+class TransportSection(Section):
+    """Mooncake store, master and the producer window (DESIGN section 3)."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Mooncake transfer protocol."""
+    rdma_devices: list[str] = Field(default_factory=list)
+    """RDMA device names (``mlx5_0`` ...) for ``protocol: rdma``."""
+    bind_address: str = "auto"
+    """Address every Mooncake client and the master bind to: ``auto`` is the node's routable
+    address (its Slurm node name resolved), loopback in ``--local`` mode; or an explicit IP."""
+    master_rpc_port: int = Field(50051, ge=1024, le=65535)
+    """RPC port of ``mooncake_master`` on the capture node."""
+    metadata_http_port: int = Field(8080, ge=1024, le=65535)
+    """Port of the master's built-in HTTP metadata server."""
+    metrics_port: int = Field(9003, ge=1024, le=65535)
+    """Prometheus metrics port of the master."""
+    global_segment_bytes: ByteSize = 2 * 2**30
+    """Memory the capture node contributes to the store."""
+    local_buffer_bytes: ByteSize = 256 * 2**20
+    """Registered local buffer of each client (staging for put/get)."""
+    store_cap_bytes: ByteSize = 1 * 2**30
+    """Bytes the store may hold before the master evicts: the master's eviction high-watermark
+    ratio is ``store_cap_bytes / global_segment_bytes``."""
+    kv_lease_ttl_s: int = Field(300, ge=1)
+    """Master ``--default_kv_lease_ttl``: covers a multi-GiB object in flight."""
+    transfer_timeout_s: int = Field(300, ge=1)
+    """Clients' ``MC_TRANSFER_TIMEOUT``."""
+    high_watermark_samples: int = Field(..., ge=1)
+    """The producer pauses when this many samples are resident."""
+    low_watermark_samples: int = Field(..., ge=1)
+    """The producer resumes when resident samples drop below this."""
+    high_watermark_bytes: ByteSize
+    """The producer pauses when resident bytes reach this."""
+    low_watermark_bytes: ByteSize
+    """The producer resumes when resident bytes drop below this."""
+    idle_timeout_s: float = Field(1800.0, gt=0)
+    """A trainer rank waiting this long for one sample fails, naming the sample and the
+    producer's last heartbeat age."""
+    heartbeat_interval_s: float = Field(10.0, gt=0)
+    """Seconds between producer heartbeats."""
+    store_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Key prefix of this run in the store; null uses ``job.name``."""
+    max_retries: int = Field(5, ge=0)
+    """Retries of a transient put/get failure."""
+    retry_backoff_s: float = Field(0.5, gt=0)
+    """First retry delay; doubles on each retry."""
+
+
+# ----------------------------------------------------------------------------------------------
+# trainer
+# ----------------------------------------------------------------------------------------------
+
+
+class RopeScaling(Section):
+    """RoPE scaling of the draft (YaRN for K3)."""
+
+    type: Literal["yarn", "linear", "dynamic"] = "yarn"
+    """Scaling type."""
+    factor: float = Field(1.0, ge=1.0)
+    """Context extension factor."""
+    original_max_position_embeddings: int = Field(4096, ge=1)
+    """Positions the base RoPE was trained for."""
+    beta_fast: float = 32.0
+    """YaRN high-frequency boundary (rotations)."""
+    beta_slow: float = 1.0
+    """YaRN low-frequency boundary (rotations)."""
+
+
+class DraftConfig(Section):
+    """The DSpark draft: Qwen3-style decoder layers plus Markov and confidence heads."""
+
+    num_layers: int = Field(..., ge=1)
+    """Draft decoder layers."""
+    hidden_size: int = Field(..., ge=1)
+    """Draft hidden size (equal to the target's: the frozen embedding and lm_head are shared)."""
+    num_attention_heads: int = Field(..., ge=1)
+    """Query heads."""
+    num_key_value_heads: int = Field(..., ge=1)
+    """Key/value heads (GQA)."""
+    head_dim: int = Field(..., ge=1)
+    """Dimension of one head."""
+    intermediate_size: int = Field(..., ge=1)
+    """MLP intermediate size (SiLU gated)."""
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    """RMSNorm epsilon."""
+    attention_bias: bool = False
+    """Bias on the q/k/v/o projections."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling; null for plain RoPE."""
+    max_position_embeddings: int = Field(..., ge=1)
+    """Longest position the draft supports."""
+    block_size: int = Field(7, ge=2)
+    """Slots per block: slot 0 is the anchor token, the rest are mask tokens."""
+    mask_token_id: int = Field(..., ge=0)
+    """Token id embedded in slots 1..block_size-1."""
+    markov_rank: int = Field(256, ge=1)
+    """Rank r of the Markov head."""
+    markov_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    """Markov head variant."""
+    confidence_head: bool = True
+    """Train the confidence head."""
+    confidence_uses_markov_embedding: bool = True
+    """Feed the confidence head ``[post-norm hidden; W1[prev token]]``."""
+
+
+class OptimizerConfig(Section):
+    """AdamW over fp32 master weights."""
+
+    lr: float = Field(..., gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient-norm clipping threshold."""
+
+
+class ScheduleConfig(Section):
+    """Learning-rate schedule."""
+
+    type: Literal["constant", "constant_with_warmup", "linear", "cosine", "wsd"] = "constant"
+    """Schedule shape; resuming with another type is an error."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 (ignored by ``constant``)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of cosine / linear / wsd decay as a fraction of the peak."""
+    decay_steps: int | None = Field(None, ge=1)
+    """Steps of the final decay for ``wsd``; null: 10% of the run."""
+    total_steps: int | None = Field(None, ge=1)
+    """Steps the decay spans; null derives it from epochs, data rows and the global batch."""
+
+
+class LossConfig(Section):
+    """DSpark loss (DESIGN section 5)."""
+
+    ce_weight: float = Field(0.1, ge=0)
+    """Weight of the cross-entropy term."""
+    l1_weight: float = Field(0.9, ge=0)
+    """Weight of the full L1 distance between draft and target distributions."""
+    confidence_weight: float = Field(1.0, ge=0)
+    """Weight of the confidence BCE term."""
+    num_anchors: int = Field(512, ge=1)
+    """Anchors (blocks) sampled per sequence."""
+    loss_decay_gamma: float = Field(4.0, gt=0)
+    """Slot weight ``exp(-k / gamma)``."""
+    objective_chunk_blocks: int = Field(128, ge=1)
+    """Blocks per chunk of the vocabulary-sized terms."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints (DESIGN section 6)."""
+
+    every_steps: int = Field(8, ge=1)
+    """Save every this many optimizer steps (and at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Complete checkpoints kept; older ones are removed."""
+    dir: str | None = None
+    """Checkpoint folder; null: ``checkpoints/`` inside the job folder."""
+    resume_from: str | None = None
+    """Full resume: a checkpoint path or ``auto`` (the newest in ``dir``)."""
+    init_from: str | None = None
+    """Weights-only warm start from a checkpoint path (optimizer, schedule, counters, RNG fresh)."""
+    export_safetensors: bool = True
+    """Also export the final draft as safetensors + config for SGLang's DSpark loader."""
+
+
+class MetricsConfig(Section):
+    """Where metrics go besides ``metrics.jsonl``."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into the job folder."""
+    wandb_project: str | None = None
+    """Weights & Biases project; the key comes from ``WANDB_API_KEY`` in the environment only."""
+    wandb_entity: str | None = None
+    """Weights & Biases entity."""
+
+
+class TrainerSection(Section):
+    """The DSpark trainer."""
+
+    seed: int = 0
+    """Seed of model init, anchors and every other trainer RNG."""
+    prompt_seed: int | None = None
+    """Seed of the prompt order alone (DESIGN section 3); null uses ``seed``."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples per rank per micro-step."""
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-steps per optimizer step."""
+    global_batch_size: int = Field(..., ge=1)
+    """Samples per optimizer step: must equal micro_batch x accumulation x trainer ranks."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the prompt set."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (null: run all epochs)."""
+    log_every_steps: int = Field(10, ge=1)
+    """Progress line every this many steps."""
+    max_consecutive_skips: int = Field(3, ge=1)
+    """Non-finite updates skipped in a row before the run aborts."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Trainer device; auto picks CUDA when present."""
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of the draft under FSDP2 (master weights stay fp32)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Gradient reduction dtype."""
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    """auto: flex_attention with a block mask on GPU, SDPA with an explicit mask on CPU."""
+    embed_tensor_name: str = "model.embed_tokens.weight"
+    """Name of the frozen token embedding in the target checkpoint."""
+    lm_head_tensor_name: str = "lm_head.weight"
+    """Name of the frozen lm_head in the target checkpoint."""
+    draft: DraftConfig
+    """Draft architecture."""
+    optimizer: OptimizerConfig
+    """Optimizer."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """Loss weights and sampling."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Metrics sinks."""
+
+    @property
+    def effective_prompt_seed(self) -> int:
+        """``prompt_seed``, or ``seed`` when it is not set."""
+        return self.seed if self.prompt_seed is None else self.prompt_seed
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------
+
+
+class DataSection(Section):
+    """The pre-tokenized training data."""
+
+    train_path: str
+    """Pre-tokenized JSONL (``{id, input_ids, loss_mask}`` per line), relative to the repository
+    unless absolute."""
+    expected_sha256: str = Field(..., pattern=r"^([0-9a-f]{64}|manifest)$")
+    """SHA-256 of ``train_path``; the launcher refuses to submit on a mismatch. ``manifest`` takes
+    the SHA-256 recorded in the manifest that ``tools/prepare_data`` wrote beside the file."""
+    num_rows: int | None = Field(None, ge=1)
+    """Expected row count (checked by ``tools/verify_data``)."""
+    max_length: int = Field(..., ge=2)
+    """Longest sequence in tokens (rows were truncated to it)."""
+    chat_path: str | None = None
+    """Source chat JSONL that ``tools/prepare_data`` tokenizes into ``train_path``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the recipe
+# ----------------------------------------------------------------------------------------------
+
+
+class Recipe(Section):
+    """One training run. The resolved form of this is the only thing the runtime reads."""
+
+    description: str = ""
+    """Free text: what this run is for."""
+    job: JobSection
+    """Slurm job."""
+    capture: CaptureSection
+    """Capture component."""
+    transport: TransportSection
+    """Mooncake transport and flow control."""
+    trainer: TrainerSection
+    """Trainer component."""
+    data: DataSection
+    """Training data."""
+    smoke: dict[str, Any] = Field(default_factory=dict)
+    """Overlay applied by ``--smoke``: same structure as the recipe, deep-merged over it."""
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks: nodes x tasks per node of the trainer het group."""
+        return self.job.trainer.nodes * self.job.trainer.tasks_per_node
+
+    @property
+    def store_id(self) -> str:
+        """Key prefix of this run in Mooncake."""
+        return self.transport.store_id or self.job.name
+
+    @property
+    def num_aux_layers(self) -> int:
+        """Number of captured auxiliary layers."""
+        return len(self.capture.aux_layer_ids)

@@ -1,0 +1,1 @@
+"""Mooncake data plane: master lifecycle, store client, sample keys, cursor, watermarks."""

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a ratio against a baseline timed in the same run."""
