@@ -69,8 +69,7 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
         out.append(
             Problem(
                 "transport.low_watermark_samples",
-                f"is {tr.low_watermark_samples}, above transport.high_watermark_samples "
-                f"{tr.high_watermark_samples}",
+                f"is {tr.low_watermark_samples}, above transport.high_watermark_samples {tr.high_watermark_samples}",
                 "make the low watermark <= the high watermark",
             )
         )
@@ -168,9 +167,7 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
             )
     duplicates = sorted({x for x in c.aux_layer_ids if c.aux_layer_ids.count(x) > 1})
     if duplicates:
-        out.append(
-            Problem("capture.aux_layer_ids", f"repeats layer ids {duplicates}", "list each layer once")
-        )
+        out.append(Problem("capture.aux_layer_ids", f"repeats layer ids {duplicates}", "list each layer once"))
     if c.engine == "sglang":
         gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
         if c.sglang.tp_size > gpus:
@@ -237,8 +234,7 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
         out.append(
             Problem(
                 "trainer.draft.mask_token_id",
-                f"is {d.mask_token_id}, outside the vocabulary (capture.vocab_size "
-                f"{recipe.capture.vocab_size})",
+                f"is {d.mask_token_id}, outside the vocabulary (capture.vocab_size {recipe.capture.vocab_size})",
                 f"use an id below {recipe.capture.vocab_size}",
             )
         )
@@ -246,8 +242,7 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
         out.append(
             Problem(
                 "data.max_length",
-                f"is {recipe.data.max_length}, above trainer.draft.max_position_embeddings "
-                f"{d.max_position_embeddings}",
+                f"is {recipe.data.max_length}, above trainer.draft.max_position_embeddings {d.max_position_embeddings}",
                 "raise the draft's max positions or lower data.max_length",
             )
         )

@@ -114,7 +114,11 @@ def load_recipe(
         if not smoke_overlay:
             raise RecipeError(
                 name,
-                [Problem("smoke", "--smoke was given but the recipe has no smoke overlay", "add a smoke: section", name)],
+                [
+                    Problem(
+                        "smoke", "--smoke was given but the recipe has no smoke overlay", "add a smoke: section", name
+                    )
+                ],
             )
         document = deep_merge(raw, smoke_overlay)
     else:
@@ -131,8 +135,7 @@ def load_recipe(
         smoke_doc = deep_merge(raw, smoke_overlay)
         smoke_recipe = _validate(smoke_doc, name, {}, smoke_overlay, prefix="smoke.")
         problems += [
-            Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}")
-            for p in check_recipe(smoke_recipe)
+            Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}") for p in check_recipe(smoke_recipe)
         ]
     if problems:
         raise RecipeError(name, [_with_source(p, name, origins, smoke_overlay if smoke else {}) for p in problems])
@@ -166,7 +169,9 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as exc:
-        raise RecipeError(file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]) from exc
+        raise RecipeError(
+            file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]
+        ) from exc
     node: Any = document
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part) if isinstance(node, dict) else None
@@ -193,7 +198,7 @@ def write_resolved(loaded: LoadedRecipe, job_dir: Path, repo_root: Path) -> Path
         "smoke": loaded.smoke,
         "overrides": loaded.overrides,
         "repo_root": str(repo_root),
-        "resolved_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "resolved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "recipe": loaded.recipe.model_dump(mode="json"),
     }
     target = job_dir / RESOLVED_FILENAME
@@ -212,7 +217,9 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
             "(python -m launcher RECIPE, or python -m launcher resolve RECIPE --job-dir DIR)"
         ) from None
     except json.JSONDecodeError as exc:
-        raise RecipeError(str(path), [Problem("", f"not valid JSON: {exc}", "re-resolve the recipe with the launcher")]) from exc
+        raise RecipeError(
+            str(path), [Problem("", f"not valid JSON: {exc}", "re-resolve the recipe with the launcher")]
+        ) from exc
     if payload.get("format") != RESOLVED_FORMAT:
         raise RecipeError(
             str(path),
@@ -265,9 +272,13 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")]) from exc
+        raise RecipeError(
+            name, [Problem("", f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")]
+        ) from exc
     if not isinstance(data, dict):
-        raise RecipeError(name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")])
+        raise RecipeError(
+            name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")]
+        )
     return data
 
 

@@ -80,9 +80,7 @@ class JobSection(Section):
     submitting shell's environment)."""
     master_port: int = Field(29500, ge=1024, le=65535)
     """TCP port of the trainer's torch.distributed rendezvous on its first node."""
-    capture: ComponentResources = Field(
-        default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32)
-    )
+    capture: ComponentResources = Field(default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32))
     """Het group 0: Mooncake master, capture engine and producer."""
     trainer: ComponentResources = Field(
         default_factory=lambda: ComponentResources(gpus_per_node=4, tasks_per_node=4, cpus_per_task=16)
@@ -169,6 +167,11 @@ class CaptureSection(Section):
     HF ``hidden_states[i + 1]``; the last decoder layer is not allowed."""
     special_tokens: SpecialTokens = Field(default_factory=SpecialTokens)
     """Special token ids of the target tokenizer."""
+    target_weight_bytes: ByteSize | None = None
+    """Size of the target's weights as served (K3 in MXFP4: about 1.56 TB); the plan checks it
+    against the capture node's accelerator memory. Null skips that check."""
+    target_active_params: float | None = Field(None, gt=0)
+    """Parameters active per token (for the plan's capture throughput model); null skips it."""
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the embedded engine's forward (float32 gives exact CPU tests)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -451,6 +454,33 @@ class DataSection(Section):
 
 
 # ----------------------------------------------------------------------------------------------
+# plan: hardware assumptions of the launcher's --plan (nothing at run time reads these)
+# ----------------------------------------------------------------------------------------------
+
+
+class PlanSection(Section):
+    """Hardware assumptions behind ``--plan``'s memory and throughput model. Stated, not measured
+    at plan time: change them to your site's numbers."""
+
+    accelerator: str = "H200"
+    """Name of the accelerator, for the report."""
+    accelerator_memory_bytes: ByteSize = 141 * 10**9
+    """Memory of one accelerator (H200: 141 GB)."""
+    accelerator_peak_tflops: float = Field(795.0, gt=0)
+    """Dense bf16 matmul rate of one accelerator (795 TFLOP/s measured on our H200)."""
+    capture_efficiency: float = Field(0.35, gt=0, le=1)
+    """Fraction of the peak a long prefill of the target reaches."""
+    train_mfu: float = Field(0.45, gt=0, le=1)
+    """Model FLOP utilisation the trainer reaches."""
+    link_gbps: float = Field(100.0, gt=0)
+    """Capture-to-trainer network speed in Gbit/s."""
+    link_efficiency: float = Field(0.7, gt=0, le=1)
+    """Fraction of the link a Mooncake transfer reaches."""
+    capture_host_memory_bytes: ByteSize = 2 * 2**40
+    """Host memory of the capture node (holds the Mooncake segment and any offloaded experts)."""
+
+
+# ----------------------------------------------------------------------------------------------
 # the recipe
 # ----------------------------------------------------------------------------------------------
 
@@ -470,6 +500,8 @@ class Recipe(Section):
     """Trainer component."""
     data: DataSection
     """Training data."""
+    plan: PlanSection = Field(default_factory=PlanSection)
+    """Hardware assumptions of ``--plan``."""
     smoke: dict[str, Any] = Field(default_factory=dict)
     """Overlay applied by ``--smoke``: same structure as the recipe, deep-merged over it."""
 

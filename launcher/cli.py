@@ -1,0 +1,315 @@
+"""Command line of the launcher.
+
+    python -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--set k=v ...]
+    python -m launcher status JOB
+    python -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
+    python -m launcher cancel JOB
+    python -m launcher render [RECIPE ...] [--check]
+    python -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
+
+RECIPE is a name in recipes/ (``tiny``) or a path. JOB is a job id or a job folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from launcher import control, jobs
+from launcher.environment import COMPONENTS
+from launcher.plan import make_plan
+from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
+from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
+from runtime.recipe.loader import atomic_write_text, find_recipe_file
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+SUBCOMMANDS = ("status", "logs", "cancel", "render", "resolve")
+
+
+class LaunchError(RuntimeError):
+    """A refusal to submit, with the reason and the fix in its message."""
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def load(recipe: str, overrides: list[str], smoke: bool) -> LoadedRecipe:
+    """Find and load a recipe by name or path."""
+    path = find_recipe_file(recipe, RECIPES_DIR)
+    return load_recipe(path, overrides=overrides, smoke=smoke, display_name=_display_path(path))
+
+
+def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe name in recipes/ (e.g. tiny) or a path to a YAML file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any recipe field, e.g. --set trainer.optimizer.lr=1e-4 (repeatable)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="apply the recipe's smoke overlay")
+
+
+def _submit_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher",
+        description="Submit a DSpark recipe as one heterogeneous Slurm job (capture + trainer).",
+        epilog="Other commands: status JOB | logs JOB | cancel JOB | render [RECIPE...] | resolve RECIPE",
+    )
+    _add_recipe_arguments(parser)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the exact script and command; submit nothing")
+    mode.add_argument("--plan", action="store_true", help="print the resource and throughput plan and exit")
+    mode.add_argument("--local", action="store_true", help="run both components on this machine, loopback only")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run the environment-contract probe in each component instead of the runtime",
+    )
+    parser.add_argument("--allow-blockers", action="store_true", help="submit even though the plan reports blockers")
+    return parser
+
+
+def _check_environment_references(loaded: LoadedRecipe) -> None:
+    missing = {name: fields for name, fields in environment_references(loaded.recipe).items() if name not in os.environ}
+    if missing:
+        lines = [
+            f"  - ${{{name}}} (used by {', '.join(sorted(set(fields)))})" for name, fields in sorted(missing.items())
+        ]
+        raise LaunchError(
+            f"recipe {loaded.source} reads these environment variables, which are not set:\n"
+            + "\n".join(lines)
+            + "\n  fix: export them (site paths; see RUNBOOK.md, 'Site settings') and submit again"
+        )
+
+
+def _preflight(loaded: LoadedRecipe, allow_blockers: bool) -> None:
+    _check_environment_references(loaded)
+    blockers = make_plan(loaded.recipe).blockers
+    if blockers and not allow_blockers:
+        text = "\n".join(f"  - {b.message}" + "".join(f"\n      option: {o}" for o in b.options) for b in blockers)
+        raise LaunchError(
+            f"the plan for {loaded.source} has blockers:\n{text}\n"
+            f"  fix: change the recipe (see `python -m launcher {loaded.recipe.job.name} --plan`), or pass "
+            "--allow-blockers to submit anyway"
+        )
+
+
+def _runs_dir(loaded: LoadedRecipe) -> Path:
+    return jobs.runs_root(REPO_ROOT, loaded.recipe.job.runs_dir)
+
+
+def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, probe: bool) -> jobs.JobRecord:
+    return jobs.JobRecord(
+        job_id=job_id,
+        mode=mode,
+        name=loaded.recipe.job.name,
+        job_dir=str(job_dir),
+        recipe_source=loaded.source,
+        recipe_digest=loaded.digest,
+        smoke=loaded.smoke,
+        probe=probe,
+        components=jobs.components_of(loaded),
+    )
+
+
+def submit(args: argparse.Namespace) -> int:
+    """Default command: plan, dry-run, local run or Slurm submission of a recipe."""
+    loaded = load(args.recipe, args.overrides, args.smoke)
+    if args.plan:
+        print(make_plan(loaded.recipe).render())
+        return 0
+    if args.dry_run:
+        planned = jobs.runs_root(REPO_ROOT, loaded.recipe.job.runs_dir) / loaded.recipe.job.name / "<stamp>"
+        options = RenderOptions(
+            recipe_file=loaded.source,
+            job_dir=str(planned),
+            smoke=loaded.smoke,
+            probe=args.probe,
+            repo_dir=str(REPO_ROOT),
+        )
+        print(render_script(loaded.recipe, options), end="")
+        print(f"# command: sbatch {planned}/submission.sh   (dry run: nothing was submitted)")
+        blockers = make_plan(loaded.recipe).blockers
+        for finding in blockers:
+            print(f"# plan blocker: {finding.message}")
+        return 0
+    if args.local:
+        return run_local(loaded, args.probe)
+    _preflight(loaded, args.allow_blockers)
+    return submit_slurm(loaded, args.probe)
+
+
+def run_local(loaded: LoadedRecipe, probe: bool) -> int:
+    """Run both components on this machine and print where the results are."""
+    from launcher.local import LocalRun
+    from runtime.recipe import load_resolved
+
+    _check_environment_references(loaded)
+    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
+    resolved_path = write_resolved(loaded, job_dir, REPO_ROOT)
+    job_id = f"local-{job_dir.name}"
+    record = _record_for(loaded, job_dir, job_id, "local", probe)
+    record.supervisor_pid = os.getpid()
+    jobs.write_record(record, _runs_dir(loaded))
+    print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
+    code = LocalRun(load_resolved(resolved_path), record, probe).run()
+    print(control.job_report(record).render())
+    _print_outputs(job_dir)
+    return code
+
+
+def _print_outputs(job_dir: Path) -> None:
+    outputs = [
+        ("checkpoints", job_dir / "checkpoints"),
+        ("metrics", job_dir / "metrics.jsonl"),
+        ("plots", job_dir / "plots"),
+        ("logs", job_dir / "logs"),
+    ]
+    for label, path in outputs:
+        if path.exists():
+            print(f"  {label:<12} {_display_path(path)}")
+
+
+def submit_slurm(loaded: LoadedRecipe, probe: bool) -> int:
+    """Submit the hetjob through submitit and record it."""
+    from launcher.hetjob import ComponentJob, HetJobExecutor
+
+    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
+    write_resolved(loaded, job_dir, REPO_ROOT)
+    options = RenderOptions(
+        recipe_file=loaded.source, job_dir=str(job_dir), smoke=loaded.smoke, probe=probe, repo_dir=str(REPO_ROOT)
+    )
+    script = render_script(loaded.recipe, options)
+    components = jobs.components_of(loaded)
+    executor = HetJobExecutor(
+        job_dir,
+        script,
+        trainer_world_size=components["trainer"],
+        capture_tasks=components["capture"],
+        time_limit_min=loaded.recipe.job.time_limit_min,
+        max_requeues=loaded.recipe.job.max_requeues,
+    )
+    job = executor.submit(ComponentJob(str(job_dir), probe=probe))
+    atomic_write_text(job_dir / "submission.sh", script)
+    record = _record_for(loaded, job_dir, str(job.job_id), "slurm", probe)
+    jobs.write_record(record, _runs_dir(loaded))
+    print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer hetjob")
+    print(f"  folder  {_display_path(job_dir)}")
+    print(f"  status  python -m launcher status {job.job_id}")
+    print(f"  logs    python -m launcher logs {job.job_id} --follow")
+    print(f"  cancel  python -m launcher cancel {job.job_id}")
+    return 0
+
+
+def resolve(argv: list[str]) -> int:
+    """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
+    from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
+
+    parser = argparse.ArgumentParser(prog="python -m launcher resolve")
+    _add_recipe_arguments(parser)
+    parser.add_argument("--job-dir", required=True, type=Path)
+    parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
+    args = parser.parse_args(argv)
+    loaded = load(args.recipe, args.overrides, args.smoke)
+    job_dir = args.job_dir.resolve()
+    path = write_resolved(loaded, job_dir, REPO_ROOT)
+    print(f"resolved {loaded.source} -> {path} (digest {loaded.digest[:12]})")
+    if args.slurm_job_id:
+        components = jobs.components_of(loaded)
+        (job_dir / SUBMITIT_DIRNAME).mkdir(parents=True, exist_ok=True)
+        layout = f'{{"trainer_world_size": {components["trainer"]}, "capture_tasks": {components["capture"]}}}\n'
+        atomic_write_text(job_dir / SUBMITIT_DIRNAME / TASK_LAYOUT_FILENAME, layout)
+        write_submission(
+            job_dir,
+            args.slurm_job_id,
+            ComponentJob(str(job_dir)),
+            loaded.recipe.job.time_limit_min,
+            loaded.recipe.job.max_requeues,
+        )
+        record = _record_for(loaded, job_dir, args.slurm_job_id, "slurm", probe=False)
+        jobs.write_record(record, _runs_dir(loaded))
+    return 0
+
+
+def render(argv: list[str]) -> int:
+    """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
+    parser = argparse.ArgumentParser(prog="python -m launcher render")
+    parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
+    parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
+    parser.add_argument("--stdout", action="store_true", help="print instead of writing")
+    args = parser.parse_args(argv)
+    names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    stale = []
+    for name in names:
+        loaded = load(name, [], False)
+        text = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
+        target = sbatch_path(REPO_ROOT, loaded.recipe)
+        if args.stdout:
+            print(text, end="")
+        elif args.check:
+            if not target.exists() or target.read_text() != text:
+                stale.append(_display_path(target))
+        else:
+            target.parent.mkdir(exist_ok=True)
+            atomic_write_text(target, text)
+            print(f"wrote {_display_path(target)}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run `python -m launcher render`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def job_command(command: str, argv: list[str]) -> int:
+    """``status`` / ``logs`` / ``cancel``."""
+    parser = argparse.ArgumentParser(prog=f"python -m launcher {command}")
+    parser.add_argument("job", help="job id or job folder")
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=REPO_ROOT / "runs",
+        help="runs folder holding jobs/<id> links (default: runs/ in the repository)",
+    )
+    if command == "logs":
+        parser.add_argument("--component", choices=COMPONENTS)
+        parser.add_argument("--rank", type=int)
+        parser.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    args = parser.parse_args(argv)
+    record = jobs.find_record(args.job, args.runs_dir)
+    if command == "status":
+        report = control.job_report(record)
+        print(report.render())
+        return 1 if report.failed else 0
+    if command == "cancel":
+        print(control.cancel_job(record))
+        return 0
+    control.print_logs(record, args.component, args.rank, args.follow)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (2 for bad input, with one clear message)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            command, rest = argv[0], argv[1:]
+            if command == "render":
+                return render(rest)
+            if command == "resolve":
+                return resolve(rest)
+            return job_command(command, rest)
+        return submit(_submit_parser().parse_args(argv))
+    except (RecipeError, LaunchError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,76 @@
+"""Run one component task: its command, its environment, and a child process that is stopped cleanly.
+
+Shared by the Slurm worker (one per srun task) and the ``--local`` supervisor so that both start
+exactly the same command under the same environment contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from launcher.environment import TaskPlacement, component_environment
+from runtime.recipe import Recipe
+
+RUNTIME_MODULES = {"capture": "runtime.capture", "trainer": "runtime.trainer"}
+PROBE_MODULE = "runtime.probe"
+STOP_GRACE_S = 30.0
+"""Seconds a child gets between SIGTERM and SIGKILL."""
+
+
+def component_command(component: str, recipe_path: Path, probe: bool, python: str | None = None) -> list[str]:
+    """The command line of one component task."""
+    module = PROBE_MODULE if probe else RUNTIME_MODULES[component]
+    args = [python or sys.executable, "-u", "-m", module, "--recipe", str(recipe_path)]
+    if probe:
+        args += ["--component", component]
+    return args
+
+
+def start_component(
+    recipe: Recipe,
+    placement: TaskPlacement,
+    job_dir: Path,
+    recipe_path: Path,
+    base_env: Mapping[str, str],
+    probe: bool,
+    cwd: Path,
+    stdout: object = None,
+) -> subprocess.Popen[bytes]:
+    """Start one component task as a child in its own process group."""
+    env = component_environment(recipe, placement, job_dir, recipe_path, base_env)
+    command = component_command(placement.component, recipe_path, probe)
+    return subprocess.Popen(
+        command,
+        env=env,
+        cwd=str(cwd),
+        stdout=stdout,  # type: ignore[arg-type]
+        stderr=subprocess.STDOUT if stdout is not None else None,
+        start_new_session=True,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int | None:
+    """SIGTERM the child's process group, wait ``grace_s``, then SIGKILL it. Returns its exit code."""
+    if process.poll() is not None:
+        return process.returncode
+    signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return process.returncode
+        time.sleep(0.1)
+    signal_group(process, signal.SIGKILL)
+    return process.wait()
+
+
+def signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    """Send ``signum`` to the child's process group (it runs in its own session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)

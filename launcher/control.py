@@ -1,0 +1,237 @@
+"""``status``, ``logs`` and ``cancel`` for a job, Slurm or local."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from submitit.core import utils
+
+from launcher.hetjob import SUBMITIT_DIRNAME, task_index
+from launcher.jobs import JobRecord, read_local_status
+from launcher.slurm_state import ComponentState, fold_state, parse_sacct, query_sacct
+
+TERMINAL_JOB_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "STOPPED",
+    "LOST",
+}
+
+
+@dataclass
+class ComponentReport:
+    """One component's state for an operator."""
+
+    name: str
+    het_group: int
+    state: str
+    tasks: int
+    results: dict[int, str] = field(default_factory=dict)
+    """Rank -> ``success`` / ``error`` from the task result files."""
+    exit_code: str = ""
+    nodes: str = ""
+    elapsed: str = ""
+
+
+@dataclass
+class JobReport:
+    """A job's state: one line per component plus the folded job state."""
+
+    record: JobRecord
+    state: str
+    components: list[ComponentReport]
+    note: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """The job ended in anything but success."""
+        return self.state in TERMINAL_JOB_STATES and self.state != "COMPLETED"
+
+    def render(self) -> str:
+        """A small table for the terminal or a log."""
+        lines = [
+            f"job {self.record.job_id} ({self.record.mode}) '{self.record.name}': {self.state}",
+            f"  folder {self.record.job_dir}",
+            f"  {'component':<10} {'group':>5} {'state':<12} {'exit':<6} {'tasks ok':<9} {'elapsed':<10} nodes",
+        ]
+        for c in self.components:
+            ok = sum(1 for r in c.results.values() if r == "success")
+            lines.append(
+                f"  {c.name:<10} {c.het_group:>5} {c.state:<12} {c.exit_code or '-':<6} "
+                f"{ok}/{c.tasks:<7} {c.elapsed or '-':<10} {c.nodes or '-'}"
+            )
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+
+def _task_results(record: JobRecord, component: str, tasks: int) -> dict[int, str]:
+    folder = Path(record.job_dir) / SUBMITIT_DIRNAME
+    results: dict[int, str] = {}
+    for rank in range(tasks):
+        task = task_index(component, rank, record.trainer_world_size)
+        path = utils.JobPaths(folder, job_id=record.job_id, task_id=task).result_pickle
+        if path.exists():
+            try:
+                outcome, _ = utils.pickle_load(path)
+            except Exception:  # a result being written right now; report it next time
+                continue
+            results[rank] = str(outcome)
+    return results
+
+
+def job_report(record: JobRecord) -> JobReport:
+    """The current state of a job. Never waits on a job: one sacct call, with a timeout."""
+    if record.mode == "local":
+        return _local_report(record)
+    note = ""
+    try:
+        components = parse_sacct(query_sacct(record.job_id), record.job_id)
+    except RuntimeError as exc:
+        components, note = {}, str(exc)
+    reports = []
+    for group, (name, tasks) in enumerate(record.components.items()):
+        sacct: ComponentState | None = components.get(group)
+        results = _task_results(record, name, tasks)
+        state = sacct.state.split()[0] if sacct else "UNKNOWN"
+        if any(r == "error" for r in results.values()) and state in {"RUNNING", "COMPLETING", "UNKNOWN"}:
+            state = "FAILED"
+        reports.append(
+            ComponentReport(
+                name=name,
+                het_group=group,
+                state=state,
+                tasks=tasks,
+                results=results,
+                exit_code=sacct.exit_code if sacct else "",
+                nodes=sacct.nodes if sacct else "",
+                elapsed=sacct.elapsed if sacct else "",
+            )
+        )
+    if components:
+        state = fold_state(components)
+    elif not note:
+        state, note = "PENDING", "sacct does not list the job yet (it appears a few seconds after submission)"
+    else:
+        state = "UNKNOWN"
+    if any(r.state == "FAILED" for r in reports) and state not in TERMINAL_JOB_STATES:
+        state = "FAILED"
+    return JobReport(record=record, state=state, components=reports, note=note)
+
+
+def _local_report(record: JobRecord) -> JobReport:
+    status = read_local_status(Path(record.job_dir))
+    supervisor_alive = record.supervisor_pid is not None and _pid_alive(record.supervisor_pid)
+    reports = []
+    for group, (name, tasks) in enumerate(record.components.items()):
+        entry = status.get(name, {})
+        state = str(entry.get("state", "PENDING"))
+        if state == "RUNNING" and not supervisor_alive:
+            state = "LOST"
+        codes = entry.get("exit_codes", {}) or {}
+        results = {int(rank): ("success" if code == 0 else "error") for rank, code in dict(codes).items()}
+        exit_code = ",".join(sorted({str(c) for c in dict(codes).values()})) if codes else ""
+        reports.append(ComponentReport(name, group, state, tasks, results, exit_code, "localhost"))
+    states = {r.state for r in reports}
+    if "FAILED" in states or "LOST" in states:
+        state = "FAILED"
+    elif "CANCELLED" in states and "FAILED" not in states and not supervisor_alive:
+        state = "CANCELLED"
+    elif all(r.state in {"COMPLETED", "STOPPED"} for r in reports) and reports:
+        state = "COMPLETED"
+    elif "RUNNING" in states:
+        state = "RUNNING"
+    else:
+        state = "PENDING" if supervisor_alive else "UNKNOWN"
+    note = "" if supervisor_alive or state in TERMINAL_JOB_STATES else "the local supervisor is not running"
+    return JobReport(record=record, state=state, components=reports, note=note)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cancel_job(record: JobRecord) -> str:
+    """Cancel every component of the job; returns what was done."""
+    if record.mode == "local":
+        if record.supervisor_pid and _pid_alive(record.supervisor_pid):
+            os.kill(record.supervisor_pid, signal.SIGTERM)
+            return f"sent SIGTERM to the local supervisor (pid {record.supervisor_pid})"
+        return "the local run is not running"
+    # The leader id cancels all het components at once.
+    done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"scancel {record.job_id} failed: {done.stderr.strip()}")
+    return f"scancel {record.job_id}: both components cancelled"
+
+
+def log_files(record: JobRecord, component: str | None, rank: int | None) -> list[Path]:
+    """Log files of the selected components/ranks, in het group and rank order."""
+    files = []
+    for name, tasks in record.components.items():
+        if component and name != component:
+            continue
+        for r in range(tasks):
+            if rank is None or r == rank:
+                files.append(record.log_path(name, r))
+    return files
+
+
+def print_logs(
+    record: JobRecord, component: str | None, rank: int | None, follow: bool, poll_s: float = 1.0, out: object = None
+) -> None:
+    """Print the selected logs with a header per file; with ``follow``, keep printing new lines
+    until the job reaches a terminal state."""
+    stream = out or sys.stdout
+    files = log_files(record, component, rank)
+    offsets = {path: 0 for path in files}
+    headers_printed: set[Path] = set()
+
+    def drain() -> None:
+        for path in files:
+            if not path.exists():
+                continue
+            with path.open("rb") as handle:
+                handle.seek(offsets[path])
+                chunk = handle.read()
+            if not chunk:
+                continue
+            if path not in headers_printed:
+                print(f"==> {path} <==", file=stream)
+                headers_printed.add(path)
+            offsets[path] += len(chunk)
+            stream.write(chunk.decode(errors="replace"))  # type: ignore[attr-defined]
+        stream.flush()  # type: ignore[attr-defined]
+
+    drain()
+    if not follow:
+        missing = [p for p in files if not p.exists()]
+        if missing and len(missing) == len(files):
+            print(f"(no logs yet: {', '.join(str(p) for p in missing)})", file=stream)
+        return
+    while True:
+        state = job_report(record).state
+        drain()
+        if state in TERMINAL_JOB_STATES:
+            print(f"==> job {record.job_id} ended: {state} <==", file=stream)
+            return
+        time.sleep(poll_s)

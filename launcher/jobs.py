@@ -1,0 +1,139 @@
+"""Job folders and the job record: where a submitted (or local) job lives and how to find it again.
+
+Layout of one job folder (``{runs_dir}/{name}/{stamp}`` from the launcher, ``.../{job id}`` from a
+manual sbatch)::
+
+    recipe.resolved.json   the resolved recipe (the only thing the runtime reads)
+    job.json               this record: job id, mode, components, digest
+    submission.sh          the exact script that was submitted (Slurm mode)
+    submitit/              payload and per-task result pickles
+    logs/{job}_{component}_{rank}.out   one log per component task
+    local_status.json      component states of a --local run
+
+``{runs_dir}/jobs/{job id}`` links to the folder so that ``status JOB`` can find it by id.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from runtime.recipe import LoadedRecipe
+from runtime.recipe.loader import atomic_write_text
+
+JOB_RECORD_FILENAME = "job.json"
+LOCAL_STATUS_FILENAME = "local_status.json"
+INDEX_DIRNAME = "jobs"
+
+
+@dataclass
+class JobRecord:
+    """What ``status``, ``logs`` and ``cancel`` need to know about one job."""
+
+    job_id: str
+    mode: str
+    """``slurm`` or ``local``."""
+    name: str
+    job_dir: str
+    recipe_source: str
+    recipe_digest: str
+    smoke: bool
+    probe: bool
+    components: dict[str, int] = field(default_factory=dict)
+    """Component name -> number of tasks, in het group order."""
+    submitted_at: str = ""
+    supervisor_pid: int | None = None
+    """The ``--local`` supervisor process."""
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks."""
+        return self.components.get("trainer", 0)
+
+    def log_path(self, component: str, rank: int) -> Path:
+        """The log file of one component task."""
+        return Path(self.job_dir) / "logs" / f"{self.job_id}_{component}_{rank}.out"
+
+
+def utc_stamp() -> str:
+    """A sortable UTC timestamp for folder names."""
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def runs_root(repo_root: Path, runs_dir: str) -> Path:
+    """The runs folder: ``runs_dir`` relative to the repository unless absolute."""
+    path = Path(os.path.expanduser(runs_dir))
+    return path if path.is_absolute() else repo_root / path
+
+
+def new_job_dir(repo_root: Path, loaded: LoadedRecipe) -> Path:
+    """A fresh, unique job folder for a launcher submission (created)."""
+    base = runs_root(repo_root, loaded.recipe.job.runs_dir) / loaded.recipe.job.name
+    stamp = utc_stamp() + ("-smoke" if loaded.smoke else "")
+    candidate, counter = base / stamp, 1
+    while candidate.exists():
+        counter += 1
+        candidate = base / f"{stamp}-{counter}"
+    candidate.mkdir(parents=True)
+    (candidate / "logs").mkdir()
+    return candidate
+
+
+def components_of(loaded: LoadedRecipe) -> dict[str, int]:
+    """Tasks per component, in het group order."""
+    job = loaded.recipe.job
+    return {
+        "capture": job.capture.nodes * job.capture.tasks_per_node,
+        "trainer": job.trainer.nodes * job.trainer.tasks_per_node,
+    }
+
+
+def write_record(record: JobRecord, runs_dir: Path | None) -> Path:
+    """Write ``job.json`` atomically and link ``{runs_dir}/jobs/{job_id}`` to the folder."""
+    job_dir = Path(record.job_dir)
+    if not record.submitted_at:
+        record.submitted_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    target = job_dir / JOB_RECORD_FILENAME
+    atomic_write_text(target, json.dumps(asdict(record), indent=2) + "\n")
+    if runs_dir is not None:
+        index = runs_dir / INDEX_DIRNAME
+        index.mkdir(parents=True, exist_ok=True)
+        link = index / record.job_id
+        tmp_link = index / f".{record.job_id}.tmp{os.getpid()}"
+        if tmp_link.is_symlink():
+            tmp_link.unlink()
+        tmp_link.symlink_to(os.path.relpath(job_dir, index))
+        os.replace(tmp_link, link)
+    return target
+
+
+def find_record(job: str, runs_dir: Path) -> JobRecord:
+    """A job record from a job id (looked up in ``{runs_dir}/jobs``) or a job folder path."""
+    candidates = [Path(job), runs_dir / INDEX_DIRNAME / job]
+    for folder in candidates:
+        record_file = folder / JOB_RECORD_FILENAME
+        if record_file.exists():
+            data = json.loads(record_file.read_text())
+            return JobRecord(**data)
+    known = sorted(p.name for p in (runs_dir / INDEX_DIRNAME).glob("*")) if (runs_dir / INDEX_DIRNAME).exists() else []
+    listing = f" Known jobs: {', '.join(known[-10:])}" if known else ""
+    raise FileNotFoundError(
+        f"no job '{job}': neither a job folder with {JOB_RECORD_FILENAME} nor an id under "
+        f"{runs_dir / INDEX_DIRNAME}.{listing} (pass --runs-dir if the recipe uses another runs folder)"
+    )
+
+
+def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:
+    """Component states written by the ``--local`` supervisor (empty when absent)."""
+    path = job_dir / LOCAL_STATUS_FILENAME
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def write_local_status(job_dir: Path, status: dict[str, dict[str, object]]) -> None:
+    """Atomically record the ``--local`` component states."""
+    atomic_write_text(job_dir / LOCAL_STATUS_FILENAME, json.dumps(status, indent=2, sort_keys=True) + "\n")

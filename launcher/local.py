@@ -1,0 +1,160 @@
+"""``--local``: both components as process groups on this machine, same environment contract as
+Slurm, everything on loopback.
+
+The supervision rule is the batch script's: the trainer decides the outcome (when it ends, the
+capture component is stopped); a capture failure stops the trainer and fails the run.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from launcher.component import start_component, stop_process
+from launcher.environment import COMPONENTS, current_environment, local_placement
+from launcher.jobs import JobRecord, write_local_status
+from runtime.recipe import ResolvedRecipe
+
+POLL_INTERVAL_S = 0.5
+
+
+@dataclass
+class LocalTask:
+    """One running component task."""
+
+    component: str
+    rank: int
+    process: subprocess.Popen[bytes]
+    log: IO[bytes]
+    log_path: Path
+    echo_offset: int = 0
+
+
+class LocalRun:
+    """Starts, watches and stops the component tasks of one ``--local`` job."""
+
+    def __init__(self, resolved: ResolvedRecipe, record: JobRecord, probe: bool, echo: bool = True) -> None:
+        self.resolved = resolved
+        self.record = record
+        self.probe = probe
+        self.echo = echo
+        self.tasks: list[LocalTask] = []
+        self.status: dict[str, dict[str, object]] = {}
+        self._stop_requested = False
+
+    def _start(self) -> None:
+        base_env = current_environment()
+        for component in COMPONENTS:
+            world = self.record.components[component]
+            for rank in range(world):
+                log_path = self.record.log_path(component, rank)
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = log_path.open("ab")
+                process = start_component(
+                    self.resolved.recipe,
+                    local_placement(component, rank, world),
+                    self.resolved.job_dir,
+                    self.resolved.path,
+                    base_env,
+                    probe=self.probe,
+                    cwd=self.resolved.repo_root,
+                    stdout=log,
+                )
+                self.tasks.append(LocalTask(component, rank, process, log, log_path))
+            self.status[component] = {"state": "RUNNING", "tasks": world, "exit_codes": {}}
+        self._save_status()
+
+    def _save_status(self) -> None:
+        write_local_status(self.resolved.job_dir, self.status)
+
+    def _component_tasks(self, component: str) -> list[LocalTask]:
+        return [t for t in self.tasks if t.component == component]
+
+    def _component_exit(self, component: str) -> int | None:
+        """None while any task runs; else the first non-zero exit code, or 0."""
+        codes = [t.process.poll() for t in self._component_tasks(component)]
+        if any(c is None for c in codes):
+            failed = [c for c in codes if c not in (None, 0)]
+            return failed[0] if failed else None  # one failed rank fails the component at once
+        return next((c for c in codes if c != 0), 0)
+
+    def _finish(self, component: str, code: int, state: str | None = None) -> None:
+        for task in self._component_tasks(component):
+            stop_process(task.process)
+        codes = {str(t.rank): t.process.returncode for t in self._component_tasks(component)}
+        self.status[component] = {
+            "state": state or ("COMPLETED" if code == 0 else "FAILED"),
+            "tasks": len(codes),
+            "exit_codes": codes,
+        }
+        self._save_status()
+
+    def _echo_logs(self) -> None:
+        if not self.echo:
+            return
+        for task in self.tasks:
+            if task.rank != 0:
+                continue
+            try:
+                with task.log_path.open("rb") as handle:
+                    handle.seek(task.echo_offset)
+                    chunk = handle.read()
+            except FileNotFoundError:
+                continue
+            if not chunk:
+                continue
+            complete = chunk.rfind(b"\n") + 1
+            if complete == 0:
+                continue
+            task.echo_offset += complete
+            for line in chunk[:complete].decode(errors="replace").splitlines():
+                print(f"[{task.component}] {line}", flush=True)
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Run to completion; returns the job's exit code (the trainer's, or the capture failure's)."""
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start()
+            return self._supervise()
+        finally:
+            for task in self.tasks:
+                stop_process(task.process)
+                task.log.close()
+            self._echo_logs()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _supervise(self) -> int:
+        while True:
+            self._echo_logs()
+            if self._stop_requested:
+                print("[local] stop requested: stopping both components", file=sys.stderr, flush=True)
+                for component in COMPONENTS:
+                    self._finish(component, 130, state="CANCELLED")
+                return 130
+            trainer_code = self._component_exit("trainer")
+            if trainer_code is not None:
+                self._finish("trainer", trainer_code)
+                capture_code = self._component_exit("capture")
+                if capture_code is None:
+                    self._finish("capture", 0, state="STOPPED")
+                else:
+                    self._finish("capture", capture_code)
+                return trainer_code
+            capture_code = self._component_exit("capture")
+            if capture_code not in (None, 0) and self.status["capture"]["state"] == "RUNNING":
+                print(f"[local] capture failed with exit code {capture_code}; stopping the trainer", file=sys.stderr)
+                self._finish("capture", capture_code)
+                self._finish("trainer", capture_code, state="CANCELLED")
+                return capture_code
+            if capture_code == 0 and self.status["capture"]["state"] == "RUNNING":
+                self._finish("capture", 0)
+            time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,347 @@
+"""``--plan``: what the recipe will ask of the machines, before anything is submitted.
+
+Per component resources; bytes per sample and per optimizer step; Mooncake segment and watermark
+margins; trainer memory per rank; whether the target fits the capture node; and a throughput model
+(capture, transfer, train seconds per sample) that names the bottleneck and the trainer's expected
+idle fraction. Every number is computed at ``data.max_length`` (the worst case) from the recipe and
+the stated hardware assumptions in its ``plan`` section; the plan says where it is an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from runtime.recipe import Recipe, SampleSize
+from runtime.recipe.schema import DraftConfig
+from runtime.recipe.units import format_bytes
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A verdict of the plan: ``ok``, ``warn`` or ``blocker`` (submission refuses blockers)."""
+
+    level: str
+    message: str
+    options: tuple[str, ...] = ()
+
+
+@dataclass
+class Plan:
+    """The plan: titled sections of (label, value) rows, findings, and the raw numbers."""
+
+    sections: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    numbers: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def blockers(self) -> list[Finding]:
+        """Findings that stop a submission."""
+        return [f for f in self.findings if f.level == "blocker"]
+
+    def render(self) -> str:
+        """Plain text (readable in a terminal and in a Slurm log)."""
+        lines: list[str] = []
+        for title, rows in self.sections:
+            lines.append(f"== {title}")
+            width = max((len(label) for label, _ in rows), default=0)
+            lines += [f"  {label:<{width}}  {value}" for label, value in rows]
+        lines.append("== verdict")
+        for finding in self.findings:
+            lines.append(f"  [{finding.level.upper()}] {finding.message}")
+            lines += [f"      option: {option}" for option in finding.options]
+        if not self.blockers:
+            lines.append("  no blockers")
+        return "\n".join(lines)
+
+
+def draft_parameter_counts(draft: DraftConfig, num_aux_layers: int, vocab_size: int) -> dict[str, int]:
+    """Trainable and frozen parameter counts of the DSpark draft, by part."""
+    h, heads, kv, hd, inter = (
+        draft.hidden_size,
+        draft.num_attention_heads,
+        draft.num_key_value_heads,
+        draft.head_dim,
+        draft.intermediate_size,
+    )
+    bias = draft.attention_bias
+    attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q, k, v, o, q/k norms
+    if bias:
+        attention += heads * hd + 2 * kv * hd + h
+    layer = attention + 3 * h * inter + 2 * h
+    markov = 2 * vocab_size * draft.markov_rank
+    confidence = (h + draft.markov_rank + 1) if draft.confidence_head else 0
+    counts = {
+        "decoder_layers": draft.num_layers * layer,
+        "largest_layer": layer,
+        "fc_context": num_aux_layers * h * h + h,
+        "final_norm": h,
+        "markov_head": markov,
+        "confidence_head": confidence,
+        "frozen_embedding_and_lm_head": 2 * vocab_size * h,
+    }
+    counts["trainable"] = sum(
+        counts[k] for k in ("decoder_layers", "fc_context", "final_norm", "markov_head", "confidence_head")
+    )
+    return counts
+
+
+def draft_train_flops_per_sample(recipe: Recipe) -> float:
+    """Training FLOPs of one sample at ``data.max_length`` (forward x3 for trained parts; the
+    frozen lm_head costs a forward for the teacher and forward + input-gradient for the draft)."""
+    d = recipe.trainer.draft
+    t = recipe.data.max_length
+    slots = recipe.trainer.loss.num_anchors * d.block_size
+    h, v = d.hidden_size, recipe.capture.vocab_size
+    counts = draft_parameter_counts(d, recipe.num_aux_layers, v)
+    fc = 2.0 * t * recipe.num_aux_layers * h * h
+    context_kv = 2.0 * t * h * 2 * d.num_key_value_heads * d.head_dim * d.num_layers
+    slot_layers = 2.0 * slots * counts["decoder_layers"]
+    mean_context = t / 2 + d.block_size
+    attention = 2.0 * 2 * slots * d.num_attention_heads * d.head_dim * mean_context * d.num_layers
+    markov = 2.0 * slots * d.markov_rank * v
+    lm_head = 2.0 * slots * h * v
+    trained = fc + context_kv + slot_layers + attention + markov
+    return 3 * trained + 2 * lm_head + lm_head  # draft logits fwd + input grad, teacher logits fwd
+
+
+def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
+    """Estimated bytes per trainer rank at ``data.max_length`` (FSDP2, fp32 master + AdamW)."""
+    d = recipe.trainer.draft
+    world = recipe.trainer_world_size
+    t = recipe.data.max_length
+    h, v = d.hidden_size, recipe.capture.vocab_size
+    counts = draft_parameter_counts(d, recipe.num_aux_layers, v)
+    p = counts["trainable"]
+    compute_bytes = 2 if recipe.trainer.param_dtype == "bfloat16" else 4
+    slots = recipe.trainer.loss.num_anchors * d.block_size
+    chunk_slots = min(recipe.trainer.loss.objective_chunk_blocks, recipe.trainer.loss.num_anchors) * d.block_size
+    sample = SampleSize(t, recipe.num_aux_layers, recipe.capture.hidden_size)
+    kv = d.num_key_value_heads * d.head_dim
+    return {
+        "fp32 master params (sharded)": math.ceil(4 * p / world),
+        "AdamW moments (sharded)": math.ceil(8 * p / world),
+        "fp32 gradients (sharded)": math.ceil(4 * p / world),
+        "gathered compute params (2 units)": 2 * compute_bytes * max(counts["largest_layer"], counts["fc_context"]),
+        "frozen embedding + lm_head": compute_bytes * counts["frozen_embedding_and_lm_head"],
+        "input sample (hs, lhs, ids, mask)": sample.total_bytes,
+        "context projection activations": 3 * t * h * compute_bytes,
+        "context keys/values (all layers)": d.num_layers * 3 * t * kv * compute_bytes,
+        "draft slot activations": d.num_layers * slots * (10 * h + 4 * d.intermediate_size) * compute_bytes,
+        "loss chunk (fp32 logits/softmax)": 5 * chunk_slots * v * 4,
+    }
+
+
+def make_plan(recipe: Recipe) -> Plan:
+    """Compute the plan of ``recipe``."""
+    plan = Plan()
+    job, tr, cap, hw = recipe.job, recipe.transport, recipe.capture, recipe.plan
+    g = recipe.trainer.global_batch_size
+    world = recipe.trainer_world_size
+
+    rows = []
+    for name in ("capture", "trainer"):
+        res = getattr(job, name)
+        rows.append(
+            (
+                name,
+                f"{res.nodes} node(s) x {res.gpus_per_node} GPU(s), {res.tasks_per_node} task(s)/node, "
+                f"{res.cpus_per_task} CPU(s)/task, mem {str(res.mem_gib) + ' GiB' if res.mem_gib else 'site default'}",
+            )
+        )
+    rows.append(("time limit", f"{job.time_limit_min} min, requeue up to {job.max_requeues} times"))
+    plan.sections.append(("components", rows))
+
+    sample = SampleSize(recipe.data.max_length, recipe.num_aux_layers, cap.hidden_size)
+    step_bytes = g * sample.total_bytes
+    plan.numbers.update(
+        sample_feature_bytes=sample.feature_bytes, sample_bytes=sample.total_bytes, step_bytes=step_bytes
+    )
+    plan.sections.append(
+        (
+            "data per sample and per step (at data.max_length)",
+            [
+                ("tokens per sample T", f"{recipe.data.max_length:,}"),
+                (
+                    "features T x (n_aux+1) x H x 2",
+                    f"{sample.feature_bytes:,} B ({format_bytes(sample.feature_bytes)})",
+                ),
+                ("whole sample (+ ids, mask, meta)", f"{sample.total_bytes:,} B ({format_bytes(sample.total_bytes)})"),
+                (
+                    "global batch G",
+                    f"{g} = {recipe.trainer.micro_batch_size} x "
+                    f"{recipe.trainer.gradient_accumulation_steps} x {world} ranks",
+                ),
+                ("bytes per optimizer step", f"{step_bytes:,} B ({format_bytes(step_bytes)})"),
+            ],
+        )
+    )
+
+    ratio = tr.store_cap_bytes / tr.global_segment_bytes
+    plan.sections.append(
+        (
+            "Mooncake",
+            [
+                ("protocol", f"{tr.protocol}, bind {tr.bind_address}"),
+                ("global segment", format_bytes(tr.global_segment_bytes)),
+                ("store cap (eviction ratio)", f"{format_bytes(tr.store_cap_bytes)} ({ratio:.4f})"),
+                ("sample watermarks high/low", f"{tr.high_watermark_samples} / {tr.low_watermark_samples} (G = {g})"),
+                (
+                    "byte watermarks high/low",
+                    f"{format_bytes(tr.high_watermark_bytes)} / {format_bytes(tr.low_watermark_bytes)}",
+                ),
+                (
+                    "one step of largest samples",
+                    f"{format_bytes(step_bytes)} "
+                    f"(margin to high watermark {format_bytes(tr.high_watermark_bytes - step_bytes)})",
+                ),
+                ("lease / transfer timeout", f"{tr.kv_lease_ttl_s} s / {tr.transfer_timeout_s} s"),
+            ],
+        )
+    )
+    plan.findings.append(Finding("ok", "watermarks hold one global step and stay under the eviction cap"))
+
+    memory = trainer_memory_per_rank(recipe)
+    total_memory = sum(memory.values())
+    counts = draft_parameter_counts(recipe.trainer.draft, recipe.num_aux_layers, cap.vocab_size)
+    plan.numbers.update(trainer_memory_per_rank=total_memory, draft_trainable_params=counts["trainable"])
+    mem_rows = [("trainable draft parameters", f"{counts['trainable']:,}")]
+    mem_rows += [(label, format_bytes(value)) for label, value in memory.items()]
+    mem_rows.append(("total per rank (estimate)", format_bytes(total_memory)))
+    plan.sections.append((f"trainer memory per rank ({world} ranks)", mem_rows))
+    if job.trainer.gpus_per_node:
+        capacity = hw.accelerator_memory_bytes
+        level = "ok" if total_memory < 0.9 * capacity else "blocker"
+        plan.findings.append(
+            Finding(
+                level,
+                f"trainer rank needs about {format_bytes(total_memory)} of "
+                f"{format_bytes(capacity)} on one {hw.accelerator}",
+            )
+        )
+
+    _capture_fit(recipe, plan)
+    _throughput(recipe, plan, sample)
+    return plan
+
+
+def _capture_fit(recipe: Recipe, plan: Plan) -> None:
+    cap, hw, tr = recipe.capture, recipe.plan, recipe.transport
+    gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
+    rows = [
+        ("Mooncake segment in host memory", format_bytes(tr.global_segment_bytes)),
+        ("capture host memory", format_bytes(hw.capture_host_memory_bytes)),
+    ]
+    if tr.global_segment_bytes > hw.capture_host_memory_bytes:
+        plan.findings.append(
+            Finding(
+                "blocker",
+                f"the Mooncake segment ({format_bytes(tr.global_segment_bytes)}) exceeds the capture "
+                f"node's host memory ({format_bytes(hw.capture_host_memory_bytes)})",
+            )
+        )
+    if cap.target_weight_bytes is not None and gpus:
+        hbm = gpus * hw.accelerator_memory_bytes
+        rows += [
+            ("target weights", f"{cap.target_weight_bytes / GB:,.0f} GB"),
+            (f"HBM of {gpus} x {hw.accelerator}", f"{hbm / GB:,.0f} GB"),
+        ]
+        if cap.engine == "sglang":
+            usable = hbm * cap.sglang.mem_fraction_static
+            rows.append(("usable at mem_fraction_static", f"{usable / GB:,.0f} GB ({cap.sglang.mem_fraction_static})"))
+        plan.numbers.update(target_weight_bytes=cap.target_weight_bytes, capture_hbm_bytes=hbm)
+        if cap.target_weight_bytes > hbm:
+            shortfall = cap.target_weight_bytes - hbm
+            plan.findings.append(
+                Finding(
+                    "blocker",
+                    f"the target's weights ({cap.target_weight_bytes / GB:,.0f} GB) exceed the capture node's HBM "
+                    f"({gpus} x {hw.accelerator} = {hbm / GB:,.0f} GB) by {shortfall / GB:,.0f} GB: "
+                    "they cannot be resident at this TP size",
+                    (
+                        "offload routed experts to host memory and page them in per layer (needs host RAM for "
+                        f"at least {shortfall / GB:,.0f} GB of experts besides the Mooncake segment, and PCIe "
+                        "traffic on every prefill)",
+                        "a second capture node (TP16 / two nodes, as published H200 serving setups do)",
+                        "larger-memory GPUs on the capture node (8 x 288 GB B300 hold it)",
+                    ),
+                )
+            )
+        else:
+            plan.findings.append(Finding("ok", "the target's weights fit the capture node's accelerator memory"))
+    plan.sections.append(("capture node fit", rows))
+
+
+def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
+    cap, hw = recipe.capture, recipe.plan
+    t = recipe.data.max_length
+    capture_units = max(1, recipe.job.capture.gpus_per_node * recipe.job.capture.nodes)
+    trainer_units = (
+        max(1, recipe.job.trainer.gpus_per_node * recipe.job.trainer.nodes)
+        if recipe.job.trainer.gpus_per_node
+        else recipe.trainer_world_size
+    )
+    peak = hw.accelerator_peak_tflops * 1e12
+    rows: list[tuple[str, str]] = []
+    stages: dict[str, float] = {}
+    if cap.target_active_params:
+        capture_flops = 2.0 * cap.target_active_params * t
+        stages["capture"] = capture_flops / (capture_units * peak * hw.capture_efficiency)
+        rows.append(
+            (
+                "capture s/sample",
+                f"{stages['capture']:.3f} s  (2 x {cap.target_active_params:.3g} active "
+                f"params x {t} tokens on {capture_units} x {hw.accelerator} at "
+                f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
+            )
+        )
+    link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
+    stages["transfer"] = sample.total_bytes / link_bytes_s
+    rows.append(
+        (
+            "transfer s/sample",
+            f"{stages['transfer']:.3f} s  ({format_bytes(sample.total_bytes)} over "
+            f"{hw.link_gbps:g} Gbit/s at {hw.link_efficiency:.0%})",
+        )
+    )
+    train_flops = draft_train_flops_per_sample(recipe)
+    stages["train"] = train_flops / (trainer_units * peak * hw.train_mfu)
+    rows.append(
+        (
+            "train s/sample",
+            f"{stages['train']:.3f} s  ({train_flops / 1e12:,.1f} TFLOP per sample on "
+            f"{trainer_units} x {hw.accelerator} at {hw.train_mfu:.0%} MFU)",
+        )
+    )
+    bottleneck = max(stages, key=lambda k: stages[k])
+    slowest = stages[bottleneck]
+    idle = 1.0 - stages["train"] / slowest
+    rows.append(("bottleneck", f"{bottleneck} ({slowest:.3f} s/sample, {1 / slowest:.3f} samples/s)"))
+    rows.append(("trainer idle fraction", f"{idle:.1%}"))
+    samples = None
+    if recipe.data.num_rows:
+        samples = recipe.data.num_rows * recipe.trainer.epochs
+        steps = samples // recipe.trainer.global_batch_size
+        if recipe.trainer.max_steps:
+            steps = min(steps, recipe.trainer.max_steps)
+        seconds = steps * recipe.trainer.global_batch_size * slowest
+        rows.append(("optimizer steps", f"{steps} ({samples} samples over {recipe.trainer.epochs} epoch(s))"))
+        rows.append(
+            ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
+        )
+        plan.numbers.update(steps=steps, run_seconds=seconds)
+    plan.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
+    plan.numbers.update(trainer_idle_fraction=idle)
+    plan.sections.append(("throughput model", rows))
+    level = "warn" if idle > 0.5 else "ok"
+    plan.findings.append(
+        Finding(
+            level,
+            f"bottleneck is {bottleneck}; the trainer is expected to idle {idle:.0%} of the time",
+            ("add capture capacity (more capture nodes or engines) to feed the trainer",)
+            if level == "warn" and bottleneck == "capture"
+            else (),
+        )
+    )

@@ -1,0 +1,255 @@
+"""Render one heterogeneous Slurm batch script from a recipe.
+
+The same renderer produces the checked-in ``sbatch/*.sbatch`` files (manual submission: the job
+folder and resolved recipe are made inside the allocation) and the script the launcher submits
+through submitit (job folder made and recipe resolved before submission). The two differ only in
+the defaults of the site-settings block.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.environment import COMPONENTS
+from runtime.recipe import Recipe
+from runtime.recipe.schema import ComponentResources
+
+PREEMPT_SIGNAL = "USR2"
+"""Signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default)."""
+
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+_COMPONENT_ROLE = {
+    "capture": "Mooncake master + capture engine + producer",
+    "trainer": "FSDP2 DSpark trainer ranks",
+}
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What distinguishes one rendering of a recipe from another."""
+
+    recipe_file: str
+    """Recipe path as the script should name it (relative to the repository)."""
+    job_dir: str | None = None
+    """Absolute job folder (launcher submission); None renders the manual form."""
+    overrides: tuple[str, ...] = ()
+    """``--set`` overrides baked into the manual form's resolve step."""
+    smoke: bool = False
+    """Resolve with the smoke overlay."""
+    probe: bool = False
+    """Run the environment probe instead of the runtime in each component."""
+    repo_dir: str | None = None
+    """Absolute repository folder (launcher submission); None uses the submit directory."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def environment_references(recipe: Recipe) -> dict[str, list[str]]:
+    """Environment variables the recipe's strings reference as ``${NAME}``, with the fields using them."""
+    found: dict[str, list[str]] = {}
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(child, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for index, child in enumerate(value):
+                walk(child, f"{path}[{index}]")
+        elif isinstance(value, str):
+            for name in _ENV_REFERENCE.findall(value):
+                found.setdefault(name, []).append(path)
+
+    walk(recipe.model_dump(mode="json", exclude={"smoke", "job"}), "")
+    return found
+
+
+def render_script(recipe: Recipe, options: RenderOptions) -> str:
+    """The full batch script for ``recipe``."""
+    job = recipe.job
+    manual = options.job_dir is None
+    lines = [
+        "#!/bin/bash",
+        f"# DSpark job '{job.name}': one heterogeneous Slurm job, two components.",
+        f"# Rendered by `python -m launcher render` from {options.recipe_file}. Do not edit by hand:",
+        "# change the recipe and render again (tests/test_launcher_golden.py keeps sbatch/ equal).",
+    ]
+    if manual:
+        lines += [
+            "#",
+            "# Manual submission, from the repository root:",
+            f"#   sbatch sbatch/{job.name}.sbatch",
+            "# Edit the site settings below, or export them before sbatch.",
+        ]
+    for index, component in enumerate(COMPONENTS):
+        if index:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# ---- het group {index}: {component} ({_COMPONENT_ROLE[component]}) ----")
+        resources: ComponentResources = getattr(job, component)
+        lines += _sbatch_block(recipe, resources, options)
+    lines += ["", "set -uo pipefail", ""]
+    lines += _site_settings(recipe, options)
+    lines += [""]
+    lines += _preamble(recipe, options)
+    lines += [""]
+    lines += _component_launches(recipe, options)
+    lines += [""]
+    lines += _supervision()
+    return "\n".join(lines) + "\n"
+
+
+def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: RenderOptions) -> list[str]:
+    job = recipe.job
+    flags: list[tuple[str, str | None]] = [("job-name", job.name)]
+    if job.partition:
+        flags.append(("partition", job.partition))
+    if job.account:
+        flags.append(("account", job.account))
+    if job.qos:
+        flags.append(("qos", job.qos))
+    flags += [
+        ("time", str(job.time_limit_min)),
+        ("nodes", str(resources.nodes)),
+        ("ntasks-per-node", str(resources.tasks_per_node)),
+        ("cpus-per-task", str(resources.cpus_per_task)),
+    ]
+    if resources.gpus_per_node:
+        flags.append(("gpus-per-node", str(resources.gpus_per_node)))
+    if resources.mem_gib:
+        flags.append(("mem", f"{resources.mem_gib}G"))
+    if resources.exclusive:
+        flags.append(("exclusive", None))
+    if resources.constraint:
+        flags.append(("constraint", resources.constraint))
+    flags += [
+        ("signal", f"{PREEMPT_SIGNAL}@{job.signal_delay_s}"),
+        ("requeue", None),
+        ("open-mode", "append"),
+    ]
+    if options.job_dir is None:
+        flags.append(("output", "slurm-%x-%j.out"))
+    else:
+        flags.append(("output", f"{options.job_dir}/logs/batch_%j.out"))
+    flags += sorted(resources.extra_sbatch.items())
+    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_quote(value)}" for key, value in flags]
+
+
+def _quote(value: str) -> str:
+    return value if re.fullmatch(r"[A-Za-z0-9_@%./:,=+-]+", value) else shlex.quote(value)
+
+
+def _site_settings(recipe: Recipe, options: RenderOptions) -> list[str]:
+    name = recipe.job.name
+    runs_dir = recipe.job.runs_dir
+    repo_default = options.repo_dir or "${SLURM_SUBMIT_DIR:-$PWD}"
+    job_dir_default = options.job_dir or f"$DSPARK_REPO/{runs_dir}/{name}/$SLURM_JOB_ID"
+    lines = [
+        "# ---- site settings: edit here, or export them before sbatch ----",
+        f'DSPARK_REPO="${{DSPARK_REPO:-{repo_default}}}"',
+        f'DSPARK_RECIPE_FILE="${{DSPARK_RECIPE_FILE:-{options.recipe_file}}}"',
+        f'DSPARK_JOB_DIR="${{DSPARK_JOB_DIR:-{job_dir_default}}}"',
+        f'DSPARK_RESOLVE_ARGS="${{DSPARK_RESOLVE_ARGS:-{_resolve_args(options)}}}"',
+    ]
+    for key, value in sorted(options.extra_env.items()):
+        lines.append(f"export {key}={shlex.quote(value)}")
+    references = environment_references(recipe)
+    if references:
+        lines.append("# Site paths the recipe reads from the environment:")
+        for variable, fields in sorted(references.items()):
+            used = ", ".join(sorted(set(fields)))
+            lines.append(f': "${{{variable}:?export {variable} before sbatch (used by {used})}}"')
+    return lines
+
+
+def _resolve_args(options: RenderOptions) -> str:
+    args = ["--smoke"] if options.smoke else []
+    for item in options.overrides:
+        if re.search(r"[\s'\"$`\\]", item):
+            raise ValueError(
+                f"--set {item!r} cannot be baked into a batch script (whitespace, quotes or $ in it); "
+                "put the value in the recipe instead"
+            )
+        args += ["--set", item]
+    return " ".join(args)
+
+
+def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
+    lines = ['cd "$DSPARK_REPO" || { echo "cannot cd to DSPARK_REPO=$DSPARK_REPO" >&2; exit 1; }']
+    if recipe.job.setup:
+        lines.append("# ---- environment setup (job.setup) ----")
+        lines += list(recipe.job.setup)
+    python = recipe.job.python
+    lines += [
+        'export DSPARK_SLURM_JOB_ID="$SLURM_JOB_ID"',
+        'mkdir -p "$DSPARK_JOB_DIR/logs"',
+        "# The launcher resolves the recipe before submitting; a manual sbatch resolves it here.",
+        'if [ ! -f "$DSPARK_JOB_DIR/recipe.resolved.json" ]; then',
+        f'  {python} -m launcher resolve "$DSPARK_RECIPE_FILE" --job-dir "$DSPARK_JOB_DIR" '
+        '--slurm-job-id "$SLURM_JOB_ID" $DSPARK_RESOLVE_ARGS || exit 1',
+        "fi",
+        'echo "[dspark] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) folder $DSPARK_JOB_DIR"',
+    ]
+    return lines
+
+
+def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
+    lines: list[str] = []
+    python = recipe.job.python
+    for index, component in enumerate(COMPONENTS):
+        resources: ComponentResources = getattr(recipe.job, component)
+        srun = [
+            "srun",
+            f"--het-group={index}",
+            "--kill-on-bad-exit=1",
+            "--unbuffered",
+            f'--output="$DSPARK_JOB_DIR/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
+        ]
+        if recipe.job.container_image:
+            srun.append(f"--container-image={shlex.quote(recipe.job.container_image)}")
+            if recipe.job.container_mounts:
+                srun.append(f"--container-mounts={shlex.quote(','.join(recipe.job.container_mounts))}")
+            srun.append('--container-workdir="$DSPARK_REPO"')
+        srun += [shlex.quote(a) for a in resources.srun_args]
+        worker = [python, "-u", "-m", "launcher.worker", "--component", component, '--job-dir "$DSPARK_JOB_DIR"']
+        if options.probe:
+            worker.append("--probe")
+        variable = f"{component.upper()}_PID"
+        lines += [
+            f"# het group {index}: {component}",
+            " ".join(srun) + " \\",
+            "    " + " ".join(worker) + " &",
+            f"{variable}=$!",
+        ]
+    return lines
+
+
+def _supervision() -> list[str]:
+    return [
+        "# The trainer decides the outcome: when it ends, the capture component is stopped; when the",
+        "# capture component fails first, the trainer is stopped and the job fails.",
+        "while :; do",
+        '  if ! kill -0 "$TRAINER_PID" 2>/dev/null; then',
+        '    wait "$TRAINER_PID"; rc=$?',
+        '    echo "[dspark] trainer finished with exit code $rc; stopping capture"',
+        '    kill -TERM "$CAPTURE_PID" 2>/dev/null; wait "$CAPTURE_PID" 2>/dev/null',
+        "    exit $rc",
+        "  fi",
+        '  if ! kill -0 "$CAPTURE_PID" 2>/dev/null; then',
+        '    wait "$CAPTURE_PID"; rc=$?',
+        '    if [ "$rc" -ne 0 ]; then',
+        '      echo "[dspark] capture failed with exit code $rc; stopping the trainer" >&2',
+        '      kill -TERM "$TRAINER_PID" 2>/dev/null; wait "$TRAINER_PID" 2>/dev/null',
+        "      exit $rc",
+        "    fi",
+        '    wait "$TRAINER_PID"; exit $?',
+        "  fi",
+        "  sleep 2",
+        "done",
+    ]
+
+
+def sbatch_path(repo_root: Path, recipe: Recipe) -> Path:
+    """Where the checked-in manual script of ``recipe`` lives."""
+    return repo_root / "sbatch" / f"{recipe.job.name}.sbatch"

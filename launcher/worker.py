@@ -1,0 +1,149 @@
+"""``python -m launcher.worker --component NAME --job-dir DIR``: one srun task of a hetjob.
+
+Loads the submitit payload, derives the task's environment from its own het group's Slurm
+variables, runs the component's runtime entry point as a child, and writes a submitit result file
+under a job-wide task id. On the time-out signal only task 0 (trainer rank 0) checkpoints the
+payload and requeues the job; every task stops its child cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+from submitit.core import job_environment, utils
+from submitit.slurm.slurm import SlurmJobEnvironment
+
+from launcher.component import signal_group, start_component, stop_process
+from launcher.environment import COMPONENTS, current_environment, slurm_placement
+from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
+from runtime.recipe import RESOLVED_FILENAME, load_resolved
+
+SUBMISSION_WAIT_S = 120.0
+"""How long a task waits for the payload pickle (submitit writes it just after sbatch returns)."""
+
+
+class HetTaskEnvironment(SlurmJobEnvironment):
+    """submitit's Slurm environment with the leader's job id and a job-wide task id, so that only
+    task 0 (trainer rank 0) acts on a requeue signal."""
+
+    _leader_job_id = ""
+    _task = 0
+
+    @classmethod
+    def create(cls, leader_job_id: str, task: int) -> HetTaskEnvironment:
+        """An environment for one task (submitit's JobEnvironment.__new__ takes no arguments)."""
+        env = cls()
+        env._leader_job_id = leader_job_id
+        env._task = task
+        return env
+
+    @property
+    def job_id(self) -> str:
+        return self._leader_job_id
+
+    @property
+    def global_rank(self) -> int:
+        return self._task
+
+
+class ComponentSignalHandler(job_environment.SignalHandler):
+    """submitit's handler, plus: stop the child cleanly before exiting, and forward SIGTERM."""
+
+    child: object = None
+
+    def forward_stop(self, signum: int, frame: types.FrameType | None = None) -> None:
+        """SIGTERM from Slurm (cancel, preemption, requeue): pass it to the child's process group."""
+        self._logger.warning(f"caught {signal.Signals(signum).name}; stopping the component")
+        if self.child is not None:
+            signal_group(self.child, signal.SIGTERM)  # type: ignore[arg-type]
+
+    def _exit(self) -> None:
+        if self.child is not None:
+            stop_process(self.child)  # type: ignore[arg-type]
+        super()._exit()
+
+
+def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
+    deadline = time.monotonic() + SUBMISSION_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"waited {SUBMISSION_WAIT_S:.0f} s for the job payload {path}; it is written by "
+                "`python -m launcher` after sbatch returns, or by `launcher resolve` in a manual sbatch"
+            )
+        time.sleep(1)
+    return utils.DelayedSubmission.load(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one component task; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="python -m launcher.worker", description=__doc__)
+    parser.add_argument("--component", required=True, choices=COMPONENTS)
+    parser.add_argument("--job-dir", required=True, type=Path)
+    parser.add_argument("--probe", action="store_true", help="run the environment probe instead of the runtime")
+    args = parser.parse_args(argv)
+
+    job_dir: Path = args.job_dir.resolve()
+    resolved = load_resolved(job_dir / RESOLVED_FILENAME)
+    recipe = resolved.recipe
+    env = current_environment()
+    leader = env.get("DSPARK_SLURM_JOB_ID") or env["SLURM_JOB_ID"]
+    placement = slurm_placement(recipe, args.component, env)
+    task = task_index(args.component, placement.rank, recipe.trainer_world_size)
+    paths = utils.JobPaths(job_dir / SUBMITIT_DIRNAME, job_id=leader, task_id=task)
+    log = f"[worker {args.component}/{placement.rank} task {task} on {socket.gethostname()}]"
+    print(f"{log} job {leader}; capture host {placement.capture_host}; bind {placement.bind_address}", flush=True)
+
+    delayed = _wait_for_submission(paths.submitted_pickle)
+    payload = delayed.function
+    if not isinstance(payload, ComponentJob):
+        raise TypeError(f"{paths.submitted_pickle} holds {type(payload).__name__}, not a ComponentJob")
+    handler = ComponentSignalHandler(HetTaskEnvironment.create(leader, task), paths, delayed)
+    signal.signal(signal.SIGTERM, handler.forward_stop)
+    signal.signal(SlurmJobEnvironment._usr_sig(), handler.checkpoint_and_try_requeue)
+
+    started = time.time()
+    try:
+        child = start_component(
+            recipe,
+            placement,
+            job_dir,
+            resolved.path,
+            env,
+            probe=args.probe or payload.probe,
+            cwd=resolved.repo_root,
+        )
+        handler.child = child
+        code = child.wait()
+        result = {
+            "component": args.component,
+            "rank": placement.rank,
+            "exit_code": code,
+            "elapsed_s": round(time.time() - started, 3),
+            "requeue_count": payload.requeue_count,
+        }
+        if code != 0:
+            raise RuntimeError(f"{args.component} task {placement.rank} exited with code {code}")
+        with utils.temporary_save_path(paths.result_pickle) as tmp:
+            utils.cloudpickle_dump(("success", result), tmp)
+        print(f"{log} finished in {result['elapsed_s']} s", flush=True)
+        return 0
+    except Exception:
+        trace = traceback.format_exc()
+        print(f"{log} failed:\n{trace}", file=sys.stderr, flush=True)
+        if paths.result_pickle.exists():
+            paths.result_pickle.unlink()
+        with utils.temporary_save_path(paths.result_pickle) as tmp:
+            utils.cloudpickle_dump(("error", trace), tmp)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``python -m runtime.probe --recipe RESOLVED --component NAME``: check the environment contract.
+
+A probe job has the shape of the real job but runs this instead of the runtime. Each task records
+what it received into ``{job_dir}/probe/{component}_{rank}.json``, and the probe exercises the
+contract for real:
+- trainer ranks form a gloo process group from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and
+  all-reduce their ranks;
+- the capture task listens on its bind address at the Mooncake master RPC port, and trainer rank 0
+  dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes.
+
+Set ``DSPARK_PROBE_FAIL=<component>`` (through the recipe's ``job.env``) to make that component exit
+with code 3 after recording, which is how tests check that a failed component is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.recipe import load_resolved
+
+CONTRACT_VARIABLES = (
+    "DSPARK_JOB_DIR",
+    "DSPARK_RECIPE",
+    "DSPARK_COMPONENT",
+    "DSPARK_TASK_RANK",
+    "DSPARK_BIND_ADDRESS",
+    "DSPARK_CAPTURE_HOST",
+    "DSPARK_MOONCAKE_MASTER",
+    "DSPARK_MOONCAKE_METADATA",
+    "MC_TCP_BIND_ADDRESS",
+    "MC_TRANSFER_TIMEOUT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURMD_NODENAME",
+    "SLURM_JOB_NODELIST_HET_GROUP_0",
+    "SLURM_JOB_NODELIST_HET_GROUP_1",
+    "CUDA_VISIBLE_DEVICES",
+)
+CONNECT_TIMEOUT_S = 120.0
+FAIL_EXIT_CODE = 3
+
+
+def _record(job_dir: Path, component: str, rank: int, extra: dict[str, Any]) -> Path:
+    out_dir = job_dir / "probe"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "component": component,
+        "rank": rank,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "env": {name: os.environ[name] for name in CONTRACT_VARIABLES if name in os.environ},
+        **extra,
+    }
+    target = out_dir / f"{component}_{rank}.json"
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def _capture_listen(bind_address: str, port: int, timeout_s: float) -> str:
+    """Accept one connection from trainer rank 0 and return what it sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((bind_address, port))
+        server.listen(1)
+        server.settimeout(timeout_s)
+        print(f"[probe capture] listening on {bind_address}:{port} for trainer rank 0", flush=True)
+        connection, peer = server.accept()
+        with connection:
+            message = connection.recv(1024).decode()
+            connection.sendall(b"capture-ok")
+        print(f"[probe capture] trainer rank 0 reached us from {peer[0]}: {message!r}", flush=True)
+        return message
+
+
+def _trainer_dial(endpoint: str, timeout_s: float) -> str:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as connection:
+                connection.sendall(b"trainer-ok")
+                return connection.recv(1024).decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _trainer_all_reduce() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=120))
+    try:
+        value = torch.tensor([dist.get_rank()], dtype=torch.int64)
+        dist.all_reduce(value)
+        return {"all_reduce_sum": int(value.item()), "dist_rank": dist.get_rank(), "dist_world": dist.get_world_size()}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the probe for one task; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.probe", description=__doc__)
+    parser.add_argument("--recipe", required=True, type=Path)
+    parser.add_argument("--component", required=True, choices=("capture", "trainer"))
+    args = parser.parse_args(argv)
+    resolved = load_resolved(args.recipe)
+    job_dir = Path(os.environ.get("DSPARK_JOB_DIR", resolved.job_dir))
+    rank = int(os.environ.get("DSPARK_TASK_RANK", "0"))
+    extra: dict[str, Any] = {}
+    if args.component == "trainer":
+        extra.update(_trainer_all_reduce())
+        if rank == 0:
+            extra["capture_reply"] = _trainer_dial(os.environ["DSPARK_MOONCAKE_MASTER"], CONNECT_TIMEOUT_S)
+    elif rank == 0:
+        extra["trainer_message"] = _capture_listen(
+            os.environ["DSPARK_BIND_ADDRESS"], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
+        )
+    path = _record(job_dir, args.component, rank, extra)
+    print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
+    if os.environ.get("DSPARK_PROBE_FAIL") == args.component:
+        print(f"[probe {args.component}/{rank}] DSPARK_PROBE_FAIL asks this component to fail", flush=True)
+        return FAIL_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
