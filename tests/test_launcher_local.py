@@ -1,0 +1,119 @@
+"""``--local``: both components as process groups on this machine with the Slurm environment contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The variables every component gets, whatever runs it (Slurm or --local).
+CONTRACT = {
+    "DSPARK_JOB_DIR",
+    "DSPARK_RECIPE",
+    "DSPARK_COMPONENT",
+    "DSPARK_TASK_RANK",
+    "DSPARK_BIND_ADDRESS",
+    "DSPARK_CAPTURE_HOST",
+    "DSPARK_MOONCAKE_MASTER",
+    "DSPARK_MOONCAKE_METADATA",
+    "MC_TCP_BIND_ADDRESS",
+    "MC_TRANSFER_TIMEOUT",
+}
+TRAINER_CONTRACT = CONTRACT | {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+}
+
+
+def probe_overrides(runs_dir: Path) -> list[str]:
+    """Fresh ports and a private runs folder, so tests never collide with each other."""
+    return [
+        "--set",
+        f"job.runs_dir={runs_dir}",
+        "--set",
+        f"job.master_port={free_port()}",
+        "--set",
+        f"transport.master_rpc_port={free_port()}",
+        "--set",
+        f"transport.metadata_http_port={free_port()}",
+        "--set",
+        f"transport.metrics_port={free_port()}",
+    ]
+
+
+def launch(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m launcher ARGS`` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs
+    )  # type: ignore[call-overload]
+
+
+def read_probes(job_dir: Path) -> dict[tuple[str, int], dict]:
+    """Probe records of one job, keyed by (component, rank)."""
+    records = {}
+    for path in (job_dir / "probe").glob("*.json"):
+        data = json.loads(path.read_text())
+        records[(data["component"], data["rank"])] = data
+    return records
+
+
+def only_job_dir(runs_dir: Path) -> Path:
+    (job_dir,) = [p for p in (runs_dir / "tiny").iterdir() if p.is_dir()]
+    return job_dir
+
+
+def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    # A polluted launching shell: none of this may reach the components.
+    env = {
+        **os.environ,
+        "RANK": "99",
+        "WORLD_SIZE": "77",
+        "MASTER_ADDR": "10.9.9.9",
+        "MASTER_PORT": "1",
+        "LOCAL_RANK": "5",
+        "NODE_RANK": "3",
+    }
+    done = launch(["tiny", "--local", "--probe", *probe_overrides(runs)], env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_dir = only_job_dir(runs)
+    probes = read_probes(job_dir)
+    assert sorted(probes) == [("capture", 0), ("trainer", 0), ("trainer", 1), ("trainer", 2), ("trainer", 3)]
+    for rank in range(4):
+        trainer = probes[("trainer", rank)]
+        assert set(trainer["env"]) >= TRAINER_CONTRACT
+        assert trainer["env"]["RANK"] == str(rank) and trainer["env"]["LOCAL_RANK"] == str(rank)
+        assert trainer["env"]["WORLD_SIZE"] == "4" and trainer["env"]["NODE_RANK"] == "0"
+        assert trainer["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert trainer["all_reduce_sum"] == 0 + 1 + 2 + 3, "the gloo group formed from the contract"
+    capture = probes[("capture", 0)]
+    assert set(capture["env"]) >= CONTRACT and "RANK" not in capture["env"] and "MASTER_ADDR" not in capture["env"]
+    assert capture["env"]["DSPARK_BIND_ADDRESS"] == "127.0.0.1"
+    assert capture["trainer_message"] == "trainer-ok", "trainer rank 0 reached the handed Mooncake endpoint"
+    assert probes[("trainer", 0)]["capture_reply"] == "capture-ok"
+
+    record = json.loads((job_dir / "job.json").read_text())
+    status = launch(["status", record["job_id"], "--runs-dir", str(runs)])
+    assert status.returncode == 0 and "COMPLETED" in status.stdout
+    assert "capture" in status.stdout and "trainer" in status.stdout
+    logs = launch(["logs", str(job_dir), "--component", "capture"])
+    assert "listening on 127.0.0.1" in logs.stdout
+
+
+def test_local_failed_component_fails_the_job(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    done = launch(["tiny", "--local", "--probe", "--set", "job.env.DSPARK_PROBE_FAIL=trainer", *probe_overrides(runs)])
+    assert done.returncode == 3, done.stdout + done.stderr
+    status = launch(["status", str(only_job_dir(runs))])
+    assert status.returncode == 1 and "FAILED" in status.stdout

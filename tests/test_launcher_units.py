@@ -1,0 +1,190 @@
+"""Launcher pieces that need no cluster: sacct parsing, host lists, the environment contract, the
+plan's numbers, the golden sbatch scripts, dry runs, and the torch-free login path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.environment import RENDEZVOUS_VARIABLES, component_environment, expand_hostlist, slurm_placement
+from launcher.hetjob import HetInfoWatcher, task_index, task_owner
+from launcher.plan import make_plan
+from launcher.render import RenderOptions, render_script
+from launcher.slurm_state import fold_state, parse_sacct
+from runtime.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+K3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+
+SACCT_RUNNING = """JobID|JobName|State|ExitCode|Elapsed|NodeList
+41+0|tiny|RUNNING|0:0|00:00:12|node1
+41+0.batch|batch|RUNNING|0:0|00:00:12|node1
+41+0.0|python3|RUNNING|0:0|00:00:10|node1
+41+1|tiny|RUNNING|0:0|00:00:12|node2
+41+1.0|python3|RUNNING|0:0|00:00:10|node2
+"""
+SACCT_CAPTURE_FAILED = """JobID|JobName|State|ExitCode|Elapsed|NodeList
+41+0|tiny|FAILED|3:0|00:00:20|node1
+41+0.0|python3|FAILED|3:0|00:00:19|node1
+41+1|tiny|RUNNING|0:0|00:00:20|node2
+"""
+
+
+def test_sacct_hetjob_rows_fold_into_one_state() -> None:
+    running = parse_sacct(SACCT_RUNNING, "41")
+    assert sorted(running) == [0, 1]
+    assert running[0].nodes == "node1" and running[1].nodes == "node2"
+    assert running[0].steps == {"batch": "RUNNING", "0": "RUNNING"}
+    assert fold_state(running) == "RUNNING"
+    failed = parse_sacct(SACCT_CAPTURE_FAILED, "41")
+    assert failed[0].failed and not failed[1].terminal
+    # One failed component fails the job while the other still runs: nobody waits forever.
+    assert fold_state(failed) == "FAILED"
+    assert parse_sacct(SACCT_RUNNING, "42") == {}
+
+
+def test_submitit_watcher_understands_component_rows() -> None:
+    info = HetInfoWatcher().read_info(SACCT_CAPTURE_FAILED)
+    assert info["41"]["State"] == "FAILED"
+    assert info["41+0"]["State"] == "FAILED" and info["41+1"]["State"] == "RUNNING"
+
+
+def test_task_ids_are_unique_across_components() -> None:
+    ids = [task_index("trainer", r, 4) for r in range(4)] + [task_index("capture", 0, 4)]
+    assert ids == [0, 1, 2, 3, 4]
+    assert [task_owner(i, 4) for i in ids] == [
+        ("trainer", 0),
+        ("trainer", 1),
+        ("trainer", 2),
+        ("trainer", 3),
+        ("capture", 0),
+    ]
+
+
+def test_hostlist_expansion() -> None:
+    assert expand_hostlist("node[1-3,7],gpu01") == ["node1", "node2", "node3", "node7", "gpu01"]
+    assert expand_hostlist("h[08-10]") == ["h08", "h09", "h10"]
+    assert expand_hostlist("") == []
+
+
+def test_trainer_environment_from_its_own_het_group() -> None:
+    recipe = load_recipe(TINY, overrides=["transport.bind_address=10.0.0.5"]).recipe
+    slurm = {
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "cap01",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "trn[01-02]",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_NODEID": "1",
+        "SLURMD_NODENAME": "trn02",
+        # inherited from a launching shell: must not leak into the component
+        "RANK": "99",
+        "MASTER_ADDR": "10.9.9.9",
+        "MASTER_PORT": "1",
+        "NODE_RANK": "7",
+        "TORCHELASTIC_RUN_ID": "stale",
+    }
+    placement = slurm_placement(recipe, "trainer", slurm)
+    env = component_environment(recipe, placement, Path("/job"), Path("/job/recipe.resolved.json"), slurm)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("5", "1", "8", "4")
+    assert (env["NODE_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "trn01", "29511")
+    assert "TORCHELASTIC_RUN_ID" not in env
+    assert env["DSPARK_MOONCAKE_MASTER"] == "10.0.0.5:50151"
+    assert env["DSPARK_MOONCAKE_METADATA"] == "http://10.0.0.5:18180/metadata"
+    assert env["MC_TCP_BIND_ADDRESS"] == "10.0.0.5" and env["MC_TRANSFER_TIMEOUT"] == "60"
+
+    capture_env = component_environment(
+        recipe, slurm_placement(recipe, "capture", {**slurm, "SLURM_PROCID": "0"}), Path("/job"), Path("/r"), slurm
+    )
+    assert not set(RENDEZVOUS_VARIABLES) & set(capture_env), "capture gets no rendezvous variables"
+    assert capture_env["DSPARK_COMPONENT"] == "capture"
+
+
+def test_plan_reports_k3_numbers_and_the_hbm_blocker() -> None:
+    plan = make_plan(load_recipe(K3).recipe)
+    assert plan.numbers["sample_feature_bytes"] == 65536 * 6 * 7168 * 2 == 5_637_144_576
+    assert plan.numbers["step_bytes"] == 128 * plan.numbers["sample_bytes"]
+    assert 672 * 2**30 <= plan.numbers["step_bytes"] < 673 * 2**30
+    messages = [b.message for b in plan.blockers]
+    assert any("1,560 GB" in m and "1,128 GB" in m for m in messages)
+    options = [o for b in plan.blockers for o in b.options]
+    assert any("host memory" in o for o in options) and any("second capture node" in o for o in options)
+    text = plan.render()
+    assert "bottleneck" in text and "trainer idle fraction" in text and "total per rank" in text
+    tiny = make_plan(load_recipe(TINY).recipe)
+    assert not tiny.blockers
+
+
+def test_golden_sbatch_scripts_match_the_renderer() -> None:
+    for path in (TINY, K3):
+        loaded = load_recipe(path, display_name=f"recipes/{path.name}")
+        expected = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
+        checked_in = (REPO / "sbatch" / f"{loaded.recipe.job.name}.sbatch").read_text()
+        assert checked_in == expected, f"sbatch/{loaded.recipe.job.name}.sbatch is stale: python -m launcher render"
+
+
+def test_hetjob_script_shape() -> None:
+    text = (REPO / "sbatch" / "kimi_k3_v1c.sbatch").read_text()
+    assert text.count("#SBATCH hetjob") == 1
+    assert text.index("--gpus-per-node=8") < text.index("#SBATCH hetjob") < text.index("--ntasks-per-node=4")
+    assert "srun --het-group=0" in text and "srun --het-group=1" in text
+    assert ': "${K3_TARGET_DIR:?export K3_TARGET_DIR before sbatch (used by capture.target_path)}"' in text
+    assert "/work/" not in text and "/root" not in text, "no absolute path of this machine"
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "kimi_k3_v1c", "--smoke", "--dry-run", "--set", f"job.runs_dir={runs}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.startswith("#!/bin/bash") and "srun --het-group=1" in done.stdout
+    assert "# command: sbatch" in done.stdout and "nothing was submitted" in done.stdout
+    assert "plan blocker" in done.stdout
+    assert not runs.exists(), "a dry run creates no job folder"
+
+
+def test_submission_refuses_missing_site_variables(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "kimi_k3_v1c"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "${K3_TARGET_DIR} (used by capture.target_path)" in done.stderr
+
+
+def test_bad_recipe_exits_2_with_one_clear_message() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "tiny", "--plan", "--set", "trainer.optimzer.lr=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "recipes/tiny.yaml" in done.stderr and "did you mean 'optimizer'" in done.stderr.lower()
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [["tiny", "--plan"], ["status", "--help"]])
+def test_login_path_never_imports_torch(args: list[str]) -> None:
+    probe = (
+        "import sys, runpy\n"
+        f"sys.argv = ['launcher', *{args!r}]\n"
+        "try:\n    runpy.run_module('launcher', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip().endswith("NO-TORCH")
