@@ -42,9 +42,10 @@ def start_component(
     probe: bool,
     cwd: Path,
     stdout: object = None,
+    requeue_count: int = 0,
 ) -> subprocess.Popen[bytes]:
     """Start one component task as a child in its own process group."""
-    env = component_environment(recipe, placement, job_dir, recipe_path, base_env)
+    env = component_environment(recipe, placement, job_dir, recipe_path, base_env, requeue_count)
     command = component_command(placement.component, recipe_path, probe)
     return subprocess.Popen(
         command,

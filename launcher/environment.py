@@ -173,9 +173,11 @@ def component_environment(
     job_dir: Path,
     recipe_path: Path,
     base_env: Mapping[str, str],
+    requeue_count: int = 0,
 ) -> dict[str, str]:
     """The full environment of one component task: ``base_env`` minus rendezvous variables, plus
-    the recipe's ``job.env`` and the contract variables."""
+    the recipe's ``job.env`` and the contract variables. ``requeue_count`` tells a component that
+    its job was requeued (the trainer then resumes from its run's latest checkpoint)."""
     env = {k: v for k, v in base_env.items() if k not in RENDEZVOUS_VARIABLES}
     env.update(recipe.job.env)
     transport = recipe.transport
@@ -185,6 +187,7 @@ def component_environment(
             "DSPARK_RECIPE": str(recipe_path),
             "DSPARK_COMPONENT": placement.component,
             "DSPARK_TASK_RANK": str(placement.rank),
+            "DSPARK_REQUEUE_COUNT": str(requeue_count),
             "DSPARK_BIND_ADDRESS": placement.bind_address,
             "DSPARK_CAPTURE_HOST": placement.capture_host,
             "DSPARK_MOONCAKE_MASTER": f"{placement.capture_host}:{transport.master_rpc_port}",

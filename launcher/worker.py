@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             env,
             probe=args.probe or payload.probe,
             cwd=resolved.repo_root,
+            # Slurm may requeue on its own (node failure) without our payload counting it.
+            requeue_count=max(payload.requeue_count, int(env.get("SLURM_RESTART_COUNT") or 0)),
         )
         handler.child = child
         code = child.wait()

@@ -9,7 +9,9 @@ contract for real:
   dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes.
 
 Set ``DSPARK_PROBE_FAIL=<component>`` (through the recipe's ``job.env``) to make that component exit
-with code 3 after recording, which is how tests check that a failed component is reported.
+with code 3 after recording, which is how tests check that a failed component is reported. Set
+``DSPARK_PROBE_HOLD_S=N`` to keep trainer rank 0 alive N seconds on a job's first run (not after a
+requeue), which is how tests send the time-out signal to a running job.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ CONTRACT_VARIABLES = (
     "SLURM_JOB_NODELIST_HET_GROUP_0",
     "SLURM_JOB_NODELIST_HET_GROUP_1",
     "CUDA_VISIBLE_DEVICES",
+    "DSPARK_REQUEUE_COUNT",
+    "SLURM_RESTART_COUNT",
 )
 CONNECT_TIMEOUT_S = 120.0
 FAIL_EXIT_CODE = 3
@@ -134,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         extra["trainer_message"] = _capture_listen(
             os.environ["DSPARK_BIND_ADDRESS"], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
         )
+    hold_s = float(os.environ.get("DSPARK_PROBE_HOLD_S", "0"))
+    if args.component == "trainer" and rank == 0 and hold_s and os.environ.get("DSPARK_REQUEUE_COUNT", "0") == "0":
+        print(f"[probe trainer/0] holding {hold_s:.0f} s (DSPARK_PROBE_HOLD_S)", flush=True)
+        time.sleep(hold_s)
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
     if os.environ.get("DSPARK_PROBE_FAIL") == args.component:
