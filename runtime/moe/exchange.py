@@ -3,12 +3,15 @@ experts, then combine the expert outputs back into each token's weighted sum."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from runtime.moe.experts import LocalExperts
 from runtime.moe.routing import TopKRouting
 
 
@@ -42,6 +45,10 @@ class MoEExchange(Protocol):
         """Return ``[T, H]``: for each token of this rank, the routing-weighted sum of its experts'
         outputs (``expert_output`` is ``[P, H]`` in ``batch.tokens``' row order). Collective."""
 
+    def run(self, hidden: torch.Tensor, routing: TopKRouting, experts: LocalExperts) -> torch.Tensor:
+        """Dispatch, run ``experts``, combine: the whole routed-expert part of one MoE layer.
+        Backends with a bounded dispatch size loop over token chunks here. Collective."""
+
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) within ``group``; (0, 1) without torch.distributed (single process)."""
@@ -58,3 +65,23 @@ def experts_per_rank_for(num_experts: int, world_size: int) -> int:
             f"set capture.expert_parallel to a divisor of {num_experts}"
         )
     return num_experts // world_size
+
+
+class ExchangeUnavailableError(RuntimeError):
+    """The chosen MoE exchange's package does not import on this machine."""
+
+
+BACKEND_PACKAGES = {"deepep": "DeepEP (deep_ep)", "mooncake": "Mooncake built with EP support (mooncake.ep)"}
+
+
+def import_backend_module(module: str, backend: str) -> ModuleType:
+    """Import ``module`` for ``backend`` or fail with what to install and how to avoid it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ExchangeUnavailableError(
+            f"MoE exchange '{backend}' (capture.moe_exchange or --k3-moe-exchange) needs "
+            f"{BACKEND_PACKAGES.get(backend, module)}, but `import {module}` failed here: {exc}. "
+            f"fix: install a {backend} build compiled for this model's shapes (Kimi K3: hidden 3,584, "
+            "top-k 16), or use the default exchange: --k3-moe-exchange nccl (recipe: capture.moe_exchange: nccl)"
+        ) from exc

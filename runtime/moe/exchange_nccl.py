@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.moe.exchange import ExpertBatch, experts_per_rank_for, group_rank_and_size
+from runtime.moe.experts import LocalExperts
 from runtime.moe.plan import (
     DEFAULT_SUM_CHUNK_ROWS,
     DispatchPlan,
@@ -115,3 +116,8 @@ class AllToAllExchange:
         )
         returned = self._all_to_all(partial, state.recv_counts, state.plan.send_counts)
         return gather_sum(returned, state.plan.token_rank_row, None, out_dtype=state.dtype, chunk_rows=self.sum_chunk_rows)
+
+    def run(self, hidden: torch.Tensor, routing: TopKRouting, experts: LocalExperts) -> torch.Tensor:
+        """See :meth:`runtime.moe.exchange.MoEExchange.run`: one dispatch for all tokens."""
+        batch = self.dispatch(hidden, routing)
+        return self.combine(experts(batch.tokens, batch.tokens_per_expert), batch)

@@ -124,11 +124,19 @@ class LocalExperts(nn.Module):
                 dequantize_into(down[e], down_out[e])
         return gate_up_out, down_out
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Expert outputs ``[P, H]`` for ``tokens`` ``[P, H]`` grouped by local expert
-        (``tokens_per_expert`` int64 ``[E]``), unweighted; returned in ``tokens``' dtype."""
+        (``tokens_per_expert`` int64 ``[E]``), unweighted; returned in ``tokens``' dtype.
+
+        ``weights`` are the result of :meth:`dense_weights` when the caller runs several chunks
+        of one layer and wants the MXFP4 experts dequantized once for all of them."""
         counts = tokens_per_expert.tolist()
-        gate_up, down = self.dense_weights(counts)
+        gate_up, down = weights if weights is not None else self.dense_weights(counts)
         x = tokens.to(self.compute_dtype)
         gate_and_up = grouped_linear(x, gate_up, tokens_per_expert, counts)
         gate, up = gate_and_up.chunk(2, dim=-1)

@@ -53,9 +53,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, routing: TopKRouting | None = None) -> torch.Tensor:
         """MoE output ``[T, H]`` for this rank's tokens; ``routing`` overrides the router."""
         routing = routing if routing is not None else self.route(hidden)
-        batch = self.exchange.dispatch(hidden, routing)
-        expert_output = self.experts(batch.tokens, batch.tokens_per_expert)
-        return self.exchange.combine(expert_output, batch)
+        return self.exchange.run(hidden, routing, self.experts)
 
 
 def dense_moe_reference(
