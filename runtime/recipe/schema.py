@@ -243,6 +243,19 @@ class TransportSection(Section):
     """Retries of a transient put/get failure."""
     retry_backoff_s: float = Field(0.5, gt=0)
     """First retry delay; doubles on each retry."""
+    connect_timeout_s: float = Field(300.0, gt=0)
+    """How long a Mooncake client waits for the master to answer before it fails (the trainer may
+    start before the capture node's master is up)."""
+    client_ttl_s: int = Field(10, ge=1)
+    """Master ``--client_ttl``: seconds a silent client's segment stays mounted; after a producer
+    crash its samples disappear from the store this long after its last heartbeat."""
+    poll_interval_s: float = Field(0.2, gt=0)
+    """How often a waiting trainer rank or a paused producer looks at the store again."""
+    wait_log_interval_s: float = Field(30.0, gt=0)
+    """Seconds between "still waiting" lines of a trainer rank waiting for a sample (or a producer
+    waiting for the cursor)."""
+    verify_checksums: bool = True
+    """Trainer ranks check each field's CRC-32 against the sample's ``meta`` (about 4 GiB/s per core)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""The two doors into the data plane: :func:`open_producer` (capture) and :func:`open_consumer` (trainer).
+
+Nobody else touches Mooncake. Endpoints come from the launcher's environment contract
+(``DSPARK_MOONCAKE_MASTER``, ``DSPARK_MOONCAKE_METADATA``, ``DSPARK_BIND_ADDRESS``) unless given
+explicitly (tests, tools). The master itself is started by the capture component through
+:mod:`runtime.transport.master` when ``capture.owns_master`` is set.
+
+Typical use::
+
+    with open_producer(resolved) as producer:            # capture node
+        while True:
+            for g in producer.wait_next(max_count=batch):
+                producer.commit(g, tensors_of(g), meta_of(g))
+
+    consumer = open_consumer(resolved, rank, world)        # each trainer rank
+    consumer.publish_cursor(cursor_from_checkpoint)        # rank 0, first thing
+    for g in consumer.samples_of_step(step):
+        sample = consumer.fetch(g, device)
+    ...optimizer step...
+    consumer.commit_step(step)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.transport.consumer import Consumer
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.producer import Producer
+from runtime.transport.store import ClientSettings, StoreClient
+
+PRODUCER_STATE_FILE = "producer_state.json"
+
+_FRESH_RUN = object()
+
+
+def producer_state_path(resolved: ResolvedRecipe) -> Path:
+    """Where the producer keeps the last cursor it saw (the job folder survives a producer restart)."""
+    return resolved.job_dir / "transport" / PRODUCER_STATE_FILE
+
+
+def open_producer(
+    resolved: ResolvedRecipe,
+    *,
+    endpoints: Endpoints | None = None,
+    start_cursor: int | None | object = _FRESH_RUN,
+    segment_bytes: int | None = None,
+    auto_heartbeat: bool = True,
+) -> Producer:
+    """Connect the capture node's producer: it mounts the global segment and owns the window.
+
+    ``start_cursor``: where to start when the store has no cursor and this job saw none before.
+    By default 0 for a fresh run and None (wait for the trainer to publish) when the recipe
+    resumes from a checkpoint.
+    """
+    recipe = resolved.recipe
+    endpoints = endpoints or Endpoints.from_env(recipe)
+    if start_cursor is _FRESH_RUN:
+        start_cursor = 0 if recipe.trainer.checkpoint.resume_from is None else None
+    segment = recipe.transport.global_segment_bytes if segment_bytes is None else segment_bytes
+    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, segment), name="producer").connect()
+    try:
+        return Producer(
+            client,
+            recipe,
+            state_path=producer_state_path(resolved),
+            start_cursor=start_cursor,  # type: ignore[arg-type]
+            auto_heartbeat=auto_heartbeat,
+        )
+    except BaseException:
+        client.close()
+        raise
+
+
+def open_consumer(
+    resolved: ResolvedRecipe,
+    rank: int,
+    world_size: int,
+    *,
+    endpoints: Endpoints | None = None,
+    start_cursor: int | None = None,
+) -> Consumer:
+    """Connect one trainer rank (no segment of its own: every sample lives on the capture node).
+
+    With ``start_cursor`` rank 0 publishes it at once (the cursor of the checkpoint it resumes
+    from, 0 for a fresh run); otherwise call :meth:`Consumer.publish_cursor` when it is known.
+    """
+    recipe = resolved.recipe
+    endpoints = endpoints or Endpoints.from_env(recipe)
+    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, 0), name=f"trainer rank {rank}").connect()
+    try:
+        consumer = Consumer(client, recipe, rank, world_size)
+        if start_cursor is not None and rank == 0:
+            consumer.publish_cursor(start_cursor)
+        return consumer
+    except BaseException:
+        client.close()
+        raise

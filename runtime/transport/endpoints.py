@@ -1,0 +1,89 @@
+"""Where the Mooncake master and metadata server are, and which address this process binds to.
+
+The launcher gives every component these through the environment (the one place the runtime reads
+them); tests and tools pass an :class:`Endpoints` explicitly instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from runtime.recipe.schema import Recipe
+
+ENV_MASTER = "DSPARK_MOONCAKE_MASTER"
+ENV_METADATA = "DSPARK_MOONCAKE_METADATA"
+ENV_BIND_ADDRESS = "DSPARK_BIND_ADDRESS"
+ENV_CAPTURE_HOST = "DSPARK_CAPTURE_HOST"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addresses one Mooncake client needs."""
+
+    master_address: str
+    """``host:rpc_port`` of ``mooncake_master``."""
+    metadata_url: str
+    """``http://host:port/metadata`` of the master's HTTP metadata server."""
+    bind_address: str
+    """This node's routable address (``MC_TCP_BIND_ADDRESS``, Mooncake's local hostname)."""
+
+    @property
+    def master_host(self) -> str:
+        """Host part of :attr:`master_address`."""
+        return self.master_address.rsplit(":", 1)[0]
+
+    @property
+    def master_rpc_port(self) -> int:
+        """Port part of :attr:`master_address`."""
+        return int(self.master_address.rsplit(":", 1)[1])
+
+    @classmethod
+    def on_host(cls, recipe: Recipe, master_host: str, bind_address: str) -> Endpoints:
+        """Endpoints of a master on ``master_host`` with the recipe's ports."""
+        tr = recipe.transport
+        return cls(
+            master_address=f"{master_host}:{tr.master_rpc_port}",
+            metadata_url=f"http://{master_host}:{tr.metadata_http_port}/metadata",
+            bind_address=bind_address,
+        )
+
+    @classmethod
+    def loopback(cls, recipe: Recipe) -> Endpoints:
+        """Everything on 127.0.0.1 (``--local`` mode and tests)."""
+        return cls.on_host(recipe, "127.0.0.1", "127.0.0.1")
+
+    @classmethod
+    def from_env(cls, recipe: Recipe, env: Mapping[str, str] | None = None) -> Endpoints:
+        """Endpoints from the launcher's environment contract.
+
+        ``DSPARK_MOONCAKE_MASTER`` / ``DSPARK_MOONCAKE_METADATA`` win; without them the master is
+        assumed on ``DSPARK_CAPTURE_HOST`` with the recipe's ports. ``DSPARK_BIND_ADDRESS`` is
+        required unless ``transport.bind_address`` is an explicit IP.
+        """
+        env = os.environ if env is None else env
+        bind = env.get(ENV_BIND_ADDRESS) or (
+            recipe.transport.bind_address if recipe.transport.bind_address != "auto" else ""
+        )
+        if not bind:
+            raise ValueError(
+                f"{ENV_BIND_ADDRESS} is not set and transport.bind_address is 'auto': this process does not "
+                "know which address to bind Mooncake to. The launcher sets it (the node's routable IP, "
+                "127.0.0.1 with --local); when running by hand, export DSPARK_BIND_ADDRESS=<this node's IP>"
+            )
+        host = env.get(ENV_CAPTURE_HOST, "")
+        master = env.get(ENV_MASTER) or (f"{host}:{recipe.transport.master_rpc_port}" if host else "")
+        metadata = env.get(ENV_METADATA) or (
+            f"http://{host}:{recipe.transport.metadata_http_port}/metadata" if host else ""
+        )
+        if not master or not metadata:
+            raise ValueError(
+                f"{ENV_MASTER} / {ENV_METADATA} are not set and neither is {ENV_CAPTURE_HOST}: this process "
+                "cannot find the Mooncake master. The launcher sets them; when running by hand, export "
+                f"{ENV_MASTER}=<capture host>:{recipe.transport.master_rpc_port} and "
+                f"{ENV_METADATA}=http://<capture host>:{recipe.transport.metadata_http_port}/metadata"
+            )
+        if ":" not in master or not master.rsplit(":", 1)[1].isdigit():
+            raise ValueError(f"{ENV_MASTER}={master!r} is not host:port; fix: set it to <capture host>:<rpc port>")
+        return cls(master_address=master, metadata_url=metadata, bind_address=bind)

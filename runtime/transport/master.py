@@ -1,0 +1,280 @@
+"""Lifecycle of ``mooncake_master``: start it from recipe values, wait until it answers, stop it.
+
+Flags checked against ``mooncake_master --help`` of 0.3.13.post1: ``--rpc_port``, ``--rpc_address``,
+``--enable_http_metadata_server``, ``--http_metadata_server_host``, ``--http_metadata_server_port``,
+``--metrics_port``, ``--metrics_host``, ``--default_kv_lease_ttl`` (milliseconds or ``5m``-style),
+``--eviction_high_watermark_ratio``, ``--client_ttl`` (seconds a silent client's segment stays
+mounted). With the HTTP metadata server on, no etcd is needed. Note: in this version the HTTP
+metadata server listens on all interfaces whatever ``--http_metadata_server_host`` says.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.recipe.schema import Recipe
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.errors import MasterStartError
+
+log = logging.getLogger("dspark.transport.master")
+
+MASTER_BINARY = "mooncake_master"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    """What ``mooncake_master`` is started with."""
+
+    host: str
+    """Address the RPC, metadata and metrics servers bind to (the capture node's routable IP)."""
+    rpc_port: int
+    metadata_http_port: int
+    metrics_port: int
+    kv_lease_ttl_s: int
+    eviction_high_watermark_ratio: float
+    client_ttl_s: int = 10
+    binary: str = MASTER_BINARY
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, host: str) -> MasterSettings:
+        """Settings from the recipe's ``transport`` section; eviction ratio = store cap / segment."""
+        tr = recipe.transport
+        return cls(
+            host=host,
+            rpc_port=tr.master_rpc_port,
+            metadata_http_port=tr.metadata_http_port,
+            metrics_port=tr.metrics_port,
+            kv_lease_ttl_s=tr.kv_lease_ttl_s,
+            eviction_high_watermark_ratio=eviction_ratio(tr.store_cap_bytes, tr.global_segment_bytes),
+            client_ttl_s=tr.client_ttl_s,
+        )
+
+    @property
+    def endpoints_for_clients(self) -> Endpoints:
+        """Endpoints a client on the master's node uses (bind address = master host)."""
+        return Endpoints(
+            master_address=f"{self.host}:{self.rpc_port}",
+            metadata_url=f"http://{self.host}:{self.metadata_http_port}/metadata",
+            bind_address=self.host,
+        )
+
+    def ports(self) -> dict[str, int]:
+        """Each port with the recipe field that sets it."""
+        return {
+            "transport.master_rpc_port": self.rpc_port,
+            "transport.metadata_http_port": self.metadata_http_port,
+            "transport.metrics_port": self.metrics_port,
+        }
+
+    def command(self) -> list[str]:
+        """The ``mooncake_master`` command line."""
+        return [
+            self.binary,
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={self.host}",
+            f"--http_metadata_server_port={self.metadata_http_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.kv_lease_ttl_s}s",
+            f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio:.6f}",
+            f"--client_ttl={self.client_ttl_s}",
+            *self.extra_args,
+        ]
+
+
+def eviction_ratio(store_cap_bytes: int, global_segment_bytes: int) -> float:
+    """The master's eviction high-watermark ratio: ``store_cap_bytes / global_segment_bytes``."""
+    if global_segment_bytes <= 0:
+        raise ValueError("transport.global_segment_bytes must be positive")
+    ratio = store_cap_bytes / global_segment_bytes
+    if not 0 < ratio <= 1:
+        raise ValueError(
+            f"eviction ratio transport.store_cap_bytes {store_cap_bytes} / transport.global_segment_bytes "
+            f"{global_segment_bytes} = {ratio:.3f} is outside (0, 1]; make the store cap at most the segment"
+        )
+    return ratio
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` cannot be bound right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _die_with_parent() -> None:
+    # The master must not outlive the capture process that owns it: an orphan would hold the ports
+    # and a stale, empty store across a restart.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class MasterProcess:
+    """A running ``mooncake_master``; use as a context manager or call start/stop."""
+
+    def __init__(self, settings: MasterSettings, log_path: Path | None = None, die_with_parent: bool = True) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.die_with_parent = die_with_parent
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id while running."""
+        return self.process.pid if self.process else None
+
+    def start(self, ready_timeout_s: float = 30.0) -> MasterProcess:
+        """Start the master and wait until it answers; MasterStartError names the port on failure."""
+        s = self.settings
+        binary = shutil.which(s.binary)
+        if binary is None:
+            raise MasterStartError(
+                f"{s.binary} is not on PATH; install the Mooncake wheel (pip install "
+                "mooncake-transfer-engine-non-cuda==0.3.13.post1, or mooncake-transfer-engine on GPU nodes) "
+                "into the environment the capture component runs in"
+            )
+        for name, port in s.ports().items():
+            if port_in_use(s.host, port):
+                raise MasterStartError(
+                    f"cannot start mooncake_master: port {port} ({name}) on {s.host} is already in use. Another "
+                    f"master (or another program) holds it; stop it (ss -ltnp 'sport = :{port}' shows the owner) or "
+                    f"choose a free port for {name} in the recipe"
+                )
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        command = [binary, *s.command()[1:]]
+        log.info("starting mooncake_master: %s", " ".join(command))
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        try:
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("mooncake_master ready (pid %d) on %s rpc %d metadata %d metrics %d", self.process.pid, s.host,
+                 s.rpc_port, s.metadata_http_port, s.metrics_port)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the RPC port accepts, the metadata server answers and /health says ready."""
+        deadline = time.monotonic() + timeout_s
+        problem = "not started"
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise MasterStartError(self._exit_message())
+            problem = self.check()
+            if not problem:
+                return
+            time.sleep(0.1)
+        raise MasterStartError(
+            f"mooncake_master (pid {self.pid}) did not become ready within {timeout_s:.0f} s: {problem}; "
+            f"see {self.log_path or 'its output'}"
+        )
+
+    def check(self) -> str:
+        """Empty when the master answers on all three ports; else what does not."""
+        s = self.settings
+        try:
+            with socket.create_connection((s.host, s.rpc_port), timeout=1.0):
+                pass
+        except OSError as exc:
+            return f"RPC port {s.host}:{s.rpc_port} refuses connections ({exc.strerror or exc})"
+        try:
+            urllib.request.urlopen(f"http://{s.host}:{s.metadata_http_port}/metadata?key=dspark_probe", timeout=1.0)
+        except urllib.error.HTTPError:
+            pass  # 404: up
+        except (urllib.error.URLError, OSError) as exc:
+            return f"metadata server {s.host}:{s.metadata_http_port} does not answer ({exc})"
+        try:
+            with urllib.request.urlopen(f"http://{s.host}:{s.metrics_port}/health", timeout=1.0) as resp:
+                health = json.loads(resp.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return f"metrics port {s.host}:{s.metrics_port} /health does not answer ({exc})"
+        if not health.get("service_ready", False):
+            return f"/health says not ready: {health}"
+        return ""
+
+    def _exit_message(self) -> str:
+        s = self.settings
+        code = self.process.returncode if self.process else None
+        tail = self.log_tail()
+        culprit = ""
+        for name, port in s.ports().items():
+            if f":{port}" in tail and ("in use" in tail or "Failed to start" in tail or "bind" in tail.lower()):
+                culprit = f" Port {port} ({name}) on {s.host} could not be bound: another process holds it."
+                break
+        return (
+            f"mooncake_master exited with code {code} while starting.{culprit} Last output:\n{tail}"
+            if tail else f"mooncake_master exited with code {code} while starting.{culprit}"
+        )
+
+    def log_tail(self, max_chars: int = 2000) -> str:
+        """The end of the master's log file (empty without one)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        if self._log_file:
+            self._log_file.flush()
+        text = self.log_path.read_bytes()[-max_chars:].decode(errors="replace")
+        return text
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        code = None
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("mooncake_master (pid %d) ignored SIGTERM for %.0f s; killing it", self.process.pid,
+                                timeout_s)
+                    self.process.kill()
+                    self.process.wait()
+            code = self.process.returncode
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL at once (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> MasterProcess:
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,419 @@
+"""The producer side of the data plane: which g to capture next, commit, pause/resume, heartbeat.
+
+The producer process owns the store's memory: its Mooncake client mounts the global segment, so its
+own puts are local copies (Mooncake's same-process memcpy path) and trainer ranks on the other node
+read over the network. Its state is rebuilt from the store by *reconciliation*, never from a log:
+every :meth:`Producer.refresh` reads the cursor, scans the keys of the window, drops what is below
+the cursor (consumed but not deleted) or half-written (a crash between a field and its ``meta``),
+and the window then names the missing g in order. That is also all a restart needs:
+
+- trainer restarts: it republishes its checkpoint's cursor; the scan finds the deleted samples
+  missing and they are captured again, in order;
+- producer restarts: its segment (and every sample in it) is gone once the master expires it; it
+  takes the cursor from the store, or from the trainer's republication, or from the last cursor it
+  saw (``producer_state.json`` in the job folder), and refills;
+- master restarts: the store is empty; the producer keeps working from the cursor it last saw, the
+  trainer's rank 0 republishes the cursor when it finds it missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.recipe.loader import atomic_write_text
+from runtime.recipe.schema import Recipe
+from runtime.transport.contract import META_FIELD, TENSOR_FIELDS, cursor_key, heartbeat_key, sample_key
+from runtime.transport.errors import TransportError
+from runtime.transport.records import Cursor, Heartbeat
+from runtime.transport.sample_format import (
+    build_meta,
+    decode_meta,
+    describe_field,
+    encode_meta,
+    sample_keys,
+)
+from runtime.transport.store import StoreClient
+from runtime.transport.window import WindowLimits, WindowState
+
+log = logging.getLogger("dspark.transport.producer")
+
+CONTRACT_DTYPES: dict[str, torch.dtype] = {
+    "ids": torch.int64,
+    "mask": torch.uint8,
+    "hs": torch.bfloat16,
+    "lhs": torch.bfloat16,
+}
+"""DESIGN section 4: the dtype of every tensor field."""
+
+
+class Producer:
+    """Producer API (implements :class:`runtime.transport.contract.SampleProducer`)."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        recipe: Recipe,
+        *,
+        store_id: str | None = None,
+        state_path: Path | None = None,
+        start_cursor: int | None = None,
+        auto_heartbeat: bool = True,
+    ) -> None:
+        self.client = client
+        self.recipe = recipe
+        self.store_id = store_id or recipe.store_id
+        self.state_path = state_path
+        self.start_cursor = start_cursor
+        tr = recipe.transport
+        self.poll_interval_s = tr.poll_interval_s
+        self.wait_log_interval_s = tr.wait_log_interval_s
+        self.heartbeat_interval_s = tr.heartbeat_interval_s
+        self.window = WindowState(WindowLimits.from_recipe(recipe))
+        self._bytes: dict[int, int] = {}
+        self._lock = threading.RLock()
+        self._staging: dict[str, torch.Tensor] = {}
+        self._started = time.time()
+        self._sequence = 0
+        self._committed_total = 0
+        self._commit_times: list[float] = []
+        self._last_commit_time: float | None = None
+        self._errors = 0
+        self._last_error = ""
+        self._waiting_for = ""
+        self._extra_stats: dict[str, Any] = {}
+        self._last_progress_log = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        if auto_heartbeat:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="dspark-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
+
+    # -- SampleProducer ---------------------------------------------------------------------
+
+    def next_to_capture(self) -> int | None:
+        """The next g the window needs (claimed: a second call returns the one after), or None
+        while paused or while no cursor is known."""
+        batch = self.next_batch(1)
+        return batch[0] if batch else None
+
+    def next_batch(self, max_count: int) -> list[int]:
+        """Up to ``max_count`` g to capture, in order, claimed for this producer."""
+        self.refresh()
+        with self._lock:
+            return self.window.claim(max_count)
+
+    def wait_next(self, max_count: int = 1, timeout_s: float | None = None) -> list[int]:
+        """Block until some g can be captured (logging why it waits); empty after ``timeout_s``."""
+        start = time.monotonic()
+        last_log = start
+        while not self._stop.is_set():
+            batch = self.next_batch(max_count)
+            if batch:
+                return batch
+            now = time.monotonic()
+            if timeout_s is not None and now - start >= timeout_s:
+                return []
+            if now - last_log >= self.wait_log_interval_s:
+                log.info("producer idle for %.0f s: %s", now - start, self.describe_wait())
+                last_log = now
+            time.sleep(self.poll_interval_s)
+        return []
+
+    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+        """Write every tensor field of sample g, then ``meta`` last (idempotent upsert).
+
+        Returns the bytes written (0 when ``g`` is already below the cursor: nobody needs it).
+        """
+        try:
+            missing = [name for name in TENSOR_FIELDS if name not in tensors]
+            if missing:
+                raise ValueError(f"sample g={g}: fields {missing} are missing; a sample has {list(TENSOR_FIELDS)}")
+            cursor = self._read_cursor()
+            if cursor is not None and g < cursor.value:
+                log.info("sample g=%d is below the cursor %d (the trainer moved on); not written", g, cursor.value)
+                with self._lock:
+                    self.window.release(g)
+                return 0
+            host = [self._to_host(g, name, tensors[name]) for name in TENSOR_FIELDS]
+            layouts = [describe_field(name, t) for name, t in zip(TENSOR_FIELDS, host, strict=True)]
+            full_meta = build_meta(g, layouts, meta)
+            meta_bytes = encode_meta(full_meta)
+            keys = [sample_key(self.store_id, g, name) for name in TENSOR_FIELDS]
+            self.client.put_tensors(keys, host, what=f"sample g={g}")
+            # meta last: a reader that sees it can read every field.
+            self.client.put_bytes(sample_key(self.store_id, g, META_FIELD), meta_bytes)
+        except BaseException as exc:
+            with self._lock:
+                self.window.release(g)
+                self._errors += 1
+                self._last_error = f"commit g={g}: {exc}"[:300]
+            raise
+        total = int(full_meta["sample_bytes"]) + len(meta_bytes)
+        now = time.time()
+        with self._lock:
+            self._bytes[g] = total
+            self.window.committed(g, total)
+            self._committed_total += 1
+            self._last_commit_time = now
+            self._commit_times = [t for t in self._commit_times if now - t < 60.0] + [now]
+        return total
+
+    def release(self, g: int) -> None:
+        """Give back a claimed g whose capture failed (it will be offered again)."""
+        with self._lock:
+            self.window.release(g)
+
+    def heartbeat(self, stats: Mapping[str, Any] | None = None) -> None:
+        """Upsert the heartbeat now; ``stats`` (engine rates, ...) are kept for later beats too."""
+        with self._lock:
+            if stats:
+                self._extra_stats.update(stats)
+            beat = self._make_heartbeat()
+        self.client.put_bytes(heartbeat_key(self.store_id), beat.encode())
+
+    # -- reconciliation ---------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Rebuild the window from the store: cursor, complete samples, garbage, half-written."""
+        cursor = self._current_cursor()
+        if cursor is None:
+            with self._lock:
+                self._waiting_for = "the trainer to publish the cursor"
+            return
+        for _ in range(3):
+            present, partial = self._scan(cursor)
+            again = self._current_cursor()
+            if again == cursor:
+                break
+            cursor = again  # a rank committed a step while we scanned; its deletions are not holes
+            if cursor is None:
+                return
+        with self._lock:
+            was_paused = self.window.paused
+            self.window.observe(cursor, present)
+            partial = [g for g in partial if g not in self.window.in_flight]
+            garbage = self.window.garbage()
+        if partial:
+            log.info("removing %d half-written samples (fields without meta): %s", len(partial), partial[:8])
+            self.client.remove([k for g in partial for k in sample_keys(self.store_id, g)])
+        if garbage:
+            self.client.remove([k for g in garbage for k in sample_keys(self.store_id, g)])
+            with self._lock:
+                self.window.removed(garbage)
+        with self._lock:
+            victims = self.window.tail_victims()
+        if victims:
+            log.warning(
+                "the next step's samples are missing while the store is at its watermark; dropping %d samples "
+                "from the far end of the window to make room: %s", len(victims), victims[:8]
+            )
+            self.client.remove([k for g in victims for k in sample_keys(self.store_id, g)])
+            with self._lock:
+                self.window.removed(victims)
+        with self._lock:
+            if self.window.paused != was_paused:
+                if self.window.paused:
+                    log.info("producer paused: %s", self.window.pause_reason())
+                else:
+                    log.info(
+                        "producer resumed: %d samples / %d bytes resident", self.window.resident_samples,
+                        self.window.resident_bytes,
+                    )
+            self._waiting_for = self.window.pause_reason()
+        self._maybe_log_progress()
+
+    def _current_cursor(self) -> int | None:
+        stored = self._read_cursor()
+        with self._lock:
+            known = self.window.cursor
+        if stored is not None:
+            if stored.value != known:
+                self._save_state(stored.value)
+            return stored.value
+        if known is not None:
+            return known  # the store lost it (master restart): keep working from the last one seen
+        saved = self._load_state()
+        if saved is not None:
+            log.info("no cursor in the store; starting from the last cursor this job saw (%d)", saved)
+            return saved
+        if self.start_cursor is not None:
+            return self.start_cursor
+        return None
+
+    def _read_cursor(self) -> Cursor | None:
+        try:
+            raw = self.client.get_bytes(cursor_key(self.store_id))
+        except TransportError as exc:
+            log.warning("cannot read the cursor: %s", exc)
+            return None
+        if raw is None:
+            return None
+        try:
+            return Cursor.decode(raw)
+        except ValueError as exc:
+            log.warning("ignoring an unreadable cursor object: %s", exc)
+            return None
+
+    def _scan(self, cursor: int) -> tuple[dict[int, int], list[int]]:
+        """Complete samples (g -> bytes) and half-written ones in and around the window."""
+        high = self.window.limits.high_samples
+        with self._lock:
+            known = set(self.window.resident) | set(self.window.in_flight)
+        candidates = sorted(set(range(max(0, cursor - high), cursor + 2 * high)) | known)
+        keys = [k for g in candidates for k in sample_keys(self.store_id, g)]
+        exists = self.client.exist(keys)
+        per = len(TENSOR_FIELDS) + 1
+        present: dict[int, int] = {}
+        partial: list[int] = []
+        for index, g in enumerate(candidates):
+            flags = exists[index * per : (index + 1) * per]
+            if all(flags):
+                present[g] = self._bytes.get(g) or self._bytes_from_meta(g)
+            elif any(flags):
+                partial.append(g)
+        return present, partial
+
+    def _bytes_from_meta(self, g: int) -> int:
+        key = sample_key(self.store_id, g, META_FIELD)
+        raw = self.client.get_bytes(key)
+        if raw is None:
+            return 0
+        try:
+            meta = decode_meta(g, key, raw)
+        except TransportError:
+            return 0
+        num_bytes = int(meta.get("sample_bytes", 0)) + len(raw)
+        self._bytes[g] = num_bytes
+        return num_bytes
+
+    def _load_state(self) -> int | None:
+        if self.state_path is None or not self.state_path.exists():
+            return None
+        try:
+            data = json.loads(self.state_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if data.get("store_id") != self.store_id:
+            return None
+        value = data.get("cursor")
+        return value if isinstance(value, int) and value >= 0 else None
+
+    def _save_state(self, cursor: int) -> None:
+        if self.state_path is None:
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(
+            self.state_path,
+            json.dumps({"store_id": self.store_id, "cursor": cursor, "saved_at": time.time()}) + "\n",
+        )
+
+    # -- host staging -----------------------------------------------------------------------
+
+    def _to_host(self, g: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        expected = CONTRACT_DTYPES[name]
+        if tensor.dtype != expected:
+            raise ValueError(
+                f"sample g={g}: field {name} has dtype {tensor.dtype}, the capture contract says {expected} "
+                "(DESIGN section 4); convert it before commit"
+            )
+        if tensor.device.type == "cpu":
+            return tensor.contiguous()
+        # Device tensors land in a reusable pinned buffer per field (one D2H copy, no allocation).
+        num_bytes = tensor.numel() * tensor.element_size()
+        buf = self._staging.get(name)
+        if buf is None or buf.numel() < num_bytes:
+            buf = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._staging[name] = buf
+        host = buf[:num_bytes].view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor)
+        return host
+
+    # -- heartbeat and progress -------------------------------------------------------------
+
+    def _make_heartbeat(self) -> Heartbeat:
+        self._sequence += 1
+        now = time.time()
+        recent = [t for t in self._commit_times if now - t < 60.0]
+        span = (now - recent[0]) if len(recent) > 1 else 0.0
+        return Heartbeat(
+            time=now,
+            sequence=self._sequence,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            cursor=self.window.cursor,
+            window_end=self.window.window_end,
+            resident_samples=len(self.window.resident),
+            resident_bytes=self.window.resident_bytes,
+            in_flight=len(self.window.in_flight),
+            paused=self.window.paused,
+            committed_total=self._committed_total,
+            last_commit_time=self._last_commit_time,
+            rate_samples_per_s=(len(recent) - 1) / span if span > 0 else 0.0,
+            errors=self._errors,
+            last_error=self._last_error,
+            waiting_for=self._waiting_for,
+            stats=dict(self._extra_stats),
+        )
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(0 if self._sequence == 0 else self.heartbeat_interval_s):
+            try:
+                self.heartbeat()
+            except Exception as exc:  # a failed beat must not kill the producer; the next one retries
+                with self._lock:
+                    self._errors += 1
+                    self._last_error = f"heartbeat: {exc}"[:300]
+                log.warning("heartbeat failed: %s", exc)
+
+    def stats(self) -> dict[str, Any]:
+        """Window and rate numbers (what the heartbeat publishes)."""
+        with self._lock:
+            beat = self._make_heartbeat()
+            self._sequence -= 1
+        return {k: v for k, v in beat.__dict__.items() if k not in ("pid", "host", "stats")}
+
+    def describe_wait(self) -> str:
+        """Why the producer has nothing to capture right now."""
+        with self._lock:
+            if self.window.cursor is None:
+                return "waiting for the trainer to publish the cursor (no cursor in the store, none saved by this job)"
+            if self.window.paused:
+                return f"paused: {self.window.pause_reason()}"
+            return f"window [{self.window.cursor}, {self.window.window_end}) is full or in flight"
+
+    def _maybe_log_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress_log < self.wait_log_interval_s:
+            return
+        self._last_progress_log = now
+        s = self.stats()
+        log.info(
+            "producer: %d samples committed (%.2f/s over the last minute), window [%s, %s), resident %d samples / "
+            "%d bytes, %s", s["committed_total"], s["rate_samples_per_s"], s["cursor"], s["window_end"],
+            s["resident_samples"], s["resident_bytes"], "PAUSED" if s["paused"] else "capturing",
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the heartbeat and release the client (the segment, and every sample, leaves the store)."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5.0)
+        self.client.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
