@@ -79,9 +79,10 @@ def import_backend_module(module: str, backend: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever the package printed
         raise ExchangeUnavailableError(
             f"MoE exchange '{backend}' (capture.moe_exchange or --k3-moe-exchange) needs "
-            f"{BACKEND_PACKAGES.get(backend, module)}, but `import {module}` failed here: {exc}. "
+            f"{BACKEND_PACKAGES.get(backend, module)}, but `import {module}` failed here: {reason}. "
             f"fix: install a {backend} build compiled for this model's shapes (Kimi K3: hidden 3,584, "
             "top-k 16), or use the default exchange: --k3-moe-exchange nccl (recipe: capture.moe_exchange: nccl)"
         ) from exc
