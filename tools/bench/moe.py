@@ -171,10 +171,10 @@ def bench_exchange_local(shapes: Shapes, token_counts: list[int], device: torch.
 
 def bench_exchange_multi(shapes: Shapes, token_counts: list[int], repeats: int) -> None:
     """Dispatch/combine over NCCL vs a plain all_to_all_single of the same bytes (torchrun)."""
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device)  # before the NCCL group, so it binds this rank's GPU
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
     multi = Shapes(shapes.hidden, shapes.intermediate, shapes.num_experts // world, shapes.num_experts, shapes.top_k, world)
     exchange = AllToAllExchange(dist.group.WORLD, multi.num_experts)
     if rank == 0:
