@@ -17,6 +17,7 @@ Examples::
     python -m tools.bench.moe --quick
     python -m tools.bench.moe --mode experts --mode exchange-local
     torchrun --nproc-per-node 2 -m tools.bench.moe --mode exchange-multi
+    torchrun --nproc-per-node 2 -m tools.bench.moe --quick --mode exchange-multi   # CPU, gloo
 """
 
 from __future__ import annotations
@@ -169,35 +170,46 @@ def bench_exchange_local(shapes: Shapes, token_counts: list[int], device: torch.
         )
 
 
-def bench_exchange_multi(shapes: Shapes, token_counts: list[int], repeats: int) -> None:
-    """Dispatch/combine over NCCL vs a plain all_to_all_single of the same bytes (torchrun)."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)  # before the NCCL group, so it binds this rank's GPU
-    dist.init_process_group("nccl", device_id=device)
+def bench_exchange_multi(shapes: Shapes, token_counts: list[int], repeats: int, on_cpu: bool = False) -> None:
+    """Dispatch/combine vs a plain all_to_all_single of the same bytes, under torchrun: NCCL on
+    GPUs, or gloo on CPU (``on_cpu``, the --quick form that proves the mode runs)."""
+    if on_cpu:
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo")
+    else:
+        device, dtype = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), torch.bfloat16
+        torch.cuda.set_device(device)  # before the NCCL group, so it binds this rank's GPU
+        dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     multi = Shapes(shapes.hidden, shapes.intermediate, shapes.num_experts // world, shapes.num_experts, shapes.top_k, world)
     exchange = AllToAllExchange(dist.group.WORLD, multi.num_experts)
     if rank == 0:
-        print(f"exchange-multi: {world} ranks (NCCL), top-{multi.top_k} of {multi.num_experts}, hidden {multi.hidden}, bf16")
+        print(
+            f"exchange-multi: {world} ranks ({dist.get_backend()}), top-{multi.top_k} of {multi.num_experts}, "
+            f"hidden {multi.hidden}, {dtype}"
+        )
         print(
             f"  {'tokens/rank':>11} {'rows sent':>9} {'dispatch ms':>11} {'combine ms':>10} {'GB/s':>7} "
             f"{'a2a ms':>7} {'a2a GB/s':>8} {'(d+c)/(2 a2a)':>13}"
         )
     for tokens in token_counts:
-        hidden = torch.randn(tokens, multi.hidden, device=device, dtype=torch.bfloat16)
+        hidden = torch.randn(tokens, multi.hidden, device=device, dtype=dtype)
         routing = random_routing(tokens, multi, device, seed=rank)
         batch = exchange.dispatch(hidden, routing)
         expert_out = batch.tokens.clone()
         dispatch_s = timed(lambda h=hidden, r=routing: exchange.dispatch(h, r), device, repeats, warmup=2)
         combine_s = timed(lambda b=batch, y=expert_out: exchange.combine(y, b), device, repeats, warmup=2)
         rows_sent = sum(batch.state.plan.send_counts)
-        payload = rows_sent * multi.hidden * 2
-        # Baseline: the same number of bytes in one even all_to_all_single.
-        per_peer = -(-rows_sent // world)
-        flat = torch.randn(per_peer * world, multi.hidden, device=device, dtype=torch.bfloat16)
+        payload = rows_sent * multi.hidden * hidden.element_size()
+        # Baseline: the same number of bytes in one even all_to_all_single; its splits must match
+        # on every rank, so all use the largest rank's row count.
+        largest = torch.tensor([rows_sent], dtype=torch.int64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        per_peer = -(-int(largest.item()) // world)
+        flat = torch.randn(per_peer * world, multi.hidden, device=device, dtype=dtype)
         out = torch.empty_like(flat)
         a2a_s = timed(lambda o=out, f=flat: dist.all_to_all_single(o, f), device, repeats, warmup=2)
-        stats = torch.tensor([dispatch_s, combine_s, a2a_s, float(payload), float(rows_sent)], device=device)
+        stats = torch.tensor([dispatch_s, combine_s, a2a_s, float(payload), float(rows_sent)], dtype=torch.float64, device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the layer's pace
         d, c, a, nbytes, rows = stats.tolist()
         if rank == 0:
@@ -219,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         device, dtype = torch.device("cpu"), torch.float32
         modes = args.mode or ["experts", "exchange-local"]
-        if "exchange-multi" in modes:
-            parser.error("exchange-multi needs GPUs and torchrun; it has no --quick form")
         tokens = args.tokens or [256, 1024]
+        if "exchange-multi" in modes:  # torchrun on CPU over gloo
+            bench_exchange_multi(QUICK, tokens, args.repeats, on_cpu=True)
+            return 0
         if "experts" in modes:
             bench_experts(QUICK, tokens, device, dtype, args.repeats)
         if "exchange-local" in modes:
