@@ -421,6 +421,12 @@ class TrainerSection(Section):
     """Gradient reduction dtype."""
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     """auto: flex_attention with a block mask on GPU, SDPA with an explicit mask on CPU."""
+    sample_source: Literal["mooncake", "files"] = "mooncake"
+    """Where trainer ranks get samples: ``mooncake`` (the data plane; the default) or ``files`` (a
+    folder of per-sample safetensors files written by tests or tools, no capture component)."""
+    sample_dir: str | None = None
+    """Folder of ``{g:012d}.safetensors`` samples for ``sample_source: files`` (relative to the
+    repository unless absolute)."""
     embed_tensor_name: str = "model.embed_tokens.weight"
     """Name of the frozen token embedding in the target checkpoint."""
     lm_head_tensor_name: str = "lm_head.weight"

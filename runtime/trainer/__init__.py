@@ -1,1 +1,22 @@
-"""DSpark trainer: draft model and loss, FSDP2, LR schedules, checkpoints, metrics."""
+"""The DSpark trainer (DESIGN sections 5-7): draft model and loss, FSDP2, LR schedules, checkpoints,
+metrics. Entry point: ``python -m runtime.trainer --recipe RESOLVED``.
+
+Modules, one job each:
+
+- ``layout``: anchors, block slots, labels, eval mask and slot weights of one sample
+- ``attention_mask``: the DSpark block mask (dense for SDPA, BlockMask for flex_attention)
+- ``rope``: rotary embeddings (plain, linear, dynamic NTK, YaRN)
+- ``model``: the draft (Qwen3-style layers, context projection, Markov and confidence heads)
+- ``vocab_objective``: the chunked CE + L1 terms with their gradients, never materialising
+  ``[blocks, slots, vocab]`` in fp32
+- ``objective``: the whole DSpark loss of one sample (vocabulary terms + confidence BCE + metrics)
+- ``frozen_vocab``: the target's embedding and lm_head, read by tensor name
+- ``schedules``: learning-rate schedules with a checkpointable state
+- ``checkpoints``: torch.distributed.checkpoint save/load, ``trainer_state.json``, ``latest``, keep-K
+- ``export``: the draft as safetensors + config.json in SGLang's DSpark draft layout
+- ``metrics``: metrics.jsonl, TensorBoard, W&B, progress lines
+- ``guard``: the finite-update guard
+- ``gate``: the smoke gate's ``trainer_gate.json``
+- ``sources``: where samples come from (the Mooncake data plane, or a folder of files for tests)
+- ``loop``: the training loop that ties these together
+"""

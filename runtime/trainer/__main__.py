@@ -1,0 +1,37 @@
+"""``python -m runtime.trainer --recipe RESOLVED``: one DSpark trainer rank.
+
+Reads only the resolved recipe and the launcher's environment contract (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DSPARK_JOB_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.recipe import load_resolved
+from runtime.trainer.settings import derive_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one trainer rank; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.trainer", description=__doc__)
+    parser.add_argument("--recipe", required=True, help="resolved recipe JSON written by the launcher")
+    args = parser.parse_args(argv)
+    resolved = load_resolved(args.recipe)
+    settings = derive_settings(resolved)
+
+    from runtime.trainer.loop import Trainer  # torch-heavy: after the cheap checks
+
+    trainer = Trainer(resolved, settings)
+    try:
+        return trainer.run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

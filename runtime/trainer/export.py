@@ -1,0 +1,153 @@
+"""Export the draft as ``model.safetensors`` + ``config.json`` for SGLang's DSpark draft loader.
+
+Checked against the pinned release, sglang 0.5.23 (``srt/models/dspark.py``, ``srt/models/dflash.py``,
+``srt/speculative/dspark_components/dspark_config.py``, ``srt/speculative/dflash_utils.py``;
+``tests/test_trainer_export.py`` re-parses them from the wheel when it is present):
+
+Tensor names (no ``model.`` prefix; SGLang strips one if present), with ``i`` the draft layer:
+
+- ``fc.weight`` ``[H, n_aux * H]``, ``hidden_norm.weight``, ``norm.weight``
+- ``layers.i.input_layernorm.weight``, ``layers.i.post_attention_layernorm.weight``
+- ``layers.i.self_attn.{q,k,v,o}_proj.weight`` (SGLang stacks q/k/v into ``qkv_proj``),
+  ``layers.i.self_attn.{q,k}_norm.weight``
+- ``layers.i.mlp.{gate,up,down}_proj.weight`` (SGLang stacks gate/up into ``gate_up_proj``)
+- ``markov_head.markov_w1.weight`` ``[V, r]``, ``markov_head.markov_w2.weight`` ``[V, r]``
+  (``gate_proj`` for ``gated``, ``joint_proj`` for ``rnn``); matched by exact name, unknown
+  Markov names are an error there
+- ``confidence_head.proj.weight`` ``[1, H + r]``, ``confidence_head.proj.bias`` ``[1]``; all of them
+  are required when ``enable_confidence_head`` is on
+- not exported: ``embed_tokens`` / ``lm_head`` (SGLang attaches the target's), rotary tables
+
+Note that SGLang's DFlash loader silently ignores names it does not know, so a wrong name would
+serve an uninitialised draft: the test compares the full name set.
+
+Config keys SGLang reads (through transformers' ``AutoConfig`` with ``model_type: qwen3``):
+``architectures: [Qwen3DSparkModel]``, the Qwen3 shape keys, ``rope_theta`` / ``rope_scaling``,
+``dflash_config.{block_size, target_layer_ids, num_target_layers, mask_token_id, markov_rank,
+markov_head_type}`` (also mirrored at the top level, where DeepSpec's own config keeps them),
+``enable_confidence_head`` and ``confidence_head_with_markov``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from runtime.recipe.schema import Recipe
+from runtime.trainer.distributed import barrier
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+ARCHITECTURE = "Qwen3DSparkModel"
+IGNORED_ON_IMPORT = ("embed_tokens.", "lm_head.", "rotary_emb.")
+"""Name prefixes (after an optional ``model.``) that a draft checkpoint may carry and we ignore,
+as SGLang does: the frozen vocabulary tensors come from the target."""
+
+
+def draft_config(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the exported draft."""
+    draft = recipe.trainer.draft
+    capture = recipe.capture
+    rope_scaling = None
+    if draft.rope_scaling is not None:
+        rope_scaling = {
+            "rope_type": draft.rope_scaling.type,
+            "factor": draft.rope_scaling.factor,
+            "original_max_position_embeddings": draft.rope_scaling.original_max_position_embeddings,
+            "beta_fast": draft.rope_scaling.beta_fast,
+            "beta_slow": draft.rope_scaling.beta_slow,
+        }
+    dspark = {
+        "block_size": draft.block_size,
+        "target_layer_ids": list(capture.aux_layer_ids),
+        "num_target_layers": capture.num_target_layers,
+        "mask_token_id": draft.mask_token_id,
+        "markov_rank": draft.markov_rank,
+        "markov_head_type": draft.markov_type,
+    }
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": draft.hidden_size,
+        "intermediate_size": draft.intermediate_size,
+        "num_hidden_layers": draft.num_layers,
+        "num_attention_heads": draft.num_attention_heads,
+        "num_key_value_heads": draft.num_key_value_heads,
+        "head_dim": draft.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": draft.rms_norm_eps,
+        "attention_bias": draft.attention_bias,
+        "rope_theta": draft.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": draft.max_position_embeddings,
+        "vocab_size": capture.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": capture.special_tokens.bos_id,
+        "eos_token_id": capture.special_tokens.eos_id,
+        "pad_token_id": capture.special_tokens.pad_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        **dspark,
+        "dflash_config": dspark,
+        "num_anchors": recipe.trainer.loss.num_anchors,
+        "enable_confidence_head": draft.confidence_head,
+        "confidence_head_with_markov": draft.confidence_head and draft.confidence_uses_markov_embedding,
+    }
+
+
+def export_draft(
+    model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype: torch.dtype, is_main: bool
+) -> Path:
+    """Write ``target/`` (collective: every rank calls it; rank 0 writes). Returns ``target``."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        tmp = target.with_name(f".tmp-{target.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tensors = {name: tensor.detach().to(dtype).contiguous() for name, tensor in full.items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-recipes"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(draft_config(recipe, dtype), indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    barrier()
+    return target
+
+
+def _normalise(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def read_exported_weights(path: Path, expected: set[str]) -> dict[str, torch.Tensor]:
+    """Full tensors of an exported draft (ours, or any with the same names), checked against the
+    model's names: a missing or unknown tensor is an error that lists them."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise FileNotFoundError(
+            f"trainer.checkpoint.init_from {path}: neither a checkpoint (step_NNNNNNNN with trainer_state.json) "
+            "nor a folder with *.safetensors draft weights"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle:
+                key = _normalise(name)
+                if key.startswith(IGNORED_ON_IMPORT):
+                    continue
+                tensors[key] = handle.get_tensor(name).to(torch.float32)
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"trainer.checkpoint.init_from {path}: the draft weights do not match this recipe's draft; "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unknown {unknown[:8]}"
+            f"{'...' if len(unknown) > 8 else ''}; fix: warm-start from a draft with the recipe's architecture"
+        )
+    return tensors

@@ -1,0 +1,319 @@
+"""The DSpark draft (DESIGN section 5): Qwen3-style decoder layers over dual-source keys/values.
+
+- Context: ``H_ctx = hidden_norm(fc(concat(aux layers)))``, ``fc`` without bias.
+- Queries are the block slots (anchor token, then mask tokens) embedded with the frozen target
+  embedding. In every layer, keys/values are ``[k_proj(H_ctx); k_proj(x)]`` (same for v) with the
+  layer's shared projections, ``k_norm`` on both, RoPE at context positions ``0..T-1`` and slot
+  positions ``anchor + k``; the block mask of :mod:`runtime.trainer.attention_mask` decides who sees
+  what. The context enters each layer as is (no ``input_layernorm``: it is normalised already).
+- ``norm`` gives the post-norm draft hidden: the input of the frozen lm_head and of the confidence head.
+- Markov head (``vanilla``: ``bias = W2(W1[prev])``; ``gated`` and ``rnn`` as SGLang runs them).
+- Confidence head: ``Linear(H + r -> 1)`` on ``[post-norm hidden; W1[prev]]``.
+
+Module and parameter names equal the tensor names of SGLang's DSpark draft loader (see
+:mod:`runtime.trainer.export`), so export is a rename-free state dict.
+
+The frozen embedding and lm_head are non-persistent buffers of the root module: FSDP2 does not
+shard them, checkpoints and exports do not carry them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.recipe.schema import DraftConfig
+from runtime.trainer.attention_mask import dense_block_mask, flex_block_mask, padded_context_length
+from runtime.trainer.layout import BlockLayout
+from runtime.trainer.objective import LossCoefficients, SampleTerms, sample_objective
+from runtime.trainer.rope import apply_rotary, cos_sin, inverse_frequencies
+
+INIT_STD = 0.02
+"""Normal init std of linear and embedding weights (the Qwen3 ``initializer_range``)."""
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, weight applied in the input dtype (as Qwen3 does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer's attention shares for one sample."""
+
+    cos_ctx: torch.Tensor
+    sin_ctx: torch.Tensor
+    cos_draft: torch.Tensor
+    sin_draft: torch.Tensor
+    backend: str
+    """``sdpa`` or ``flex``."""
+    mask: Any
+    """bool [Q, ctx_len + Q] for sdpa, a BlockMask for flex."""
+    ctx_len: int
+    """Context length the keys are laid out with (>= T; padded for flex)."""
+
+
+class DraftAttention(nn.Module):
+    """GQA attention of draft slots over ``[context; own block]`` keys."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """``x [Q, H]`` (after input_layernorm), ``context [T, H]`` -> ``[Q, H]``."""
+        q_len, ctx_tokens = x.shape[0], context.shape[0]
+        q = self.q_norm(self.q_proj(x).view(q_len, self.num_heads, self.head_dim))
+        q = apply_rotary(q, inputs.cos_draft, inputs.sin_draft)
+        k_ctx = self.k_norm(self.k_proj(context).view(ctx_tokens, self.num_kv_heads, self.head_dim))
+        k_ctx = apply_rotary(k_ctx, inputs.cos_ctx, inputs.sin_ctx)
+        k_draft = self.k_norm(self.k_proj(x).view(q_len, self.num_kv_heads, self.head_dim))
+        k_draft = apply_rotary(k_draft, inputs.cos_draft, inputs.sin_draft)
+        v_ctx = self.v_proj(context).view(ctx_tokens, self.num_kv_heads, self.head_dim)
+        v_draft = self.v_proj(x).view(q_len, self.num_kv_heads, self.head_dim)
+        if inputs.ctx_len > ctx_tokens:
+            pad = inputs.ctx_len - ctx_tokens
+            k_ctx = F.pad(k_ctx, (0, 0, 0, 0, 0, pad))
+            v_ctx = F.pad(v_ctx, (0, 0, 0, 0, 0, pad))
+        k = torch.cat([k_ctx, k_draft], dim=0).transpose(0, 1).unsqueeze(0)
+        v = torch.cat([v_ctx, v_draft], dim=0).transpose(0, 1).unsqueeze(0)
+        q = q.transpose(0, 1).unsqueeze(0)
+        if inputs.backend == "flex":
+            out = _compiled_flex_attention()(q, k, v, block_mask=inputs.mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, enable_gqa=True)
+        out = out.squeeze(0).transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+_FLEX: Any = None
+
+
+def _compiled_flex_attention() -> Any:
+    """flex_attention compiled once per process (eager flex materialises the full score matrix)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+class DraftMLP(nn.Module):
+    """SiLU-gated MLP."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; one FSDP2 unit."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """One layer over the slots ``x [Q, H]``."""
+        x = x + self.self_attn(self.input_layernorm(x), context, inputs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Markov head of rank r: ``bias = markov_w2(latent)``; the latent depends on the variant.
+
+    - ``vanilla``: ``latent = W1[prev]``
+    - ``gated``: ``latent = sigmoid(gate_proj([h; W1[prev]])) * W1[prev]``
+    - ``rnn``: a gated recurrent state over the slots of a block (zero at slot 0):
+      ``g, c, o = joint_proj([state; W1[prev]; h])``, ``state = g * state + (1 - g) * tanh(c)``,
+      ``latent = tanh(o)`` (sigmoid on g)
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        elif kind != "vanilla":
+            raise ValueError(f"unknown Markov head type {kind!r}; use vanilla, gated or rnn")
+
+    def forward(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prev_tokens [N, S]``, post-norm ``hidden [N, S, H]`` -> ``(latent, W1[prev])``, both [N, S, r]."""
+        embedded = self.markov_w1(prev_tokens)
+        if self.kind == "vanilla":
+            return embedded, embedded
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded.to(hidden.dtype)], dim=-1)))
+            return gate.to(embedded.dtype) * embedded, embedded
+        state = embedded.new_zeros(embedded.shape[0], self.rank)
+        latents = []
+        for k in range(embedded.shape[1]):
+            z = torch.cat([state, embedded[:, k], hidden[:, k].to(embedded.dtype)], dim=-1)
+            gate_raw, candidate_raw, output_raw = self.joint_proj(z).chunk(3, dim=-1)
+            gate = torch.sigmoid(gate_raw)
+            state = gate * state + (1.0 - gate) * torch.tanh(candidate_raw)
+            latents.append(torch.tanh(output_raw))
+        return torch.stack(latents, dim=1), embedded
+
+
+class ConfidenceHead(nn.Module):
+    """Predicts each slot's acceptance probability (a logit) from its post-norm hidden state."""
+
+    def __init__(self, hidden_size: int, markov_rank: int, with_markov: bool) -> None:
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (markov_rank if with_markov else 0), 1)
+
+    def forward(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
+        """``[N, S, H]`` (+ ``[N, S, r]``) -> logits ``[N, S]``."""
+        features = torch.cat([hidden, markov_embedding.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
+        return self.proj(features).squeeze(-1)
+
+
+@dataclass
+class SampleInputs:
+    """One sample as the draft consumes it (tensors on the model's device)."""
+
+    hs: torch.Tensor
+    """[T, n_aux * H] aux-layer features."""
+    lhs: torch.Tensor
+    """[T, H] target post-norm last hidden state."""
+    layout: BlockLayout
+
+
+class DSparkDraft(nn.Module):
+    """The draft plus the frozen target embedding / lm_head; ``forward`` returns the sample's loss."""
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        *,
+        vocab_size: int,
+        num_aux_layers: int,
+        attention_backend: str,
+        max_length: int,
+    ) -> None:
+        super().__init__()
+        if attention_backend not in ("sdpa", "flex"):
+            raise ValueError(f"attention backend must be sdpa or flex, got {attention_backend!r}")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.attention_backend = attention_backend
+        self.max_length = max_length
+        self.fc = nn.Linear(num_aux_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(vocab_size, cfg.hidden_size, cfg.markov_rank, cfg.markov_type)
+        self.confidence_head = (
+            ConfidenceHead(cfg.hidden_size, cfg.markov_rank, cfg.confidence_uses_markov_embedding)
+            if cfg.confidence_head
+            else None
+        )
+        inv_freq, self.rope_scale = inverse_frequencies(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.register_buffer("embed_weight", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Qwen3-style init: linear/embedding weights N(0, 0.02), biases 0, norm weights 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, INIT_STD)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, INIT_STD)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def attach_frozen_vocab(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Install the target's frozen embedding and lm_head ([V, H] each, no gradients)."""
+        expected = (self.vocab_size, self.cfg.hidden_size)
+        for name, tensor in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"frozen {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+
+    def attention_inputs(self, layout: BlockLayout, dtype: torch.dtype) -> AttentionInputs:
+        """RoPE tables and the block mask of one sample, shared by every layer."""
+        device = layout.anchors.device
+        ctx_positions = torch.arange(layout.seq_len, device=device, dtype=torch.int64)
+        cos_ctx, sin_ctx = cos_sin(ctx_positions, self.rope_inv_freq, self.rope_scale, dtype)
+        cos_draft, sin_draft = cos_sin(layout.positions.reshape(-1), self.rope_inv_freq, self.rope_scale, dtype)
+        block_size = layout.block_size
+        if self.attention_backend == "flex":
+            ctx_len = padded_context_length(layout.seq_len, self.max_length)
+            mask = flex_block_mask(layout.anchors, layout.keep, ctx_len, block_size)
+        else:
+            ctx_len = layout.seq_len
+            mask = dense_block_mask(layout.anchors, layout.keep, ctx_len, block_size)
+        return AttentionInputs(cos_ctx, sin_ctx, cos_draft, sin_draft, self.attention_backend, mask, ctx_len)
+
+    def draft_hidden(self, hs: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        """Post-norm draft hidden states [N, S, H] of one sample."""
+        dtype = self.fc.weight.dtype
+        if self.embed_weight.numel() == 0:
+            raise RuntimeError("the frozen embedding is not attached (call attach_frozen_vocab)")
+        context = self.hidden_norm(self.fc(hs.to(dtype)))
+        x = F.embedding(layout.slot_token_ids.reshape(-1), self.embed_weight).to(dtype)
+        inputs = self.attention_inputs(layout, dtype)
+        for layer in self.layers:
+            x = layer(x, context, inputs)
+        return self.norm(x).view(layout.num_blocks, layout.block_size, -1)
+
+    def forward(self, sample: SampleInputs, coefficients: LossCoefficients) -> SampleTerms:
+        """The DSpark loss of one sample (scaled by ``coefficients``) and its metric sums."""
+        hidden = self.draft_hidden(sample.hs, sample.layout)
+        return sample_objective(
+            hidden=hidden,
+            lhs=sample.lhs,
+            layout=sample.layout,
+            markov_head=self.markov_head,
+            confidence_head=self.confidence_head,
+            lm_head_weight=self.lm_head_weight,
+            coefficients=coefficients,
+        )

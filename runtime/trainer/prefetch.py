@@ -1,0 +1,62 @@
+"""Fetch one optimizer step's samples in a background thread while the previous ones train.
+
+Prefetching stops at the step boundary on purpose: the producer's window starts at the published
+cursor, so the next step's samples may not exist until this step commits (with watermarks of one
+global batch, as in the smoke gate, a fetch across the boundary would wait for ever). The thread is
+finished before ``commit_step`` runs, so the consumer is never used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runtime.transport.contract import CapturedSample
+
+
+class StepPrefetcher:
+    """Fetches ``gs`` in order, at most ``depth`` samples ahead of the consumer."""
+
+    def __init__(self, fetch: Callable[[int], CapturedSample], gs: list[int], depth: int = 1) -> None:
+        self._queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=depth)
+        self._gs = list(gs)
+        self._fetch = fetch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sample-prefetch", daemon=True)
+        self.wait_s = 0.0
+        """Seconds the consumer spent waiting for samples (the data-wait time)."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        for g in self._gs:
+            if self._stop.is_set():
+                return
+            try:
+                item: Any = self._fetch(g)
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put((g, item), timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def next(self) -> CapturedSample:
+        """The next sample in order (re-raises the fetch's exception)."""
+        started = time.monotonic()
+        g, item = self._queue.get()
+        self.wait_s += time.monotonic() - started
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop and join the thread (called before the step commits)."""
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,57 @@
+"""Where trainer ranks get samples, and the shape check every sample passes before training on it."""
+
+from __future__ import annotations
+
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.transport.contract import CapturedSample, SampleConsumer
+
+
+class SampleShapeError(ValueError):
+    """A fetched sample does not match the capture contract the recipe describes."""
+
+
+def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int) -> SampleConsumer:
+    """The recipe's sample source: the Mooncake data plane, or a folder of sample files."""
+    recipe = resolved.recipe
+    trainer = recipe.trainer
+    if trainer.sample_source == "files":
+        if not trainer.sample_dir:
+            raise ValueError(
+                f"{resolved.path}: trainer.sample_source is 'files' but trainer.sample_dir is not set; "
+                "fix: set trainer.sample_dir to the folder of {g:012d}.safetensors samples"
+            )
+        from runtime.trainer.file_source import FileSampleSource
+
+        return FileSampleSource(
+            resolved.resolve_path(trainer.sample_dir),
+            global_batch_size=trainer.global_batch_size,
+            idle_timeout_s=recipe.transport.idle_timeout_s,
+        )
+    from runtime.transport.dataplane import open_consumer
+
+    return open_consumer(resolved, rank, world_size)
+
+
+def check_sample(sample: CapturedSample, *, num_aux_layers: int, hidden_size: int, vocab_size: int) -> None:
+    """Raise :class:`SampleShapeError` naming the sample and the field when it breaks the contract."""
+    tokens = int(sample.ids.shape[0]) if sample.ids.ndim == 1 else -1
+    expected = {
+        "ids": (tokens,),
+        "mask": (tokens,),
+        "hs": (tokens, num_aux_layers * hidden_size),
+        "lhs": (tokens, hidden_size),
+    }
+    for name, tensor in sample.tensors().items():
+        if tuple(tensor.shape) != expected[name]:
+            raise SampleShapeError(
+                f"sample g={sample.g}: field {name} has shape {tuple(tensor.shape)}, expected {expected[name]} "
+                f"(T={tokens}, capture.aux_layer_ids has {num_aux_layers} layers, capture.hidden_size "
+                f"{hidden_size}); the capture and trainer recipes disagree"
+            )
+    if tokens < 2:
+        raise SampleShapeError(f"sample g={sample.g}: has {tokens} tokens; a sample needs at least 2")
+    if sample.ids.numel() and (int(sample.ids.min()) < 0 or int(sample.ids.max()) >= vocab_size):
+        raise SampleShapeError(
+            f"sample g={sample.g}: token ids range {int(sample.ids.min())}..{int(sample.ids.max())} leaves "
+            f"the vocabulary 0..{vocab_size - 1} (capture.vocab_size)"
+        )
