@@ -12,7 +12,8 @@ Dispatch, per layer call:
 Combine reverses it: each received row's local expert outputs are weighted and summed in slot
 order, the per-row partial sums go back by the reverse all-to-all, and each token sums its
 partials in rank order. Fixed orders and no atomics: the result is bitwise reproducible run to
-run, and equals the dense MoE up to floating-point reassociation.
+run, and equals the dense MoE up to floating-point reassociation. Sums accumulate in fp32; the
+partials travel in the hidden states' dtype (bf16 in production, half the bytes of fp32).
 """
 
 from __future__ import annotations
