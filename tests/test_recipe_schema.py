@@ -79,7 +79,7 @@ def test_k3_recipe_carries_the_production_numbers() -> None:
     s = r.capture.sglang
     assert (s.tp_size, s.mem_fraction_static, s.context_length, s.max_running_requests) == (8, 0.76, 66048, 1)
     assert (s.max_total_tokens, s.attention_backend, s.moe_runner_backend) == (66048, "trtllm_mla", "marlin")
-    assert (s.mamba_scheduler_strategy, s.max_mamba_cache_size) == ("extra_buffer", 5)
+    assert (s.mamba_radix_cache_strategy, s.max_mamba_cache_size) == ("extra_buffer", 5)
     assert (s.disable_cuda_graph, s.chunked_prefill_size, s.skip_tokenizer_init) == (True, -1, True)
     t = r.transport
     assert t.protocol == "tcp" and t.global_segment_bytes >= 2**40 and t.local_buffer_bytes == 2**30

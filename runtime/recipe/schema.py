@@ -127,22 +127,50 @@ class SGLangSettings(Section):
     """SGLang ``--attention-backend``."""
     moe_runner_backend: str = "marlin"
     """SGLang ``--moe-runner-backend``."""
-    mamba_scheduler_strategy: str = "extra_buffer"
-    """Mamba/linear-attention radix cache strategy."""
+    mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] = "extra_buffer"
+    """Mamba/linear-attention radix cache strategy (``--mamba-radix-cache-strategy``)."""
     max_mamba_cache_size: int = Field(5, ge=1)
     """Mamba state cache slots."""
     disable_cuda_graph: bool = True
-    """CUDA graphs off (prefill-only capture gains nothing from them)."""
+    """CUDA graphs off for decode and prefill (``--cuda-graph-backend-{decode,prefill} disabled``;
+    prefill-only capture gains nothing from them)."""
     chunked_prefill_size: int = -1
     """Chunked prefill size; -1 turns chunking off so a sample is one prefill."""
     skip_tokenizer_init: bool = True
     """The producer sends token ids; the server needs no tokenizer."""
     trust_remote_code: bool = True
     """Allow the model's own code from the checkpoint folder."""
+    capture_sink: Literal["mooncake", "discard"] = "mooncake"
+    """Where the patched server's sink puts each capture (``--dspark-capture-sink``): ``mooncake``
+    commits it to the store; ``discard`` only checks it and reports keys, shapes and dtypes (the
+    first run on new hardware, before the data plane is involved)."""
+    dist_init_port: int = Field(20000, ge=1024, le=65535)
+    """Port of SGLang's multi-node rendezvous on the first capture node (``--dist-init-addr``), used
+    when ``job.capture.nodes`` > 1 (TP across nodes)."""
     health_timeout_s: float = Field(3600.0, gt=0)
     """How long to wait for the server to become healthy (loading 1.5 TB takes a while)."""
+    health_poll_interval_s: float = Field(5.0, gt=0)
+    """Seconds between health probes while the server starts."""
     request_timeout_s: float = Field(900.0, gt=0)
     """Timeout of one capture request."""
+    request_retries: int = Field(2, ge=0)
+    """Retries of a capture request that failed in transit (connection refused or reset, HTTP 5xx);
+    a capture is an idempotent upsert, so a retry is safe. Refusals (HTTP 4xx, a sink error) are
+    not retried."""
+    retry_backoff_s: float = Field(5.0, gt=0)
+    """First retry delay; doubles on each retry."""
+    shutdown_timeout_s: float = Field(60.0, gt=0)
+    """Grace period between SIGTERM and SIGKILL when the engine stops the server."""
+    log_tail_lines: int = Field(40, ge=1)
+    """Lines of the server log quoted in an error when the server fails to start or dies."""
+    expert_offload: Literal["none", "paged_experts", "cpu_offload"] = "none"
+    """Serve with routed experts in host memory: ``paged_experts`` (``--enable-paged-experts``) or
+    ``cpu_offload`` (``--cpu-offload-gb``). SGLang 0.5.23 supports neither for K3 at TP8 (see
+    patches/sglang/README.md); the memory plan says why."""
+    cpu_offload_gib_per_gpu: int = Field(0, ge=0)
+    """``cpu_offload``: GiB of weights each GPU keeps in pinned host memory (``--cpu-offload-gb``)."""
+    paged_experts_num_resident: int | None = Field(None, ge=1)
+    """``paged_experts``: routed experts per MoE layer kept on the GPU (``--paged-experts-num-resident``)."""
     extra_args: list[str] = Field(default_factory=list)
     """Further ``sglang.launch_server`` arguments, verbatim."""
 
@@ -172,6 +200,9 @@ class CaptureSection(Section):
     against the capture node's accelerator memory. Null skips that check."""
     target_active_params: float | None = Field(None, gt=0)
     """Parameters active per token (for the plan's capture throughput model); null skips it."""
+    routed_expert_weight_bytes: ByteSize | None = None
+    """The routed experts' share of ``target_weight_bytes`` (K3: about 1.45 TB of the 1.56 TB): what
+    expert offload could keep in host memory. Null: the plan does not size offload."""
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the embedded engine's forward (float32 gives exact CPU tests)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
