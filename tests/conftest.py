@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,60 @@ def free_port() -> int:
 def port_factory():
     """Returns a function giving a fresh free loopback port on each call."""
     return free_port
+
+
+@dataclass(frozen=True)
+class LocalSlurmCluster:
+    """The running tools/slurm_local cluster, as its ``status --json`` reports it."""
+
+    state_dir: Path
+    cluster_name: str
+    partition: str
+    node_names: tuple[str, ...]
+    started_by_this_session: bool
+
+
+SLURM_LOCAL = REPO_ROOT / "tools" / "slurm_local"
+SLURM_LOCAL_UP_TIMEOUT_S = 300
+
+
+def slurm_local_status() -> dict:
+    """``tools/slurm_local status --json`` as a dict (exit code 0 running, 3 stopped, 1 partly running)."""
+    import json
+    import subprocess
+
+    result = subprocess.run([str(SLURM_LOCAL), "status", "--json"], capture_output=True, text=True, timeout=60)
+    if result.returncode not in (0, 1, 3):
+        raise RuntimeError(f"tools/slurm_local status failed (exit {result.returncode}): {result.stderr}")
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[LocalSlurmCluster]:
+    """The real local Slurm cluster (tools/slurm_local), brought up once per session. A cluster that
+    was already up is used as is and left up; one this session started is torn down at the end,
+    unless DSPARK_SLURM_LOCAL_KEEP=1 (useful while several sessions share it). Skips unless root."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (tools/slurm_local up starts slurmd and munged)")
+    status = slurm_local_status()
+    started = False
+    if not status["running"]:
+        result = subprocess.run(
+            [str(SLURM_LOCAL), "up"], capture_output=True, text=True, timeout=SLURM_LOCAL_UP_TIMEOUT_S
+        )
+        if result.returncode != 0:
+            pytest.fail(f"tools/slurm_local up failed (exit {result.returncode}):\n{result.stderr}\n{result.stdout}")
+        started = status["stopped"]
+        status = slurm_local_status()
+    yield LocalSlurmCluster(
+        state_dir=Path(status["state_dir"]),
+        cluster_name=status["cluster_name"],
+        partition=status["partition"],
+        node_names=tuple(node["name"] for node in status["nodes"]),
+        started_by_this_session=started,
+    )
+    if started and os.environ.get("DSPARK_SLURM_LOCAL_KEEP") != "1":
+        subprocess.run([str(SLURM_LOCAL), "down"], capture_output=True, text=True, timeout=120, check=False)
