@@ -137,7 +137,7 @@ def read_exported_weights(path: Path, expected: set[str]) -> dict[str, torch.Ten
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle:
+            for name in list(handle.keys()):
                 key = _normalise(name)
                 if key.startswith(IGNORED_ON_IMPORT):
                     continue

@@ -65,7 +65,7 @@ def read_target_tensor(target_dir: str | Path, name: str, *, recipe_field: str) 
     if not path.is_file():
         raise TargetTensorError(f"{source} maps '{name}' to {path.name}, which does not exist in {target_dir}")
     with safe_open(str(path), framework="pt") as handle:
-        if name not in handle:
+        if name not in set(handle.keys()):
             raise TargetTensorError(f"{path}: the index lists '{name}' in this shard, but the shard lacks it")
         return handle.get_tensor(name)
 

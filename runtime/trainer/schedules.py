@@ -1,14 +1,18 @@
 """Learning-rate schedules with a small, checkpointable state.
 
-The factor multiplies ``optimizer.lr`` for optimizer step ``s`` (0-based, the update being made):
+The factor multiplies ``optimizer.lr`` for the update of optimizer step ``s`` (0-based). With
+``t = s + 1`` (the update's 1-based number) and ``w`` warmup steps:
 
 - ``constant``: 1
-- ``constant_with_warmup``: ``(s + 1) / warmup`` during warmup, then 1 (the first update is not
-  wasted at lr 0)
-- ``linear``: warmup, then linear from 1 down to ``min_lr_ratio`` at ``total_steps - 1``
-- ``cosine``: warmup, then half a cosine from 1 down to ``min_lr_ratio`` at ``total_steps - 1``
-- ``wsd`` (warmup-stable-decay): warmup, 1 until the last ``decay_steps`` steps, then linear down
-  to ``min_lr_ratio`` (``decay_steps`` defaults to 10% of the run, at least 1)
+- ``constant_with_warmup``: ``t / w`` while ``t <= w`` (the first update is not wasted at lr 0),
+  then 1
+- ``linear``: warmup, then from 1 linearly down to ``min_lr_ratio``, reached at ``t = total_steps``;
+  progress is ``(t - w) / (total_steps - w)``
+- ``cosine``: warmup, then half a cosine from 1 down to ``min_lr_ratio`` with the same progress
+- ``wsd`` (warmup-stable-decay): warmup, 1, then over the last ``decay_steps`` updates linearly
+  down to ``min_lr_ratio`` (``decay_steps`` defaults to 10% of the run, at least 1)
+
+Every update after warmup therefore gets its own, lower rate, and the last update runs at the floor.
 """
 
 from __future__ import annotations
@@ -34,19 +38,20 @@ class LRSchedule:
         """LR multiplier for optimizer step ``step`` (0-based)."""
         if self.type == "constant":
             return 1.0
-        if self.warmup_steps and step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
+        t = step + 1
+        if t <= self.warmup_steps:
+            return t / self.warmup_steps
         if self.type == "constant_with_warmup":
             return 1.0
         floor = self.min_lr_ratio
         if self.type == "wsd":
             decay_start = self.total_steps - self.decay_steps
-            if step < decay_start:
+            if t <= decay_start:
                 return 1.0
-            progress = min(1.0, (step - decay_start + 1) / self.decay_steps)
+            progress = min(1.0, (t - decay_start) / self.decay_steps)
             return 1.0 - (1.0 - floor) * progress
-        span = max(1, self.total_steps - 1 - self.warmup_steps)
-        progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (t - self.warmup_steps) / span)
         if self.type == "linear":
             return 1.0 - (1.0 - floor) * progress
         if self.type == "cosine":
