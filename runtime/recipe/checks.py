@@ -7,10 +7,23 @@ from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize
 from runtime.recipe.units import format_bytes
 
+MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
+"""mooncake-transfer-engine 0.3.13 refuses a global segment below 16 MiB at client setup."""
+
 
 def largest_sample(recipe: Recipe) -> SampleSize:
     """Size of a sample at ``data.max_length`` tokens: the largest one the run can produce."""
     return SampleSize(recipe.data.max_length, recipe.num_aux_layers, recipe.capture.hidden_size)
+
+
+def max_samples_in_flight(recipe: Recipe) -> int:
+    """Samples the capture component may have claimed but not committed at once: one batch per
+    embedded engine, or SGLang's concurrent requests."""
+    c = recipe.capture
+    if c.engine == "sglang":
+        return c.sglang.max_running_requests
+    engines = c.engines_per_node or max(1, recipe.job.capture.gpus_per_node)
+    return c.batch_size * engines * recipe.job.capture.nodes
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:
@@ -106,6 +119,22 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 "the store cap and segment",
             )
         )
+    in_flight = max_samples_in_flight(recipe)
+    overshoot = tr.high_watermark_bytes + in_flight * largest
+    if tr.high_watermark_bytes <= tr.store_cap_bytes < overshoot:
+        # The producer pauses once resident bytes reach the high watermark, but samples already
+        # being captured still land: up to one capture batch of the largest samples on top.
+        out.append(
+            Problem(
+                "transport.high_watermark_bytes",
+                f"is {format_bytes(tr.high_watermark_bytes)}; with {in_flight} sample(s) in flight at the "
+                f"pause (largest {format_bytes(largest)}) the store can hold {format_bytes(overshoot)}, above "
+                f"transport.store_cap_bytes {format_bytes(tr.store_cap_bytes)}: Mooncake would evict samples "
+                "the trainer has not consumed",
+                f"lower transport.high_watermark_bytes to at most {tr.store_cap_bytes - in_flight * largest} "
+                "or raise transport.store_cap_bytes (and the segment)",
+            )
+        )
     if tr.store_cap_bytes > tr.global_segment_bytes:
         out.append(
             Problem(
@@ -113,6 +142,15 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 f"is {format_bytes(tr.store_cap_bytes)}, above transport.global_segment_bytes "
                 f"{format_bytes(tr.global_segment_bytes)}: the eviction ratio would exceed 1",
                 "make transport.store_cap_bytes <= transport.global_segment_bytes",
+            )
+        )
+    if tr.global_segment_bytes < MOONCAKE_MIN_SEGMENT_BYTES:
+        out.append(
+            Problem(
+                "transport.global_segment_bytes",
+                f"is {format_bytes(tr.global_segment_bytes)}, below Mooncake's smallest segment "
+                f"{format_bytes(MOONCAKE_MIN_SEGMENT_BYTES)} (client setup fails with 'Total size must be at least')",
+                f"raise transport.global_segment_bytes to at least {MOONCAKE_MIN_SEGMENT_BYTES}",
             )
         )
     if largest > tr.global_segment_bytes:

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,12 +104,13 @@ class Consumer:
         last_log = start
         last_cursor_check = 0.0
         corrupt = 0
-        state = "its meta (the commit marker) is not in the store yet"
         while True:
             present = self.client.exist_once([meta_key])
             if present is None:
                 state = "the store does not answer (master down or restarting)"
-            elif present[0]:
+            elif not present[0]:
+                state = "its meta (the commit marker) is not in the store yet"
+            else:
                 try:
                     sample = self._read(g, meta_key, device)
                 except CorruptSampleError as exc:
@@ -118,19 +120,14 @@ class Consumer:
                     log.warning("rank %d: %s; reading g=%d again (%d/%d)", self.rank, exc, g, corrupt,
                                 self.max_corrupt_retries)
                     state = f"its last read was corrupt ({exc})"
-                    sample = None
                 except TransportError as exc:
                     state = f"reading it failed: {exc}"
-                    sample = None
-                if sample is not None:
-                    waited = time.monotonic() - start
-                    self.wait_s_total += waited
-                    self._consumed.add(g)
-                    return sample
-                if state.startswith("its meta"):
+                else:
+                    if sample is not None:
+                        self.wait_s_total += time.monotonic() - start
+                        self._consumed.add(g)
+                        return sample
                     state = "it vanished while being read (the producer lost it; it will be captured again)"
-            else:
-                state = "its meta (the commit marker) is not in the store yet"
             now = time.monotonic()
             if self.rank == 0 and now - last_cursor_check >= CURSOR_CHECK_INTERVAL_S:
                 last_cursor_check = now
@@ -147,21 +144,52 @@ class Consumer:
 
     def commit_step(self, step: int) -> None:
         """After optimizer step ``step`` committed: publish the cursor ``(step + 1) * G`` (never
-        backwards) and delete the keys this rank consumed below it."""
+        backwards) and delete the keys this rank consumed below it.
+
+        Every rank publishes (the same value) before it deletes, so the producer never mistakes a
+        consumed sample for a lost one. While the store does not answer this retries for up to
+        ``idle_timeout_s``: without the new cursor the producer's window cannot move on.
+        """
         cursor = (step + 1) * self.global_batch_size
-        current = self.read_cursor()
-        if current is None or current.value < cursor:
-            self._write_cursor(cursor, step + 1)
+
+        def publish() -> None:
+            current = self.read_cursor()
+            if current is None or current.value < cursor:
+                self._write_cursor(cursor, step + 1)
+
+        self._until_store_answers(f"publishing cursor {cursor} after step {step}", publish)
         done = sorted(g for g in self._consumed if g < cursor)
         if done:
-            self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
+            try:
+                self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
+            except TransportError as exc:
+                # Not fatal: the producer removes anything below the cursor it finds.
+                log.warning("rank %d: deleting %d consumed samples failed (%s); the producer will", self.rank,
+                            len(done), exc)
             self._consumed.difference_update(done)
+
+    def _until_store_answers(self, what: str, action: Callable[[], None]) -> None:
+        start = time.monotonic()
+        while True:
+            try:
+                action()
+                return
+            except TransportError as exc:
+                waited = time.monotonic() - start
+                if waited >= self.idle_timeout_s:
+                    raise TransportError(
+                        f"rank {self.rank}: {what} failed for {waited:.0f} s (transport.idle_timeout_s): {exc}"
+                    ) from exc
+                log.warning("rank %d: %s failed (%s); retrying", self.rank, what, exc)
+                time.sleep(self.poll_interval_s)
 
     def publish_cursor(self, cursor: int) -> None:
         """Publish the cursor as is (a restarted trainer republishes its checkpoint's cursor)."""
         if cursor < 0:
             raise ValueError(f"cursor {cursor} is negative")
-        self._write_cursor(cursor, cursor // self.global_batch_size)
+        self._until_store_answers(
+            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.global_batch_size)
+        )
 
     # -- store objects ----------------------------------------------------------------------
 

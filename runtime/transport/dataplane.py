@@ -31,6 +31,10 @@ from runtime.transport.producer import Producer
 from runtime.transport.store import ClientSettings, StoreClient
 
 PRODUCER_STATE_FILE = "producer_state.json"
+CONTROL_SEGMENT_BYTES = 16 * 2**20
+"""Trainer rank 0 mounts this much (Mooncake's minimum) to hold the cursor it publishes: the cursor
+lives with its authority, so it survives a producer crash and can be published before the
+producer is up. Samples never land there (the producer pins them to its own segment)."""
 
 _FRESH_RUN = object()
 
@@ -81,14 +85,16 @@ def open_consumer(
     endpoints: Endpoints | None = None,
     start_cursor: int | None = None,
 ) -> Consumer:
-    """Connect one trainer rank (no segment of its own: every sample lives on the capture node).
+    """Connect one trainer rank. Samples live on the capture node; rank 0 mounts a 16 MiB control
+    segment for the cursor, the other ranks none.
 
     With ``start_cursor`` rank 0 publishes it at once (the cursor of the checkpoint it resumes
     from, 0 for a fresh run); otherwise call :meth:`Consumer.publish_cursor` when it is known.
     """
     recipe = resolved.recipe
     endpoints = endpoints or Endpoints.from_env(recipe)
-    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, 0), name=f"trainer rank {rank}").connect()
+    segment = CONTROL_SEGMENT_BYTES if rank == 0 else 0
+    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, segment), name=f"trainer rank {rank}").connect()
     try:
         consumer = Consumer(client, recipe, rank, world_size)
         if start_cursor is not None and rank == 0:

@@ -107,8 +107,17 @@ class Producer:
         return batch[0] if batch else None
 
     def next_batch(self, max_count: int) -> list[int]:
-        """Up to ``max_count`` g to capture, in order, claimed for this producer."""
-        self.refresh()
+        """Up to ``max_count`` g to capture, in order, claimed for this producer (empty while paused,
+        while no cursor is known, or while the store does not answer)."""
+        try:
+            self.refresh()
+        except TransportError as exc:
+            with self._lock:
+                self._errors += 1
+                self._last_error = f"refresh: {exc}"[:300]
+                self._waiting_for = "the store to answer"
+            log.warning("cannot reconcile with the store (master restarting?): %s", exc)
+            return []
         with self._lock:
             return self.window.claim(max_count)
 

@@ -1,0 +1,305 @@
+"""Integration tests of the data plane against a real mooncake_master on loopback (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.transport.dataplane import open_consumer, open_producer
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.errors import IdleTimeoutError, MasterStartError, StoreFullError, StoreSetupError
+from runtime.transport.loopback import loopback_master, loopback_recipe
+from runtime.transport.master import MasterProcess, MasterSettings
+from runtime.transport.synthetic import synthetic_sample
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.mooncake
+
+REPO = Path(__file__).resolve().parent.parent
+
+FAST = [
+    "transport.poll_interval_s=0.02",
+    "transport.retry_backoff_s=0.05",
+    "transport.max_retries=3",
+    "transport.heartbeat_interval_s=0.5",
+    "transport.wait_log_interval_s=5",
+    "transport.connect_timeout_s=20",
+    "transport.idle_timeout_s=60",
+    "transport.kv_lease_ttl_s=5",
+]
+ONE_RANK = [
+    "job.trainer.tasks_per_node=1",
+    "trainer.gradient_accumulation_steps=4",
+    "trainer.global_batch_size=4",
+    "transport.high_watermark_samples=8",
+    "transport.low_watermark_samples=4",
+]
+
+
+@pytest.fixture(scope="module")
+def ports() -> tuple[int, int, int]:
+    return (free_port(), free_port(), free_port())
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory, ports: tuple[int, int, int]):
+    resolved = loopback_recipe(tmp_path_factory.mktemp("master"), ports, FAST + ONE_RANK)
+    with loopback_master(resolved) as process:
+        yield process
+
+
+def _plane(tmp_path: Path, ports: tuple[int, int, int], name: str, extra: list[str] | None = None) -> ResolvedRecipe:
+    return loopback_recipe(tmp_path, ports, [*FAST, *ONE_RANK, f"transport.store_id={name}", *(extra or [])])
+
+
+def _sample(g: int, tokens: int, hidden: int = 256, n_aux: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(g)
+    return {
+        "ids": torch.randint(0, 2048, (tokens,), generator=gen, dtype=torch.int64),
+        "mask": (torch.rand(tokens, generator=gen) > 0.5).to(torch.uint8),
+        "hs": torch.randn(tokens, n_aux * hidden, generator=gen).to(torch.bfloat16),
+        "lhs": torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16),
+    }
+
+
+def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "roundtrip")
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        for tokens in (37, 256):
+            g = producer.next_to_capture()
+            sent = _sample(g, tokens)
+            written = producer.commit(g, sent, {"epoch": 0, "row_id": f"row{g}", "T": tokens})
+            got = consumer.fetch(g)
+            assert got.g == g and got.meta["row_id"] == f"row{g}" and got.meta["T"] == tokens
+            for name, tensor in sent.items():
+                received = getattr(got, name)
+                assert received.dtype == tensor.dtype and received.shape == tensor.shape
+                assert torch.equal(received, tensor), name
+                assert received.data_ptr() != tensor.data_ptr()
+            assert written == got.meta["sample_bytes"] + len(json.dumps(got.meta, separators=(",", ":"), sort_keys=True))
+            assert got.meta["fields"]["hs"]["bytes"] == tokens * 3 * 256 * 2
+
+
+def test_recapture_is_an_idempotent_upsert(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "upsert")
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        first = _sample(0, 50)
+        producer.commit(0, first, {})
+        assert torch.equal(consumer.fetch(0).hs, first["hs"])
+        producer.commit(0, first, {})  # same content again (a re-capture): still readable, same bytes
+        assert torch.equal(consumer.fetch(0).hs, first["hs"])
+        other = _sample(99, 80)  # a different size replaces it too (Mooncake's put would keep the old one)
+        producer.commit(0, other, {})
+        again = consumer.fetch(0)
+        assert again.ids.shape == (80,) and torch.equal(again.lhs, other["lhs"])
+
+
+def _visibility_reader(recipe_path: str, count: int, out_path: str) -> None:
+    """Runs in a separate process: poll the five keys of each sample while the producer writes."""
+    from runtime.recipe.loader import load_resolved
+    from runtime.transport.endpoints import Endpoints
+    from runtime.transport.sample_format import sample_keys
+    from runtime.transport.store import ClientSettings, StoreClient
+
+    resolved = load_resolved(recipe_path)
+    client = StoreClient(ClientSettings.from_recipe(resolved.recipe, Endpoints.loopback(resolved.recipe), 0)).connect()
+    from runtime.transport.consumer import Consumer
+
+    consumer = Consumer(client, resolved.recipe, 0, 1)
+    polls = partial_seen = violations = 0
+    fetched = []
+    for g in range(count):
+        keys = sample_keys(resolved.recipe.store_id, g)
+        while True:
+            flags = client.exist(keys)
+            polls += 1
+            if flags[-1]:
+                violations += not all(flags[:-1])
+                break
+            partial_seen += any(flags[:-1])
+        sample = consumer.fetch(g)  # checks sizes and CRC-32 of every field
+        fetched.append([g, int(sample.ids.shape[0]), float(sample.hs.float().sum())])
+    Path(out_path).write_text(json.dumps({"polls": polls, "partial_seen": partial_seen, "violations": violations,
+                                          "fetched": fetched}))
+    client.close()
+
+
+def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
+    master: MasterProcess, tmp_path: Path, ports
+) -> None:
+    resolved = _plane(tmp_path, ports, "visibility", ["transport.high_watermark_samples=16"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    count = 12
+    out = tmp_path / "reader.json"
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+        "from tests.test_transport_store import _visibility_reader; "
+        f"_visibility_reader({str(resolved.path)!r}, {count}, {str(out)!r})"
+    )
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0):
+        reader = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+        sent = {}
+        for _ in range(count):
+            g = producer.wait_next(timeout_s=30)[0]
+            sent[g] = _sample(g, 1024 + 256 * g)  # 1.5-6 MiB of hs each: the writes take a while
+            producer.commit(g, sent[g], {})
+        assert reader.wait(timeout=120) == 0
+    report = json.loads(out.read_text())
+    assert report["violations"] == 0
+    assert [row[0] for row in report["fetched"]] == list(range(count))
+    for g, tokens, hs_sum in report["fetched"]:
+        assert tokens == sent[g]["ids"].shape[0]
+        assert hs_sum == pytest.approx(float(sent[g]["hs"].float().sum()))
+    assert report["polls"] >= count
+
+
+def test_full_segment_put_fails_with_a_clear_error(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "full", ["transport.max_retries=1"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints, segment_bytes=16 << 20) as producer:  # Mooncake's minimum
+        with pytest.raises(StoreFullError, match="no room in the store for sample g=0"):
+            producer.commit(0, _sample(0, 12_000), {})  # 18 MB of hs into a 16 MiB segment
+        assert producer.stats()["errors"] == 1
+        assert producer.next_to_capture() == 0  # the failed g is offered again
+
+
+def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
+    dead = (free_port(), free_port(), free_port())
+    resolved = loopback_recipe(tmp_path, dead, [*FAST, "transport.connect_timeout_s=1"])
+    with pytest.raises(StoreSetupError) as info:
+        open_consumer(resolved, 0, 4, endpoints=Endpoints.loopback(resolved.recipe))
+    message = str(info.value)
+    assert f"RPC port 127.0.0.1:{dead[0]} does not accept connections" in message
+    assert "transport.connect_timeout_s" in message
+
+
+def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:
+    ports = (free_port(), free_port(), free_port())
+    resolved = loopback_recipe(tmp_path, ports, FAST)
+    settings = MasterSettings.from_recipe(resolved.recipe, "127.0.0.1")
+    master = MasterProcess(settings, tmp_path / "m.log").start()
+    assert master.check() == ""
+    assert master.stop() is not None and master.process.poll() is not None
+    with socket.socket() as blocker:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the stopped master's port is in TIME_WAIT
+        blocker.bind(("127.0.0.1", ports[2]))
+        blocker.listen()
+        with pytest.raises(MasterStartError) as info:
+            MasterProcess(settings, tmp_path / "m2.log").start()
+    message = str(info.value)
+    assert f"port {ports[2]} (transport.metrics_port) on 127.0.0.1 is already in use" in message
+
+
+def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "idle", ["transport.idle_timeout_s=1.5"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        with pytest.raises(IdleTimeoutError) as info:
+            consumer.fetch(5)
+        message = str(info.value)
+        assert "(transport.idle_timeout_s = 1.5) for sample g=5 (key idle/s/000000000005/meta)" in message
+        assert "its meta (the commit marker) is not in the store yet" in message
+        assert "no producer heartbeat in the store" in message
+        # now a producer that beat once and then went silent (hung engine)
+        with open_producer(resolved, endpoints=endpoints, auto_heartbeat=False) as producer:
+            producer.refresh()  # takes the cursor the trainer published
+            producer.heartbeat({"engine": "test"})
+            with pytest.raises(IdleTimeoutError) as info:
+                consumer.fetch(5)
+        message = str(info.value)
+        age = float(re.search(r"producer heartbeat ([0-9.]+) s old", message).group(1))
+        assert age >= 1.5
+        assert "cursor in the store: 0" in message and "window [0, 8)" in message
+
+
+def _drain(producer, limit: int = 100) -> list[int]:
+    """Claim and commit until the producer pauses; returns the g committed."""
+    done = []
+    while len(done) < limit:
+        g = producer.next_to_capture()
+        if g is None:
+            break
+        producer.commit(g, _sample(g, 256), {})
+        done.append(g)
+    return done
+
+
+def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "wm_samples")  # high 8, low 4, G 4
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        assert _drain(producer) == list(range(8))
+        stats = producer.stats()
+        assert stats["paused"] and stats["resident_samples"] == 8
+        for step in range(2):
+            for g in consumer.samples_of_step(step):
+                consumer.fetch(g)
+            consumer.commit_step(step)
+            stats_before = producer.stats()
+            committed = _drain(producer)
+            if step == 0:  # 4 resident is not below the low watermark 4: still paused
+                assert committed == [] and producer.stats()["paused"]
+                assert stats_before["resident_samples"] == 8  # deletion not yet reconciled
+            else:  # nothing resident any more: resumed, refilled the new window [8, 16)
+                assert committed == list(range(8, 16))
+        assert producer.stats()["cursor"] == 8 and consumer.read_cursor().value == 8
+
+
+def test_producer_pauses_at_byte_watermark_and_resumes_below_low_bytes(
+    master: MasterProcess, tmp_path: Path, ports
+) -> None:
+    # about 528 KB per sample at T=256: pause at the 6th (>= 3.0 MB), resume below 2.0 MB
+    extra = ["transport.high_watermark_samples=32", "transport.low_watermark_samples=16",
+             "transport.high_watermark_bytes=3000000", "transport.low_watermark_bytes=2000000"]
+    resolved = _plane(tmp_path, ports, "wm_bytes", extra)
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        assert _drain(producer) == list(range(6))
+        stats = producer.stats()
+        assert stats["paused"] and stats["resident_samples"] == 6 and stats["resident_bytes"] >= 3_000_000
+        for g in consumer.samples_of_step(0):
+            consumer.fetch(g)
+        consumer.commit_step(0)
+        assert _drain(producer) == list(range(6, 10))  # 2 left (~1.06 MB) < 2.0 MB: resumed until 6 again
+        assert producer.stats()["paused"]
+
+
+def test_synthetic_samples_are_deterministic() -> None:
+    from runtime.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml").recipe
+    a, b = synthetic_sample(11, recipe), synthetic_sample(11, recipe)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(synthetic_sample(12, recipe)["hs"][:4], a["hs"][:4])
+
+
+def test_consumer_wait_logs_name_the_sample_and_the_producer(master: MasterProcess, tmp_path: Path, ports, caplog) -> None:
+    resolved = _plane(tmp_path, ports, "waitlog", ["transport.wait_log_interval_s=0.2", "transport.idle_timeout_s=5"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        timer = threading.Timer(1.0, lambda: producer.commit(producer.next_to_capture(), _sample(0, 20), {}))
+        timer.start()
+        with caplog.at_level("INFO", logger="dspark.transport.consumer"):
+            sample = consumer.fetch(0)
+        timer.join()
+    assert sample.ids.shape == (20,)
+    lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert lines and "for sample g=0 (its meta (the commit marker) is not in the store yet)" in lines[0]
+    assert "producer heartbeat" in lines[0]

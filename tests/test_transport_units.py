@@ -1,0 +1,316 @@
+"""Unit tests of the data plane's pure parts: window rules, sample format, records, endpoints,
+master command line, recipe-time checks. No Mooncake here (the integration tests use a real one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.recipe import RecipeError, SampleSize, load_recipe
+from runtime.transport.contract import TENSOR_FIELDS, global_sample_index, sample_key
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.errors import CorruptSampleError, code_name
+from runtime.transport.master import MasterSettings, eviction_ratio
+from runtime.transport.records import Cursor, Heartbeat
+from runtime.transport.sample_format import (
+    DTYPES,
+    SAMPLE_FORMAT,
+    build_meta,
+    byte_view,
+    crc32_of,
+    decode_meta,
+    describe_field,
+    encode_meta,
+    field_layouts,
+    sample_keys,
+    tensor_nbytes,
+)
+from runtime.transport.window import WindowLimits, WindowState
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+K3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+
+
+# ---------------------------------------------------------------------------------------------
+# the window
+# ---------------------------------------------------------------------------------------------
+
+
+def _window(high: int = 8, low: int = 4, high_bytes: int = 10**9, low_bytes: int = 10**9 - 1, head: int = 4):
+    return WindowState(WindowLimits(high, low, high_bytes, low_bytes, head))
+
+
+def test_window_claims_missing_g_in_order_from_the_cursor() -> None:
+    w = _window()
+    assert w.claim(3) == []  # no cursor yet: nothing to capture
+    w.observe(10, {11: 100, 13: 100})
+    assert w.claim(3) == [10, 12, 14]
+    assert w.claim(1) == [15]
+    w.release(12)
+    assert w.claim(1) == [12]
+
+
+def test_window_pauses_at_high_sample_watermark_and_resumes_below_low() -> None:
+    w = _window(high=8, low=4)
+    w.observe(0, {})
+    got = w.claim(100)
+    assert got == list(range(8)) and w.paused  # 8 in flight reach the high watermark
+    for g in got:
+        w.committed(g, 10)
+    assert w.paused and w.claim(1) == []
+    # the trainer consumed and deleted 0..3; cursor 4: 4 resident, not below low 4 -> still paused
+    w.observe(4, {g: 10 for g in range(4, 8)})
+    assert w.paused and w.claim(1) == []
+    w.observe(5, {g: 10 for g in range(5, 8)})  # 3 resident < 4: resume
+    assert not w.paused
+    assert w.claim(100) == [8, 9, 10, 11, 12]
+    assert w.paused and w.transitions == 3
+
+
+def test_window_pauses_on_bytes_and_resumes_below_low_bytes() -> None:
+    w = _window(high=100, low=50, high_bytes=1000, low_bytes=600, head=2)
+    w.observe(0, {})
+    claimed = []
+    while True:
+        batch = w.claim(1)
+        if not batch:
+            break
+        claimed += batch
+        w.committed(batch[0], 300)
+    assert claimed == [0, 1, 2, 3] and w.paused  # 4 x 300 = 1200 >= 1000
+    assert "1200 bytes (high 1000, resumes below 600)" in w.pause_reason()
+    w.observe(2, {2: 300, 3: 300})  # 600 is not below 600
+    assert w.paused
+    w.observe(3, {3: 300})
+    assert not w.paused and w.claim(1) == [4]
+
+
+def test_window_head_is_captured_while_paused_below_the_hard_watermark() -> None:
+    # hysteresis holds the producer paused (5 resident >= low 4) but the head of the window, the
+    # next global step, has a hole: capture it anyway
+    w = _window(high=8, low=4, head=4)
+    w.observe(0, {g: 1 for g in range(8)})
+    assert w.paused
+    w.observe(0, {1: 1, 2: 1, 3: 1, 5: 1, 6: 1})
+    assert w.paused
+    assert w.claim(5) == [0]  # only the head hole, not 4 or 7
+
+
+def test_window_drops_tail_when_head_has_a_hole_at_the_hard_watermark() -> None:
+    # the trainer restarted from an older checkpoint: cursor moved back from 8 to 4; the store
+    # holds 8..15 (the old window); the head 4..7 is missing and the high watermark is reached
+    w = _window(high=8, low=4, head=4)
+    w.observe(8, {g: 1 for g in range(8, 16)})
+    w.observe(4, {g: 1 for g in range(8, 16)})
+    assert w.head_missing() and w.at_hard_limit()
+    victims = w.tail_victims()
+    assert victims == [15]  # the farthest one, just enough to get below the high watermark
+    w.removed(victims)
+    assert w.claim(4) == [4]
+    assert w.tail_victims() == [14]
+
+
+def test_window_garbage_is_what_lies_below_the_cursor() -> None:
+    w = _window()
+    w.observe(5, {2: 1, 4: 1, 5: 1, 9: 1})
+    assert w.garbage() == [2, 4]
+    w.removed([2, 4])
+    assert sorted(w.resident) == [5, 9]
+
+
+# ---------------------------------------------------------------------------------------------
+# sample format
+# ---------------------------------------------------------------------------------------------
+
+
+def test_k3_sizes_are_exact_int64_without_allocating() -> None:
+    tokens, n_aux, hidden = 65_536, 5, 7_168
+    hs_bytes = tensor_nbytes((tokens, n_aux * hidden), torch.bfloat16)
+    assert hs_bytes == 65_536 * 35_840 * 2 == 4_697_620_480
+    assert tokens * n_aux * hidden > 2**31  # the element count alone overflows int32
+    lhs_bytes = tensor_nbytes((tokens, hidden), torch.bfloat16)
+    size = SampleSize(tokens, n_aux, hidden)
+    assert (size.hs_bytes, size.lhs_bytes, size.ids_bytes, size.mask_bytes) == (
+        hs_bytes,
+        lhs_bytes,
+        tensor_nbytes((tokens,), torch.int64),
+        tensor_nbytes((tokens,), torch.uint8),
+    )
+    assert abs(size.feature_bytes / 2**30 - 5.25) < 1e-9  # "a 64K K3 sample is about 5.25 GiB"
+    # and the meta a K3 sample would carry round-trips these numbers exactly
+    layouts = [
+        describe_field(name, torch.empty(0, dtype=dtype), with_checksum=False) for name, dtype in
+        (("ids", torch.int64), ("mask", torch.uint8), ("hs", torch.bfloat16), ("lhs", torch.bfloat16))
+    ]
+    shapes = {"ids": (tokens,), "mask": (tokens,), "hs": (tokens, n_aux * hidden), "lhs": (tokens, hidden)}
+    layouts = [
+        type(la)(la.name, la.dtype, shapes[la.name], tensor_nbytes(shapes[la.name], DTYPES[la.dtype]), None)
+        for la in layouts
+    ]
+    meta = decode_meta(7, "k", encode_meta(build_meta(7, layouts, {"T": tokens})))
+    assert meta["sample_bytes"] == size.ids_bytes + size.mask_bytes + size.feature_bytes
+    assert [la.num_bytes for la in field_layouts(meta)] == [la.num_bytes for la in layouts]
+
+
+def test_byte_view_and_crc_of_bf16_are_the_tensor_bytes() -> None:
+    t = torch.tensor([[1.0, -2.5], [3.25, 0.0]], dtype=torch.bfloat16)
+    view = byte_view(t)
+    assert view.dtype == torch.uint8 and view.numel() == 8 and view.data_ptr() == t.data_ptr()
+    assert crc32_of(t) == crc32_of(t.clone())
+    u = t.clone()
+    u[1, 1] = 1.0
+    assert crc32_of(u) != crc32_of(t)
+    with pytest.raises(ValueError, match="contiguous"):
+        byte_view(t.t())
+
+
+def _layouts(g: int) -> list:
+    tensors = {
+        "ids": torch.arange(5, dtype=torch.int64) + g,
+        "mask": torch.ones(5, dtype=torch.uint8),
+        "hs": torch.ones(5, 6, dtype=torch.bfloat16),
+        "lhs": torch.ones(5, 2, dtype=torch.bfloat16),
+    }
+    return [describe_field(name, tensors[name]) for name in TENSOR_FIELDS]
+
+
+def test_meta_carries_capture_metadata_and_field_layouts() -> None:
+    meta = build_meta(3, _layouts(3), {"epoch": 1, "row_id": "r3", "T": 5})
+    decoded = decode_meta(3, "key", encode_meta(meta))
+    assert decoded["format"] == SAMPLE_FORMAT and decoded["g"] == 3 and decoded["row_id"] == "r3"
+    assert decoded["fields"]["hs"] == {"dtype": "bfloat16", "shape": [5, 6], "bytes": 60, "crc32": _layouts(3)[2].crc32}
+    assert decoded["sample_bytes"] == 40 + 5 + 60 + 20
+
+
+def test_meta_rejects_reserved_keys_wrong_g_and_bad_stored_forms() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        build_meta(3, _layouts(3), {"fields": {}})
+    with pytest.raises(ValueError, match="mixed up"):
+        build_meta(3, _layouts(3), {"g": 4})
+    with pytest.raises(ValueError, match="expected exactly"):
+        build_meta(3, _layouts(3)[:3], {})
+    with pytest.raises(CorruptSampleError, match="not valid JSON"):
+        decode_meta(3, "tiny/s/000000000003/meta", b"{oops")
+    with pytest.raises(CorruptSampleError, match="different versions"):
+        decode_meta(3, "k", json.dumps({"format": "other/9", "g": 3}).encode())
+    with pytest.raises(CorruptSampleError, match="records g=4"):
+        decode_meta(3, "k", encode_meta(build_meta(4, _layouts(4), {})))
+
+
+def test_sample_keys_follow_the_design() -> None:
+    assert sample_keys("tiny", 42) == [f"tiny/s/000000000042/{f}" for f in ("ids", "mask", "hs", "lhs", "meta")]
+    assert sample_key("k3", 7, "meta") == "k3/s/000000000007/meta"
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cursor_and_heartbeat_round_trip_and_summary() -> None:
+    c = Cursor(128, 1, 100.0, "rank 0")
+    assert Cursor.decode(c.encode()) == c
+    with pytest.raises(ValueError, match="not a cursor"):
+        Cursor.decode(b'{"value": -1}')
+    beat = Heartbeat(
+        time=1000.0, sequence=3, pid=7, host="cap", cursor=128, window_end=256, resident_samples=5,
+        resident_bytes=500, in_flight=1, paused=True, committed_total=9, last_commit_time=990.0,
+        rate_samples_per_s=0.5, errors=1, last_error="boom", waiting_for="x",
+    )
+    assert Heartbeat.decode(beat.encode()) == beat
+    text = beat.summary(now=1012.0)
+    assert "heartbeat 12.0 s old" in text and "window [128, 256)" in text and "PAUSED" in text
+    assert "last commit 22.0 s ago" in text and "1 errors, last: boom" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# endpoints, master command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_endpoints_from_the_launcher_env_contract() -> None:
+    recipe = load_recipe(TINY).recipe
+    env = {
+        "DSPARK_MOONCAKE_MASTER": "10.0.0.5:50151",
+        "DSPARK_MOONCAKE_METADATA": "http://10.0.0.5:18180/metadata",
+        "DSPARK_BIND_ADDRESS": "10.0.0.9",
+    }
+    e = Endpoints.from_env(recipe, env)
+    assert (e.master_host, e.master_rpc_port, e.bind_address) == ("10.0.0.5", 50151, "10.0.0.9")
+    e = Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5", "DSPARK_BIND_ADDRESS": "10.0.0.9"})
+    assert e.metadata_url == f"http://10.0.0.5:{recipe.transport.metadata_http_port}/metadata"
+    with pytest.raises(ValueError, match="DSPARK_BIND_ADDRESS is not set"):
+        Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5"})
+    with pytest.raises(ValueError, match="cannot find the Mooncake master"):
+        Endpoints.from_env(recipe, {"DSPARK_BIND_ADDRESS": "10.0.0.9"})
+    with pytest.raises(ValueError, match="not host:port"):
+        Endpoints.from_env(recipe, {**env, "DSPARK_MOONCAKE_MASTER": "10.0.0.5"})
+
+
+def test_master_command_uses_recipe_values_and_eviction_ratio() -> None:
+    recipe = load_recipe(K3).recipe
+    settings = MasterSettings.from_recipe(recipe, "10.1.2.3")
+    cmd = settings.command()
+    assert cmd[0] == "mooncake_master"
+    for flag in (
+        "--rpc_address=10.1.2.3",
+        "--rpc_port=50051",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=10.1.2.3",
+        "--http_metadata_server_port=8080",
+        "--metrics_port=9003",
+        "--default_kv_lease_ttl=300s",
+        "--eviction_high_watermark_ratio=0.878906",  # 900 GiB / 1 TiB
+        "--client_ttl=10",
+    ):
+        assert flag in cmd, flag
+    assert eviction_ratio(900 * 2**30, 2**40) == pytest.approx(0.87890625)
+    with pytest.raises(ValueError, match="outside"):
+        eviction_ratio(2, 1)
+
+
+def test_error_codes_have_names() -> None:
+    assert code_name(-704) == "OBJECT_NOT_FOUND (-704)"
+    assert code_name(-12345) == "UNKNOWN (-12345)"
+
+
+def test_global_sample_index_covers_each_step_exactly_once() -> None:
+    world, micro, accum = 4, 1, 32
+    seen = sorted(
+        global_sample_index(s, m, r, b, world, micro, accum)
+        for s in range(3) for m in range(accum) for r in range(world) for b in range(micro)
+    )
+    assert seen == list(range(3 * 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# recipe-time checks of the data plane
+# ---------------------------------------------------------------------------------------------
+
+
+def _problems(error: RecipeError) -> dict[str, str]:
+    return {p.path: p.message for p in error.problems}
+
+
+def test_in_flight_overshoot_above_store_cap_is_rejected_naming_both_numbers() -> None:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY, overrides=["transport.high_watermark_bytes=191MiB"])
+    message = _problems(info.value)["transport.high_watermark_bytes"]
+    assert "191.00 MiB" in message and "4 sample(s) in flight" in message
+    assert "store_cap_bytes 192.00 MiB" in message and "193.02 MiB" in message
+    load_recipe(TINY, overrides=["transport.high_watermark_bytes=189MiB"])  # fits: no problem
+
+
+def test_k3_recipe_watermarks_pass_and_bad_ones_name_both_numbers() -> None:
+    load_recipe(K3)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, overrides=["transport.high_watermark_bytes=600GiB", "transport.low_watermark_bytes=500GiB"])
+    message = _problems(info.value)["transport.high_watermark_bytes"]
+    assert "600.00 GiB" in message and "trainer.global_batch_size 128" in message
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, overrides=["transport.store_cap_bytes=2TiB"])
+    assert "global_segment_bytes 1.00 TiB" in _problems(info.value)["transport.store_cap_bytes"]
