@@ -66,6 +66,7 @@ def server_arguments(
     recipe: Recipe,
     *,
     recipe_path: str | Path,
+    model_path: str | Path | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
@@ -74,12 +75,13 @@ def server_arguments(
 
     Flag names are those of SGLang 0.5.23's parser plus the patch's (checked by a test that parses
     this list with the patched parser). ``recipe_path`` is the resolved recipe the server's sink
-    reads its store settings from.
+    reads its store settings from; ``model_path`` the target folder (default: ``capture.target_path``
+    as written).
     """
     cap = recipe.capture
     s = cap.sglang
     args = [
-        "--model-path", cap.target_path,
+        "--model-path", str(model_path or cap.target_path),
         "--host", s.host,
         "--port", str(s.port),
         "--tp-size", str(s.tp_size),
@@ -121,6 +123,7 @@ def server_command(
     recipe: Recipe,
     *,
     recipe_path: str | Path,
+    model_path: str | Path | None = None,
     python: str | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
@@ -132,7 +135,12 @@ def server_command(
         "-m",
         SERVER_MODULE,
         *server_arguments(
-            recipe, recipe_path=recipe_path, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr
+            recipe,
+            recipe_path=recipe_path,
+            model_path=model_path,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            dist_init_addr=dist_init_addr,
         ),
     ]
 
@@ -314,6 +322,7 @@ class SGLangEngine:
         self.command = list(command) if command is not None else server_command(
             self.recipe,
             recipe_path=resolved.path,
+            model_path=resolved.resolve_path(self.recipe.capture.target_path),
             nnodes=self.nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
