@@ -16,6 +16,7 @@ import pytest
 from conftest import SLURM_LOCAL, LocalSlurmCluster, slurm_local_status
 
 from tools.slurm_local_impl import hosts_file
+from tools.slurm_local_impl.lock import lock_path
 from tools.slurm_local_impl.processes import is_alive, marked_pids
 from tools.slurm_local_impl.render import render_gres_conf, render_slurm_conf
 from tools.slurm_local_impl.settings import MARKER, SYSTEM_SLURM_CONF, ClusterSettings, StateLayout
@@ -244,6 +245,7 @@ def test_down_leaves_nothing_and_up_restores(slurm_cluster: LocalSlurmCluster) -
         assert not slurm_cluster.state_dir.exists()
         assert not hosts_file.has_node_names()
         assert not SYSTEM_SLURM_CONF.is_symlink()
+        assert not lock_path(slurm_cluster.state_dir).exists()
         assert slurm_local_status()["stopped"]
         _run(str(SLURM_LOCAL), "down", timeout_s=60)  # down when down is fine
     finally:

@@ -7,7 +7,8 @@ import dataclasses
 import json
 import sys
 
-from tools.slurm_local_impl.cluster import ClusterStatus, down, stale_pid_files, status, up
+from tools.slurm_local_impl.cluster import ClusterStatus, down, require_root, stale_pid_files, status, up
+from tools.slurm_local_impl.lock import exclusive
 from tools.slurm_local_impl.settings import STATE_DIR_ENV, ClusterSettings, resolve_state_dir
 
 EXIT_RUNNING = 0
@@ -61,10 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = ClusterSettings(state_dir=resolve_state_dir(args.state_dir))
     if args.command == "up":
-        up(settings)
+        require_root()
+        with exclusive(settings.state_dir):
+            up(settings)
         return EXIT_RUNNING
     if args.command == "down":
-        down(settings, keep_state=args.keep_state)
+        require_root()
+        with exclusive(settings.state_dir, remove_after=True):
+            down(settings, keep_state=args.keep_state)
         return EXIT_RUNNING
     report = status(settings)
     if args.json:

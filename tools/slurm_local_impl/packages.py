@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from tools.slurm_local_impl.progress import say
+from tools.slurm_local_impl.settings import MARKER
 
 # program -> Debian package providing it (Debian 12 / Ubuntu; Slurm 22.05 on bookworm).
 REQUIRED_PROGRAMS: dict[str, str] = {
@@ -55,11 +59,37 @@ def _apt_lists_present() -> bool:
     return lists.is_dir() and any(path.name.endswith("_Packages") for path in lists.iterdir())
 
 
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+POLICY_DENY_ALL = "#!/bin/sh\n# Written by {marker} during apt-get install; removed right after.\nexit 101\n"
+
+
+@contextlib.contextmanager
+def _services_not_started() -> Iterator[None]:
+    """While installing, keep the packages' postinst scripts from starting the system munge, mariadb,
+    slurmctld, slurmd and slurmdbd services (Debian's policy-rc.d; exit 101 means "not allowed"): we
+    run our own daemons, a system mariadb or munged would be a leftover, and slurmctld's postinst fails
+    the install where its init script cannot start without a slurm.conf. Docker images already ship
+    such a file; an existing one is left alone."""
+    if POLICY_RC_D.exists():
+        yield
+        return
+    POLICY_RC_D.write_text(POLICY_DENY_ALL.format(marker=MARKER))
+    os.chmod(POLICY_RC_D, 0o755)
+    try:
+        yield
+    finally:
+        POLICY_RC_D.unlink(missing_ok=True)
+
+
+def _apt_get(log: IO[str], *argv: str) -> int:
+    return subprocess.run(
+        ["apt-get", *argv], stdout=log, stderr=subprocess.STDOUT, env=_apt_env(), check=False
+    ).returncode
+
+
 def ensure_packages(log_path: Path) -> None:
-    """apt-get installs whatever is missing (no recommends, no prompts), running ``apt-get update``
-    first on a machine without package lists, or once more if the first install fails. Package
-    postinst scripts may try to start the system services; that is harmless because our daemons use
-    their own ports, sockets and state folder."""
+    """apt-get installs whatever is missing (no recommends, no prompts, no services started), running
+    ``apt-get update`` first on a machine without package lists, or once more if the install fails."""
     packages = missing_packages()
     if not packages:
         return
@@ -71,22 +101,18 @@ def ensure_packages(log_path: Path) -> None:
     started = time.monotonic()
     say(f"installing Debian packages: {' '.join(packages)} (log: {log_path})")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    with log_path.open("a") as log:
+    install = ["install", "-y", "-q", "--no-install-recommends", *packages]
+    with log_path.open("a") as log, _services_not_started():
         if not _apt_lists_present():
-            subprocess.run(
-                ["apt-get", "update", "-q"], stdout=log, stderr=subprocess.STDOUT, env=_apt_env(), check=False
-            )
-        result = subprocess.run(install, stdout=log, stderr=subprocess.STDOUT, env=_apt_env(), check=False)
-        if result.returncode != 0:
-            subprocess.run(
-                ["apt-get", "update", "-q"], stdout=log, stderr=subprocess.STDOUT, env=_apt_env(), check=False
-            )
-            result = subprocess.run(install, stdout=log, stderr=subprocess.STDOUT, env=_apt_env(), check=False)
+            _apt_get(log, "update", "-q")
+        returncode = _apt_get(log, *install)
+        if returncode != 0:
+            _apt_get(log, "update", "-q")
+            returncode = _apt_get(log, *install)
     still_missing = missing_packages()
-    if result.returncode != 0 or still_missing:
+    if returncode != 0 or still_missing:
         raise SystemExit(
-            f"slurm_local: apt-get install {' '.join(packages)} failed (exit {result.returncode}); "
+            f"slurm_local: apt-get install {' '.join(packages)} failed (exit {returncode}); "
             f"still missing: {', '.join(still_missing) or 'none'}. See {log_path}."
         )
     say(f"installed {' '.join(packages)} in {time.monotonic() - started:.1f} s")
