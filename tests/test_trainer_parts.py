@@ -1,0 +1,212 @@
+"""Unit tests of the trainer's parts: frozen tensors by name, schedules, start plans, checkpoint
+files (atomic, latest, keep-K), sample checks, settings and metrics errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.recipe import load_recipe, write_resolved
+from runtime.recipe.schema import ScheduleConfig
+from runtime.trainer import checkpoints
+from runtime.trainer.file_source import FileSampleSource
+from runtime.trainer.frozen_vocab import TargetTensorError, load_frozen_vocab, read_target_tensor
+from runtime.trainer.guard import FiniteGuard, NonFiniteUpdate, inspect_update
+from runtime.trainer.metrics import MetricsSetupError, MetricsWriter
+from runtime.trainer.resume import plan_start
+from runtime.trainer.schedules import build_schedule
+from runtime.trainer.settings import TrainerSetupError, derive_settings
+from runtime.trainer.sources import SampleShapeError, check_sample
+from runtime.trainer.synthetic import synthetic_sample, write_target_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHA = "ab" * 32
+
+
+def tiny(*overrides: str):
+    return load_recipe(REPO_ROOT / "recipes" / "tiny.yaml", overrides=[f"data.expected_sha256={SHA}", *overrides])
+
+
+# ----------------------------------------------------------------------------------------------
+# frozen embedding / lm_head by name
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_frozen_tensors_are_read_by_name(tmp_path: Path, sharded: bool) -> None:
+    write_target_checkpoint(tmp_path, vocab_size=50, hidden_size=8, sharded=sharded, embed_name="language_model.model.embed_tokens.weight")
+    embed, head = load_frozen_vocab(
+        tmp_path,
+        embed_tensor_name="language_model.model.embed_tokens.weight",
+        lm_head_tensor_name="lm_head.weight",
+        vocab_size=50,
+        hidden_size=8,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    assert embed.shape == head.shape == (50, 8) and embed.dtype == torch.bfloat16
+    assert not torch.equal(embed, head)
+
+
+def test_missing_tensor_error_names_file_tensor_and_field(tmp_path: Path) -> None:
+    write_target_checkpoint(tmp_path, vocab_size=50, hidden_size=8)
+    with pytest.raises(TargetTensorError) as info:
+        read_target_tensor(tmp_path, "language_model.lm_head.weight", recipe_field="trainer.lm_head_tensor_name")
+    text = str(info.value)
+    assert str(tmp_path / "model.safetensors.index.json") in text
+    assert "'language_model.lm_head.weight'" in text and "trainer.lm_head_tensor_name" in text
+    assert "close names: lm_head.weight" in text
+    with pytest.raises(TargetTensorError, match=r"has shape \(50, 8\), but the recipe says \[capture.vocab_size 64"):
+        load_frozen_vocab(
+            tmp_path,
+            embed_tensor_name="model.embed_tokens.weight",
+            lm_head_tensor_name="lm_head.weight",
+            vocab_size=64,
+            hidden_size=8,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+    with pytest.raises(TargetTensorError, match="neither model.safetensors.index.json nor model.safetensors"):
+        read_target_tensor(tmp_path / "nowhere", "x", recipe_field="trainer.embed_tensor_name")
+
+
+# ----------------------------------------------------------------------------------------------
+# schedules
+# ----------------------------------------------------------------------------------------------
+
+
+def test_schedules() -> None:
+    def factors(kind: str, **kw) -> list[float]:
+        schedule = build_schedule(ScheduleConfig(type=kind, **kw), base_lr=2.0, run_total_steps=10)
+        return [schedule.lr(s) / 2.0 for s in range(10)]
+
+    assert factors("constant") == [1.0] * 10
+    assert factors("constant_with_warmup", warmup_steps=4)[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    linear = factors("linear", warmup_steps=2, min_lr_ratio=0.1)
+    assert linear[:2] == [0.5, 1.0] and linear[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(linear[1:], linear[2:], strict=False))
+    cosine = factors("cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert cosine[-1] == pytest.approx(0.1) and cosine[5] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    wsd = factors("wsd", warmup_steps=1, decay_steps=4, min_lr_ratio=0.0)
+    assert wsd == pytest.approx([1.0] * 6 + [0.75, 0.5, 0.25, 0.0])
+    assert build_schedule(ScheduleConfig(type="wsd"), base_lr=1.0, run_total_steps=30).decay_steps == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# start plans and checkpoint files
+# ----------------------------------------------------------------------------------------------
+
+
+def save(checkpoint_dir: Path, step: int, model: torch.nn.Module, digest: str, keep_last: int = 2) -> checkpoints.SavedCheckpoint:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"step": step, "cursor": step * 4, "world_size": 1, "recipe_digest": digest, "schedule": {"type": "constant"}}
+    return checkpoints.save_checkpoint(
+        checkpoint_dir, step=step, model=model, optimizer=optimizer, state=state, rng_states=[checkpoints.rng_state()], keep_last=keep_last, is_main=True
+    )
+
+
+def test_checkpoint_files_latest_keep_last_and_stale_tmp(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    (tmp_path / ".tmp-step_00000009").mkdir(parents=True)  # a crashed save: never taken for a checkpoint
+    assert checkpoints.find_latest(tmp_path) is None
+    for step in (2, 4, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        saved = save(tmp_path, step, model, "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    assert (tmp_path / "latest").is_symlink() and checkpoints.find_latest(tmp_path).name == "step_00000006"
+    state = checkpoints.read_state(saved.path)
+    assert state["step"] == 6 and state["weights_sha256"] == saved.weights_sha256 == checkpoints.model_sha256(model)
+    assert checkpoints.loaded_weights_sha256(saved.path, model) == saved.weights_sha256
+    fresh = torch.nn.Linear(3, 2)
+    checkpoints.load_weights(saved.path, fresh)
+    assert torch.equal(fresh.weight, model.weight)
+    # a crash after the rename but before the link update: the newest complete one still wins
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").symlink_to("step_00000004")
+    assert checkpoints.find_latest(tmp_path).name == "step_00000006"
+
+
+def test_start_plans(tmp_path: Path) -> None:
+    digest = "d" * 64
+    ckpt_dir = tmp_path / "ckpt"
+    recipe = tiny().recipe
+    assert plan_start(recipe, ckpt_dir, digest).kind == "fresh"
+    assert plan_start(tiny("trainer.checkpoint.resume_from=auto").recipe, ckpt_dir, digest).kind == "fresh"
+    warm_dir = tmp_path / "warm"
+    save(warm_dir, 3, torch.nn.Linear(2, 2), "other")
+    warm = plan_start(tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe, ckpt_dir, digest)
+    assert warm.kind == "init" and warm.path.name == "step_00000003"
+    save(ckpt_dir, 5, torch.nn.Linear(2, 2), digest)
+    restart = plan_start(recipe, ckpt_dir, digest)  # same job restarted (requeue): resumes by itself
+    assert restart.kind == "resume" and restart.path.name == "step_00000005"
+    both = tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe
+    both.trainer.checkpoint.resume_from = "auto"  # launch-time checks refuse this pair; at run time auto wins
+    auto_over_init = plan_start(both, ckpt_dir, digest)
+    assert auto_over_init.kind == "resume" and auto_over_init.path.name == "step_00000005"
+    with pytest.raises(checkpoints.CheckpointError, match="written by another recipe"):
+        plan_start(recipe, ckpt_dir, "e" * 64)
+    with pytest.raises(ValueError, match="exclude each other"):
+        tiny(f"trainer.checkpoint.resume_from={ckpt_dir}", f"trainer.checkpoint.init_from={warm_dir}")
+    with pytest.raises(checkpoints.CheckpointError, match="trainer.checkpoint.resume_from is .*no complete checkpoint there"):
+        plan_start(tiny(f"trainer.checkpoint.resume_from={tmp_path / 'missing'}").recipe, ckpt_dir, digest)
+
+
+# ----------------------------------------------------------------------------------------------
+# guard, samples, settings, metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def test_guard_decisions() -> None:
+    finite = [{"ce": True, "l1": True, "confidence": True}] * 2
+    bad = [{"ce": True, "l1": True, "confidence": True}, {"ce": True, "l1": False, "confidence": True}]
+    guard = FiniteGuard(smoke=False, max_consecutive_skips=2)
+    assert guard.decide(inspect_update(0, finite, 1.0)) is True
+    assert guard.decide(inspect_update(1, bad, 1.0)) is False and guard.skipped_total == 1
+    assert guard.decide(inspect_update(2, finite, 1.0)) is True and guard.consecutive == 0
+    assert guard.decide(inspect_update(3, finite, float("inf"))) is False
+    with pytest.raises(NonFiniteUpdate, match="step 4 .*'l1' is not finite on rank\\(s\\) \\[1\\].*2 skipped updates in a row"):
+        guard.decide(inspect_update(4, bad, float("nan")))
+    with pytest.raises(NonFiniteUpdate, match="smoke gate: non-finite update at optimizer step 0 .*gradient norm is nan"):
+        FiniteGuard(smoke=True, max_consecutive_skips=3).decide(inspect_update(0, finite, float("nan")))
+
+
+def test_sample_checks_and_file_source_timeout(tmp_path: Path) -> None:
+    sample = synthetic_sample(3, num_tokens=20, vocab_size=100, hidden_size=8, num_aux_layers=2)
+    check_sample(sample, num_aux_layers=2, hidden_size=8, vocab_size=100)
+    with pytest.raises(SampleShapeError, match=r"sample g=3: field hs has shape \(20, 16\), expected \(20, 24\)"):
+        check_sample(sample, num_aux_layers=3, hidden_size=8, vocab_size=100)
+    with pytest.raises(SampleShapeError, match="leaves the vocabulary 0..9"):
+        check_sample(sample, num_aux_layers=2, hidden_size=8, vocab_size=10)
+    source = FileSampleSource(tmp_path, global_batch_size=4, idle_timeout_s=0.3, poll_interval_s=0.05)
+    with pytest.raises(TimeoutError, match="sample g=7 did not appear"):
+        source.fetch(7)
+    source.commit_step(2)
+    assert source.read_cursor() == 12
+
+
+def test_settings_check_world_size_and_derive_steps(tmp_path: Path) -> None:
+    loaded = tiny("data.num_rows=10", "trainer.epochs=3")
+    resolved_path = write_resolved(loaded, tmp_path / "job", REPO_ROOT)
+    from runtime.recipe import load_resolved
+
+    resolved = load_resolved(resolved_path)
+    with pytest.raises(TrainerSetupError, match="WORLD_SIZE is 2, but the recipe's trainer has 4 ranks"):
+        derive_settings(resolved, {"WORLD_SIZE": "2", "RANK": "0"})
+    settings = derive_settings(resolved, {"WORLD_SIZE": "4", "RANK": "3", "DSPARK_JOB_DIR": str(tmp_path / "job")})
+    assert settings.total_steps == 3 * 10 // 8 and settings.rank == 3 and settings.attention_backend == "sdpa"
+    assert settings.checkpoint_dir == tmp_path / "job" / "checkpoints" and settings.data_digest == SHA
+    assert settings.chunk_rows == 8 * 7
+
+
+def test_wandb_needs_key_from_environment(tmp_path: Path) -> None:
+    config = tiny("trainer.metrics.wandb_project=dspark").recipe.trainer.metrics
+    with pytest.raises(MetricsSetupError, match="WANDB_API_KEY is not in the environment"):
+        MetricsWriter(tmp_path, config, run_name="x", enabled=True, env={})
+    writer = MetricsWriter(tmp_path, tiny("trainer.metrics.tensorboard=false").recipe.trainer.metrics, run_name="x", enabled=True, env={})
+    writer.write({"step": 1, "loss": 2.0})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0
