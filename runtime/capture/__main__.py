@@ -1,0 +1,35 @@
+"""``python -m runtime.capture --recipe RESOLVED``: the capture component (see runtime/capture/producer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from runtime.recipe.loader import load_resolved
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, read the resolved recipe, run the capture loop."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.capture", description=__doc__)
+    parser.add_argument(
+        "--recipe",
+        default=os.environ.get("DSPARK_RECIPE"),
+        help="resolved recipe JSON written by the launcher (default: $DSPARK_RECIPE)",
+    )
+    args = parser.parse_args(argv)
+    if not args.recipe:
+        parser.error("no resolved recipe: pass --recipe PATH or set DSPARK_RECIPE")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    from runtime.capture.producer import run_capture
+
+    return run_capture(load_resolved(args.recipe))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

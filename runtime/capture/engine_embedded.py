@@ -1,0 +1,265 @@
+"""The embedded capture engine (``capture.engine: embedded``): the target runs in this process
+through transformers, prefill only, one model replica per GPU (data parallel) or on the CPU.
+
+A batch from the producer is dealt out to the replicas in contiguous chunks of up to
+``capture.batch_size`` samples; each replica runs one right-padded forward per chunk (its own
+thread: the forward releases the GIL), and every sample is committed through the sink, meta last,
+before :meth:`EmbeddedEngine.capture` returns.
+
+Expert parallelism (``capture.expert_parallel > 1``) is not built here: the expert-sharding loader
+of :mod:`runtime.moe.embedded_loader` plugs in through the ``model_loader`` argument (see
+:data:`ModelLoader`), and is picked by default when the recipe asks for it. A loader with an
+``idle_step(replica_index, device, dtype)`` method gets that call for every replica left without
+samples in a capture step, so the replicas of an expert-parallel group stay in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from runtime.capture.engine import CaptureRequest, SampleRef
+from runtime.capture.hidden_states import HiddenStateCapture, SampleFeatures
+from runtime.capture.sample_meta import CaptureIdentity, sample_meta, sample_tensors
+from runtime.recipe.loader import ResolvedRecipe
+
+log = logging.getLogger("dspark.capture.embedded")
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or serve; the message names the recipe field and the fix."""
+
+
+class SampleSink(Protocol):
+    """Where finished samples go: the data-plane producer (or a test's recorder)."""
+
+    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int | None:
+        """Write every tensor field, then meta last; returns the bytes written (or None)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedSettings:
+    """Everything the embedded engine needs from the recipe."""
+
+    target_path: Path
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    pad_id: int
+    compute_dtype: str
+    devices: tuple[str, ...]
+    """One entry per replica: ``cpu`` or ``cuda:N``."""
+    batch_size: int
+    """Samples per forward of one replica."""
+    target_revision: str | None = None
+    expert_parallel: int = 1
+    moe_exchange: str = "nccl"
+
+    @classmethod
+    def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
+        """Settings of the resolved recipe's ``capture`` section (devices picked here)."""
+        c = resolved.recipe.capture
+        return cls(
+            target_path=resolved.resolve_path(c.target_path),
+            aux_layer_ids=tuple(c.aux_layer_ids),
+            hidden_size=c.hidden_size,
+            pad_id=c.special_tokens.pad_id,
+            compute_dtype=c.compute_dtype,
+            devices=tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype)),
+            batch_size=c.batch_size,
+            target_revision=c.target_revision,
+            expert_parallel=c.expert_parallel,
+            moe_exchange=c.moe_exchange,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The forward's dtype."""
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+
+def pick_devices(device: str, engines_per_node: int | None, compute_dtype: str = "bfloat16") -> list[str]:
+    """Replica devices: one per visible GPU (or ``engines_per_node`` of them), or the CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus == 0:
+        raise EngineError(
+            "capture.device is 'cuda' but no CUDA GPU is visible to the capture process; fix: run on a GPU node "
+            "(job.capture.gpus_per_node) or set capture.device: cpu"
+        )
+    if device == "cpu" or gpus == 0:
+        return ["cpu"] * (engines_per_node or 1)
+    count = engines_per_node or gpus
+    if count > gpus:
+        raise EngineError(
+            f"capture.engines_per_node is {count} but only {gpus} GPUs are visible; fix: set it to at most {gpus} "
+            "or null (one replica per GPU)"
+        )
+    return [f"cuda:{index}" for index in range(count)]
+
+
+ModelLoader = Callable[[EmbeddedSettings, str], torch.nn.Module]
+"""``(settings, device) -> base decoder model`` in eval mode on ``device``. The default loads a
+local Hugging Face checkpoint; an expert-parallel loader (runtime/moe) can replace it."""
+
+
+def load_hf_decoder(settings: EmbeddedSettings, device: str) -> torch.nn.Module:
+    """The target's base decoder (no lm_head) from a local Hugging Face folder."""
+    from transformers import AutoModel
+
+    if settings.expert_parallel > 1:
+        raise EngineError(
+            f"capture.expert_parallel is {settings.expert_parallel}, but this engine was started with the plain "
+            "Hugging Face loader; an expert-parallel target needs the runtime/moe loader. Fix: set "
+            "capture.expert_parallel: 1, or pass the expert-parallel model_loader to EmbeddedEngine"
+        )
+    if not (settings.target_path / "config.json").is_file():
+        raise EngineError(
+            f"capture.target_path {settings.target_path} has no config.json (not a Hugging Face checkpoint folder); "
+            "fix: point it at the target checkpoint (for recipes/tiny.yaml run tools/make_tiny_target first)"
+        )
+    from transformers.utils import logging as hf_logging
+
+    # Per-tensor progress bars are noise in a job log; the load report (e.g. "lm_head.weight
+    # UNEXPECTED": the base model has no lm_head, on purpose) stays.
+    hf_logging.disable_progress_bar()
+    model = AutoModel.from_pretrained(settings.target_path, dtype=settings.torch_dtype)
+    return model.to(device).eval()
+
+
+def default_loader(settings: EmbeddedSettings) -> ModelLoader:
+    """The plain Hugging Face loader, or the expert-parallel one when ``expert_parallel > 1``."""
+    if settings.expert_parallel <= 1:
+        return load_hf_decoder
+    from runtime.moe.embedded_loader import ExpertParallelLoader
+
+    return ExpertParallelLoader.for_settings(settings, settings.moe_exchange)
+
+
+class EmbeddedEngine:
+    """In-process transformers capture engine (implements :class:`runtime.capture.engine.CaptureEngine`)."""
+
+    name = "embedded"
+
+    def __init__(
+        self, settings: EmbeddedSettings, sink: SampleSink | None = None, model_loader: ModelLoader | None = None
+    ) -> None:
+        self.settings = settings
+        self.sink = sink
+        self.model_loader = model_loader or default_loader(settings)
+        self.replicas: list[HiddenStateCapture] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self.identity = CaptureIdentity(
+            engine=self.name,
+            target_revision=settings.target_revision,
+            aux_layer_ids=settings.aux_layer_ids,
+            hidden_size=settings.hidden_size,
+            compute_dtype=settings.compute_dtype,
+        )
+        self.forward_seconds = 0.0
+        """Wall time spent in forwards (for the benchmark's share-outside-the-forward figure)."""
+
+    @property
+    def max_batch(self) -> int:
+        """Samples one :meth:`capture` call can take: ``batch_size`` per replica."""
+        return self.settings.batch_size * max(1, len(self.settings.devices))
+
+    def start(self) -> None:
+        """Load one replica per device; fail with a clear message when the target does not fit the recipe."""
+        started = time.monotonic()
+        for device in self.settings.devices:
+            model = self.model_loader(self.settings, device)
+            replica = HiddenStateCapture(model, self.settings.aux_layer_ids, self.settings.pad_id)
+            if replica.hidden_size != self.settings.hidden_size:
+                raise EngineError(
+                    f"capture.hidden_size is {self.settings.hidden_size}, but the target at {self.settings.target_path} "
+                    f"has hidden size {replica.hidden_size}; fix: set capture.hidden_size: {replica.hidden_size}"
+                )
+            self.replicas.append(replica)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="dspark-capture")
+        log.info(
+            "embedded engine ready: %d replica(s) on %s, %s, batch %d per replica, loaded in %.1f s",
+            len(self.replicas), ",".join(self.settings.devices), self.settings.compute_dtype,
+            self.settings.batch_size, time.monotonic() - started,
+        )
+
+    def check_health(self) -> None:
+        """A two-token forward on every replica."""
+        if not self.replicas:
+            raise EngineError("the embedded engine is not started (call start() first)")
+        for replica, device in zip(self.replicas, self.settings.devices, strict=True):
+            features = replica.forward([[self.settings.pad_id, self.settings.pad_id]])[0]
+            if not bool(torch.isfinite(features.lhs).all()):
+                raise EngineError(f"the target on {device} produced non-finite hidden states on a probe input")
+
+    def request_stop(self) -> None:
+        """Stop committing: a running :meth:`capture` returns after the sample it is writing."""
+        self._stop.set()
+
+    def features(self, batch: Sequence[CaptureRequest]) -> list[SampleFeatures]:
+        """Features of every request in the forward's dtype (fp32 on CPU gives the exact tests),
+        on the replica's device, in request order."""
+        if not self.replicas or self._pool is None:
+            raise EngineError("the embedded engine is not started (call start() first)")
+        if len(batch) > self.max_batch:
+            raise ValueError(f"a batch of {len(batch)} exceeds {self.max_batch} (batch_size x replicas)")
+        size = self.settings.batch_size
+        chunks = [list(batch[i : i + size]) for i in range(0, len(batch), size)]
+        started = time.monotonic()
+        futures = [
+            self._pool.submit(self.replicas[index].forward, [r.input_ids for r in chunk])
+            for index, chunk in enumerate(chunks)
+        ]
+        idle_step = getattr(self.model_loader, "idle_step", None)
+        idle = []
+        if idle_step is not None:
+            # Expert-parallel replicas exchange tokens inside every MoE layer: one without samples
+            # must still take part in this step's exchanges, or its group waits forever.
+            idle = [
+                self._pool.submit(idle_step, index, self.settings.devices[index], self.settings.torch_dtype)
+                for index in range(len(chunks), len(self.replicas))
+            ]
+        results = [feature for future in futures for feature in future.result()]
+        for future in idle:
+            future.result()
+        for device in {d for d in self.settings.devices if d.startswith("cuda")}:
+            torch.cuda.synchronize(device)
+        self.forward_seconds += time.monotonic() - started
+        return results
+
+    def capture(self, batch: list[CaptureRequest]) -> list[SampleRef]:
+        """Capture and commit every request (never mixing samples); after :meth:`request_stop`,
+        stop before the next sample and return the ones committed so far."""
+        if self.sink is None:
+            raise EngineError("the embedded engine has no sink to commit to")
+        features = self.features(batch)
+        device_type = self.settings.devices[0].split(":")[0]
+        refs: list[SampleRef] = []
+        for request, feature in zip(batch, features, strict=True):
+            if self._stop.is_set():
+                break
+            tensors = sample_tensors(request, feature)
+            meta = sample_meta(request, self.identity, device_type)
+            written = self.sink.commit(request.g, tensors, meta)
+            refs.append(SampleRef(g=request.g, num_tokens=len(request.input_ids), bytes_written=int(written or 0), meta=meta))
+        return refs
+
+    def close(self) -> None:
+        """Drop the replicas and free their memory."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for replica in self.replicas:
+            replica.close()
+        self.replicas = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

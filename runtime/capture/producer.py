@@ -1,0 +1,247 @@
+"""The capture component's main loop: keep the data-plane window full of captured samples.
+
+``python -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
+
+1. start the Mooncake master when ``capture.owns_master`` says this node owns it;
+2. check the data file against the recipe (SHA-256, rows) and open it for random access;
+3. connect the producer (heartbeats start at once, saying the engine is loading);
+4. start the engine(s);
+5. loop: take the next missing g of the window from the producer (in order, up to one batch),
+   map each to its data row through the prompt order, capture and commit them, report progress;
+6. on SIGTERM / SIGINT: stop taking work, let the sample being written finish (its ``meta`` is
+   written last, so no reader ever sees half of it), give back the claimed g not captured, close.
+
+The loop ends by itself once the trainer's cursor has passed the last sample of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from runtime.capture.data_files import RowIndex, check_data_sha256
+from runtime.capture.engine import CaptureEngine, CaptureRequest
+from runtime.capture.progress import CaptureProgress
+from runtime.capture.prompts import PromptOrder
+from runtime.recipe.loader import ResolvedRecipe
+
+log = logging.getLogger("dspark.capture")
+
+POLL_S = 0.5
+"""Longest a waiting loop goes without looking at the stop flag."""
+
+
+class WindowProducer(Protocol):
+    """What the loop needs of :class:`runtime.transport.producer.Producer`."""
+
+    def wait_next(self, max_count: int = 1, timeout_s: float | None = None) -> list[int]: ...
+
+    def release(self, g: int) -> None: ...
+
+    def heartbeat(self, stats: dict[str, Any] | None = None) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def describe_wait(self) -> str: ...
+
+
+class DataError(ValueError):
+    """A data row the capture cannot use (the message names the file, the row and the fix)."""
+
+
+@dataclass
+class CaptureSource:
+    """The prompt order and the rows it points at: ``g -> CaptureRequest``."""
+
+    order: PromptOrder
+    rows: RowIndex
+    max_length: int
+    vocab_size: int
+
+    @classmethod
+    def from_recipe(cls, resolved: ResolvedRecipe, verify_sha256: bool = True) -> CaptureSource:
+        """Open ``data.train_path`` (checking its SHA-256 and row count) and build the prompt order."""
+        recipe = resolved.recipe
+        path = resolved.resolve_path(recipe.data.train_path)
+        if verify_sha256:
+            check_data_sha256(path, recipe.data.expected_sha256, recipe_file=str(resolved.path))
+        rows = RowIndex(path)
+        if recipe.data.num_rows is not None and len(rows) != recipe.data.num_rows:
+            raise DataError(
+                f"{resolved.path}: data.num_rows is {recipe.data.num_rows}, but {path} has {len(rows)} rows; fix: use "
+                f"the intended file or set data.num_rows: {len(rows)}"
+            )
+        t = recipe.trainer
+        max_samples = t.max_steps * t.global_batch_size if t.max_steps is not None else None
+        order = PromptOrder(len(rows), t.effective_prompt_seed, t.epochs, max_samples)
+        return cls(order, rows, recipe.data.max_length, recipe.capture.vocab_size)
+
+    def request(self, g: int) -> CaptureRequest:
+        """The capture request of sample ``g``."""
+        slot = self.order.locate(g)
+        row = self.rows.read(slot.row_index)
+        where = f"{self.rows.path}: row {row.index + 1} (id {row.id!r}, sample g={g})"
+        if row.num_tokens > self.max_length:
+            raise DataError(f"{where}: {row.num_tokens} tokens, above data.max_length {self.max_length}; fix: re-run "
+                            "tools/prepare_data with that --max-length")
+        if len(row.loss_mask) != row.num_tokens:
+            raise DataError(f"{where}: loss_mask and input_ids differ in length; fix: tools/verify_data the file")
+        if row.num_tokens == 0 or max(row.input_ids) >= self.vocab_size or min(row.input_ids) < 0:
+            raise DataError(f"{where}: empty row or token id outside 0..{self.vocab_size - 1}; fix: tools/verify_data")
+        return CaptureRequest(
+            g=g,
+            epoch=slot.epoch,
+            row_index=slot.row_index,
+            row_id=row.id,
+            input_ids=tuple(row.input_ids),
+            loss_mask=tuple(row.loss_mask),
+        )
+
+
+class CaptureLoop:
+    """Claims missing g from the producer, captures them with the engine, reports progress."""
+
+    def __init__(
+        self,
+        producer: WindowProducer,
+        engine: CaptureEngine,
+        source: CaptureSource,
+        batch_size: int,
+        progress_interval_s: float,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.producer = producer
+        self.engine = engine
+        self.source = source
+        self.batch_size = batch_size
+        self.progress_interval_s = progress_interval_s
+        self.stop = stop or threading.Event()
+        self.progress = CaptureProgress(total_samples=source.order.total_samples)
+        self._beyond_end: set[int] = set()
+        self._last_report = 0.0
+
+    def finished(self) -> bool:
+        """The trainer's cursor has passed the run's last sample: nothing is left to capture."""
+        cursor = self.producer.stats().get("cursor")
+        return cursor is not None and cursor >= self.source.order.total_samples
+
+    def run(self) -> str:
+        """Loop until stopped or finished; returns why it ended (``stopped`` or ``finished``)."""
+        log.info("capturing samples g < %d (%d rows x %d epochs, prompt seed %d)", self.source.order.total_samples,
+                 self.source.order.num_rows, self.source.order.epochs, self.source.order.prompt_seed)
+        while not self.stop.is_set():
+            claimed = self.producer.wait_next(max_count=self.batch_size, timeout_s=POLL_S)
+            # A g past the run's end is left claimed for good, so the window never offers it again.
+            work = [g for g in claimed if g < self.source.order.total_samples]
+            self._beyond_end.update(g for g in claimed if g >= self.source.order.total_samples)
+            if work:
+                self._capture(work)
+            elif self.finished():
+                self.report("finished: the trainer consumed every sample of the run", force=True)
+                return "finished"
+            self.report("paused, " + self.producer.describe_wait() if not work else "capturing")
+        self.report("stopped on request", force=True)
+        return "stopped"
+
+    def _capture(self, work: list[int]) -> None:
+        committed: set[int] = set()
+        try:
+            requests = [self.source.request(g) for g in work]
+            refs = self.engine.capture(requests)
+            committed = {ref.g for ref in refs}
+            self.progress.record([r.g for r in refs], sum(r.num_tokens for r in refs), sum(r.bytes_written for r in refs))
+        finally:
+            for g in work:
+                if g not in committed:
+                    self.producer.release(g)
+
+    def report(self, state: str, force: bool = False) -> None:
+        """Log a progress line and refresh the heartbeat's stats, every ``progress_interval_s``."""
+        now = time.monotonic()
+        if not force and now - self._last_report < self.progress_interval_s:
+            return
+        self._last_report = now
+        stats = self.progress.stats()
+        stats["state"] = state
+        try:
+            self.producer.heartbeat({"capture": stats})
+        except Exception as exc:  # the heartbeat thread retries; progress must not kill the capture
+            log.warning("heartbeat with progress failed: %s", exc)
+        log.info("%s", self.progress.line(self.producer.stats(), state))
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event, on_stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM / SIGINT set ``stop`` and call ``on_stop`` (the engine's request_stop) instead of killing."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("received %s: finishing the sample being written, then stopping", signal.Signals(signum).name)
+        stop.set()
+        on_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def make_engine(resolved: ResolvedRecipe, sink: Any) -> CaptureEngine:
+    """The engine the recipe names, committing through ``sink``."""
+    engine = resolved.recipe.capture.engine
+    if engine == "embedded":
+        from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+
+        return EmbeddedEngine(EmbeddedSettings.from_recipe(resolved), sink)
+    from runtime.capture.engine_sglang import SGLangEngine
+
+    # The SGLang server's own sink commits each sample; the window sees them on its next scan.
+    return SGLangEngine(resolved)
+
+
+def engine_batch(engine: CaptureEngine, resolved: ResolvedRecipe) -> int:
+    """Samples per capture call: what the engine can take at once."""
+    return int(getattr(engine, "max_batch", resolved.recipe.capture.batch_size))
+
+
+def run_capture(resolved: ResolvedRecipe, endpoints: Any = None) -> int:
+    """The capture component (see the module docstring); returns the process exit code."""
+    from runtime.transport.dataplane import open_producer
+    from runtime.transport.endpoints import Endpoints
+    from runtime.transport.master import MasterProcess, MasterSettings
+
+    recipe = resolved.recipe
+    stop = threading.Event()
+    engine_holder: list[CaptureEngine] = []
+    with ExitStack() as stack:
+        stack.enter_context(stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")]))
+        endpoints = endpoints or Endpoints.from_env(recipe)
+        if recipe.capture.owns_master:
+            settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
+            master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
+            master.start()
+            stack.callback(master.stop)
+        source = CaptureSource.from_recipe(resolved)
+        producer = open_producer(resolved, endpoints=endpoints)
+        stack.callback(producer.close)
+        producer.heartbeat({"capture": {"state": f"loading the {recipe.capture.engine} engine"}})
+        engine = make_engine(resolved, producer)
+        engine_holder.append(engine)
+        stack.callback(engine.close)
+        engine.start()
+        engine.check_health()
+        if stop.is_set():
+            log.info("stop requested while the engine loaded; nothing was captured")
+            return 0
+        loop = CaptureLoop(producer, engine, source, engine_batch(engine, resolved), recipe.capture.progress_interval_s,
+                           stop)
+        outcome = loop.run()
+        log.info("capture %s after %d samples", outcome, loop.progress.samples)
+    return 0

@@ -1,0 +1,351 @@
+"""Build the tiny MoE target of ``recipes/tiny.yaml``: a Qwen3-MoE causal LM in Hugging Face format
+with a word-level tokenizer made here (no hub download), trained briefly on the generated structured
+chat corpus of :mod:`tools.tiny_corpus` so that its next-token distributions are peaked.
+
+Also writes the tiny chat JSONL (``data.chat_path`` of the tiny recipe) that ``tools/prepare_data``
+tokenizes. Both are cached by a content hash of the build spec and of the code that builds them:
+a second run with nothing changed returns at once.
+
+Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.capture.data_files import write_rows
+from runtime.recipe.loader import atomic_write_text
+from tools import chat_tokenize, tiny_corpus
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET_DIR = REPO_ROOT / ".cache/tiny/target"
+"""Where ``recipes/tiny.yaml`` (``capture.target_path``) expects the target."""
+DEFAULT_CHAT_PATH = REPO_ROOT / ".cache/tiny/data/chat.jsonl"
+"""Where ``recipes/tiny.yaml`` (``data.chat_path``) expects the chat corpus."""
+BUILD_FILE = "build.json"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+"""Plain-text turns: ``<|role|> content <|end|>``; the generation prompt is ``<|assistant|>``."""
+
+
+@dataclass(frozen=True)
+class TinyTargetSpec:
+    """Everything that determines the tiny target and its chat corpus."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    rms_norm_eps: float = 1e-6
+    init_seed: int = 1234
+    train_corpus_seed: int = 1001
+    train_conversations: int = 6000
+    train_steps: int = 240
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    chat_seed: int = 7
+    chat_rows: int = 128
+
+    def cache_key(self) -> str:
+        """SHA-256 of this spec and of the source of every module that shapes the output."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode())
+        for module in (tiny_corpus, chat_tokenize, sys.modules[__name__]):
+            digest.update(Path(module.__file__).read_bytes())
+        return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(spec: TinyTargetSpec) -> Any:
+    """A word-level fast tokenizer over the generated vocabulary, with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    core = Tokenizer(models.WordLevel({word: index for index, word in enumerate(vocabulary)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Decode word-level tokens back to space-separated text (what the corpus looks like).
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+        additional_special_tokens=list(tiny_corpus.SPECIAL_TOKENS[5:]),
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+# ----------------------------------------------------------------------------------------------
+
+
+def build_config(spec: TinyTargetSpec) -> Any:
+    """The Qwen3-MoE config of the tiny target (every layer sparse)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=2 * spec.hidden_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        bos_token_id=tiny_corpus.BOS_ID,
+        eos_token_id=tiny_corpus.EOS_ID,
+        pad_token_id=tiny_corpus.PAD_ID,
+        tie_word_embeddings=False,
+    )
+
+
+def _batches(
+    samples: list[tuple[list[int], list[int]]], batch_size: int, steps: int, seed: int
+) -> Iterator[tuple[Any, Any, Any]]:
+    """``steps`` right-padded batches (input ids, attention mask, labels) drawn by a seeded generator.
+
+    Labels keep only assistant tokens: the answers are what must become predictable, and the user
+    turns are random words no model can predict. Samples are drawn in groups of eight batches and
+    sorted by length inside a group so that padding (pure waste on two cores) stays small.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    group = 8
+    emitted = 0
+    while emitted < steps:
+        picks = torch.randint(len(samples), (batch_size * group,), generator=generator).tolist()
+        picks.sort(key=lambda index: len(samples[index][0]))
+        order = torch.randperm(group, generator=generator).tolist()
+        for slot in order:
+            if emitted == steps:
+                return
+            chosen = [samples[i] for i in picks[slot * batch_size : (slot + 1) * batch_size]]
+            width = max(len(ids) for ids, _ in chosen)
+            ids = torch.full((batch_size, width), tiny_corpus.PAD_ID, dtype=torch.long)
+            attention = torch.zeros((batch_size, width), dtype=torch.long)
+            labels = torch.full((batch_size, width), -100, dtype=torch.long)
+            for row, (sequence, mask) in enumerate(chosen):
+                ids[row, : len(sequence)] = torch.tensor(sequence)
+                attention[row, : len(sequence)] = 1
+                keep = torch.tensor(mask, dtype=torch.bool)
+                labels[row, : len(sequence)] = torch.tensor(sequence).masked_fill(~keep, -100)
+            emitted += 1
+            yield ids, attention, labels
+
+
+def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
+    """Initialise the tiny target from ``init_seed`` and train it on the generated corpus."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(spec.init_seed)
+    model = Qwen3MoeForCausalLM(build_config(spec))
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    conversations = tiny_corpus.generate_conversations(
+        vocabulary, spec.train_conversations, spec.train_corpus_seed, id_prefix="train"
+    )
+    samples = []
+    for row in conversations:
+        chat = chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], spec.max_position_embeddings)
+        samples.append((chat.input_ids, chat.loss_mask))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        progress = (step - spec.warmup_steps) / max(1, spec.train_steps - spec.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    started = time.monotonic()
+    for step, (ids, attention, labels) in enumerate(_batches(samples, spec.batch_size, spec.train_steps, spec.init_seed)):
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % 20 == 0 or done == spec.train_steps:
+            elapsed = time.monotonic() - started
+            rate = done / elapsed
+            eta = (spec.train_steps - done) / rate
+            log(f"[make_tiny_target] step {done}/{spec.train_steps} loss {loss.item():.3f} "
+                f"{rate:.2f} steps/s, ETA {eta:.0f} s")
+    model.eval()
+    return model
+
+
+def evaluate_peakedness(model: Any, rows: list[dict[str, Any]], tokenizer: Any, max_length: int) -> dict[str, float]:
+    """Top-1 accuracy and mean top-1 probability of the target on the assistant tokens of ``rows``."""
+    import torch
+
+    correct = total = 0
+    top_probability = 0.0
+    with torch.no_grad():
+        for row in rows:
+            chat = chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], max_length)
+            ids = torch.tensor([chat.input_ids])
+            probabilities = model(input_ids=ids).logits[0, :-1].float().softmax(-1)
+            targets = ids[0, 1:]
+            on_assistant = torch.tensor(chat.loss_mask[1:], dtype=torch.bool)
+            best_p, best = probabilities[on_assistant].max(-1)
+            correct += int((best == targets[on_assistant]).sum())
+            top_probability += float(best_p.sum())
+            total += int(on_assistant.sum())
+    return {"assistant_top1_accuracy": correct / total, "assistant_mean_top1_probability": top_probability / total}
+
+
+# ----------------------------------------------------------------------------------------------
+# build + cache
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Serialise builds: tests and helpers may ask for the tiny target at the same time."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_build(target_dir: Path) -> dict[str, Any] | None:
+    """The build record of an existing target folder, or None."""
+    try:
+        return json.loads((target_dir / BUILD_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_chat_corpus(spec: TinyTargetSpec, chat_path: Path) -> str:
+    """Write the tiny chat JSONL (deterministic); returns its SHA-256."""
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
+    write_rows(chat_path, rows)
+    return hashlib.sha256(chat_path.read_bytes()).hexdigest()
+
+
+def _fix_config_keys(target_dir: Path, spec: TinyTargetSpec) -> None:
+    # transformers renamed the expert count between releases (num_experts / num_local_experts);
+    # writing both keeps the checkpoint loadable by the CPU box's and the H200 box's versions.
+    path = target_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["num_experts"] = spec.num_experts
+    config["num_local_experts"] = spec.num_experts
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def make_tiny_target(
+    target_dir: Path = DEFAULT_TARGET_DIR,
+    chat_path: Path = DEFAULT_CHAT_PATH,
+    spec: TinyTargetSpec | None = None,
+    force: bool = False,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Build (or reuse) the tiny target and its chat corpus; returns the build record."""
+    import torch
+
+    spec = spec or TinyTargetSpec()
+    target_dir, chat_path = target_dir.resolve(), chat_path.resolve()
+    key = spec.cache_key()
+    with _exclusive(target_dir.parent / ".make_tiny_target.lock"):
+        chat_sha = write_chat_corpus(spec, chat_path)
+        record = cached_build(target_dir)
+        if record and record.get("cache_key") == key and not force:
+            log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
+            return record
+        log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
+        started = time.monotonic()
+        tokenizer = build_tokenizer(spec)
+        model = train_model(spec, tokenizer, log)
+        vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+        chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
+        quality = evaluate_peakedness(model, chat_rows, tokenizer, spec.max_position_embeddings)
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp", dir=target_dir.parent))
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        _fix_config_keys(staging, spec)
+        record = {
+            "cache_key": key,
+            "spec": dataclasses.asdict(spec),
+            "quality": quality,
+            "chat_sha256": chat_sha,
+            "build_seconds": round(time.monotonic() - started, 1),
+            "torch": torch.__version__,
+        }
+        atomic_write_text(staging / BUILD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        # Swap the finished folder in; a reader never sees a half-written target.
+        previous = None
+        if target_dir.exists():
+            previous = target_dir.with_name(f".{target_dir.name}.old{time.time_ns()}")
+            target_dir.rename(previous)
+        staging.rename(target_dir)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        log(f"[make_tiny_target] done in {record['build_seconds']} s: assistant top-1 accuracy "
+            f"{quality['assistant_top1_accuracy']:.3f}, mean top-1 probability "
+            f"{quality['assistant_mean_top1_probability']:.3f}")
+        return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="tools/make_tiny_target", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR, help="target folder (HF layout)")
+    parser.add_argument("--chat-out", type=Path, default=DEFAULT_CHAT_PATH, help="tiny chat JSONL to write")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
+    parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
+    args = parser.parse_args(argv)
+    spec = TinyTargetSpec()
+    if args.train_steps is not None:
+        spec = dataclasses.replace(spec, train_steps=args.train_steps)
+    make_tiny_target(args.out, args.chat_out, spec, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
