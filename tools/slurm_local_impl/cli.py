@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     down_parser = commands.add_parser("down", help="cancel jobs, stop every daemon, remove all state (idempotent)")
     down_parser.add_argument("--keep-state", action="store_true", help="keep the state folder (logs, database)")
     status_parser = commands.add_parser(
-        "status", help="report daemons, nodes and jobs; exit 0 running, 3 stopped, 1 partly running"
+        "status",
+        help="report daemons, nodes and jobs (run as root to see the daemons); exit 0 running, 3 stopped, 1 partly running",
     )
     status_parser.add_argument("--json", action="store_true", help="print the status as one JSON object")
     return parser

@@ -39,7 +39,8 @@ class ClusterSettings:
     slurmdbd_port: int = 16819
     first_slurmd_port: int = 17001
     mariadb_port: int = 16306
-    hostname: str = field(default_factory=socket.gethostname)
+    hostname: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
+    """Short host name: slurmctld matches SlurmctldHost against it, and every node's NodeHostname is it."""
 
     @property
     def slurmd_ports(self) -> dict[str, int]:
