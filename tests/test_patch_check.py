@@ -144,7 +144,9 @@ def test_refuses_a_tree_the_patch_does_not_fit_and_leaves_it_untouched(
 ) -> None:
     root = _tree(wheel, target, tmp_path)
     edited = root / "sglang/srt/managers/scheduler.py"
-    edited.write_text(edited.read_text().replace("req.tokenizer = self.tokenizer", "req.tokenizer = self.tokenizer  # local"))
+    edited.write_text(
+        edited.read_text().replace("req.tokenizer = self.tokenizer", "req.tokenizer = self.tokenizer  # local")
+    )
     before = _snapshot(root)
     report = pc.check_tree(root, apply=True)
     assert not report.ok and report.state == "foreign", report.render()

@@ -345,7 +345,9 @@ def test_health_timeout_names_the_setting_and_the_last_answer(double, tmp_path: 
     engine = SGLangEngine(
         _resolved(tmp_path, ["capture.sglang.health_timeout_s=0.3"]), launch=False, base_url=url, patch_check=None
     )
-    with pytest.raises(SGLangEngineError, match=r"not healthy after 0 s \(capture.sglang.health_timeout_s = 0.3\).*HTTP 503"):
+    with pytest.raises(
+        SGLangEngineError, match=r"not healthy after 0 s \(capture.sglang.health_timeout_s = 0.3\).*HTTP 503"
+    ):
         engine.start()
     assert state.health_calls > 3
 
@@ -354,7 +356,9 @@ def test_a_server_without_the_sink_is_refused(double, tmp_path: Path) -> None:
     state, url = double
     state.server_info = {"version": "0.5.23"}
     engine = SGLangEngine(_resolved(tmp_path), launch=False, base_url=url, patch_check=None)
-    with pytest.raises(SGLangPatchError, match="dspark_capture_sink=None, the recipe needs 'discard'.*check_patch --apply"):
+    with pytest.raises(
+        SGLangPatchError, match="dspark_capture_sink=None, the recipe needs 'discard'.*check_patch --apply"
+    ):
         engine.start()
 
 

@@ -275,7 +275,9 @@ def tree_version(root: Path) -> str | None:
     # setuptools-scm writes _version.py into wheels; a git checkout has none (None: unknown).
     source = root / "sglang" / "_version.py"
     if source.is_file():
-        match = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", source.read_text(errors="replace"), re.M)
+        match = re.search(
+            r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", source.read_text(errors="replace"), re.M
+        )
         if match:
             return match.group(1)
     return None
@@ -325,7 +327,17 @@ def _patch_binary() -> str:
 
 def run_patch(root: Path, patch_file: Path, *, reverse: bool = False, dry_run: bool = True) -> tuple[bool, str]:
     """Run ``patch -p1`` in ``root``; returns (applied cleanly, output). Never leaves rejects."""
-    args = [_patch_binary(), "-p1", "--batch", "--no-backup-if-mismatch", "--reject-file=-", "-d", str(root), "-i", str(patch_file)]
+    args = [
+        _patch_binary(),
+        "-p1",
+        "--batch",
+        "--no-backup-if-mismatch",
+        "--reject-file=-",
+        "-d",
+        str(root),
+        "-i",
+        str(patch_file),
+    ]
     args += ["--reverse", "--force"] if reverse else ["--forward"]
     if dry_run:
         args.append("--dry-run")
@@ -488,7 +500,9 @@ class PatchReport:
 def classify(root: Path, target: Target) -> tuple[str, str]:
     """(state, detail) of the tree under ``root`` for ``target``."""
     record = read_record(root)
-    if record is not None and (record.get("target") != target.name or record.get("patch_sha256") != target.patch_sha256):
+    if record is not None and (
+        record.get("target") != target.name or record.get("patch_sha256") != target.patch_sha256
+    ):
         return "patched-other", (
             f"{root / 'sglang' / RECORD_NAME} records patch target {record.get('target')!r} "
             f"(patch SHA-256 {str(record.get('patch_sha256'))[:12]}...), not {target.name!r} "
@@ -504,7 +518,10 @@ def classify(root: Path, target: Target) -> tuple[str, str]:
         return "patched", "already patched with this patch (reverse dry-run applies)"
     other = installed_patch_id(root)
     if other is not None and other != target.patch_id:
-        return "patched-other", f"{root} carries dspark-capture patch {other!r}, not {target.patch_id!r} (target {target.name})"
+        return (
+            "patched-other",
+            f"{root} carries dspark-capture patch {other!r}, not {target.patch_id!r} (target {target.name})",
+        )
     return "foreign", f"the patch does not fit this tree (forward and reverse dry-runs fail):\n{_indent(forward_out)}"
 
 
@@ -593,7 +610,9 @@ def check_tree(
                 clean, output = run_patch(root, target.patch_file, dry_run=False)
                 if not clean:
                     report.problems.append(f"patching {root} failed:\n{_indent(output)}")
-                    report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
+                    report.fix = (
+                        f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
+                    )
                     return report
                 _verify_patched(root, target, report)
                 if report.ok:
@@ -665,7 +684,9 @@ def check_installed(target_name: str | None = None, manifest: Manifest | None = 
     except importlib.metadata.PackageNotFoundError:
         report.version = tree_version(root)
     if report.version != target.sglang_version:
-        report.problems.append(f"installed sglang is {report.version}, target {target.name} needs {target.sglang_version}")
+        report.problems.append(
+            f"installed sglang is {report.version}, target {target.name} needs {target.sglang_version}"
+        )
         report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
         return report
     record = read_record(root)
@@ -722,7 +743,11 @@ def regenerate(edited_tree: Path, target_name: str | None = None, manifest_path:
         with zipfile.ZipFile(wheel) as archive:
             names = [n for n in archive.namelist() if n.startswith("sglang/") and n.endswith(".py")]
             archive.extractall(pristine, names)
-        changed = [n for n in names if (edited_root / n).is_file() and (edited_root / n).read_bytes() != (pristine / n).read_bytes()]
+        changed = [
+            n
+            for n in names
+            if (edited_root / n).is_file() and (edited_root / n).read_bytes() != (pristine / n).read_bytes()
+        ]
         if not changed:
             raise PatchError(f"{edited_root} does not differ from the pinned wheel")
         text = unified_patch(pristine, edited_root, changed)
@@ -756,10 +781,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", help="patch target or alias (default: the manifest's current target)")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--tree", type=Path, help="an SGLang tree: site-packages, the sglang package folder, or a git checkout")
+    where.add_argument(
+        "--tree", type=Path, help="an SGLang tree: site-packages, the sglang package folder, or a git checkout"
+    )
     where.add_argument("--installed", action="store_true", help="the sglang package this Python imports")
     where.add_argument("--regenerate", type=Path, metavar="EDITED_TREE", help="rewrite the patch from an edited tree")
-    parser.add_argument("--apply", action="store_true", help="patch the tree (idempotent; default: the installed package)")
+    parser.add_argument(
+        "--apply", action="store_true", help="patch the tree (idempotent; default: the installed package)"
+    )
     args = parser.parse_args(argv)
 
     try:

@@ -498,7 +498,9 @@ class SGLangEngine:
                     raise SGLangCaptureError(
                         f"the {what} failed {attempt + 1} times; last error: {exc}" + self._tail_message()
                     ) from None
-                log.warning("%s failed (%s); retry %d of %d in %.0f s", what, exc, attempt + 1, s.request_retries, delay)
+                log.warning(
+                    "%s failed (%s); retry %d of %d in %.0f s", what, exc, attempt + 1, s.request_retries, delay
+                )
                 self.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")

@@ -94,9 +94,12 @@ def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
         )
         env = {**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO)}
         os.environ.update(loopback_env(resolved))
-        with loopback_master(resolved), open_producer(
-            resolved, endpoints=Endpoints.loopback(resolved.recipe), start_cursor=None, auto_heartbeat=False
-        ) as owner:
+        with (
+            loopback_master(resolved),
+            open_producer(
+                resolved, endpoints=Endpoints.loopback(resolved.recipe), start_cursor=None, auto_heartbeat=False
+            ) as owner,
+        ):
             owner_times = []
             for _ in range(repeats + 1):  # the first put touches fresh segment pages: not counted
                 t0 = time.perf_counter()
