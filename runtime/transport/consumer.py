@@ -72,6 +72,7 @@ class Consumer:
         self.global_batch_size = recipe.trainer.global_batch_size
         self._consumed: set[int] = set()
         self._published: int | None = None
+        self._delete_below: int | None = None
         self._staging: dict[str, torch.Tensor] = {}
         self.wait_s_total = 0.0
         self.fetch_s_total = 0.0
@@ -99,6 +100,7 @@ class Consumer:
         With a CUDA ``device`` the bytes land in reusable pinned buffers and are copied to fresh
         device tensors; otherwise the returned CPU tensors are freshly allocated and owned by the caller.
         """
+        self._delete_consumed_if_published()
         meta_key = sample_key(self.store_id, g, META_FIELD)
         start = time.monotonic()
         last_log = start
@@ -143,30 +145,49 @@ class Consumer:
             time.sleep(self.poll_interval_s)
 
     def commit_step(self, step: int) -> None:
-        """After optimizer step ``step`` committed: publish the cursor ``(step + 1) * G`` (never
-        backwards) and delete the keys this rank consumed below it.
+        """After optimizer step ``step`` committed: rank 0 publishes the cursor ``(step + 1) * G``
+        (never backwards), and every rank deletes the keys it consumed below it.
 
-        Every rank publishes (the same value) before it deletes, so the producer never mistakes a
-        consumed sample for a lost one. While the store does not answer this retries for up to
-        ``idle_timeout_s``: without the new cursor the producer's window cannot move on.
+        Only rank 0 writes the cursor (it lives in rank 0's control segment). The other ranks delete
+        only once they see the new cursor in the store (now, or at their next fetch), so the producer
+        never mistakes a consumed sample for a lost one and captures it again. While the store does
+        not answer, rank 0 retries for up to ``idle_timeout_s``: without the new cursor the
+        producer's window cannot move on.
         """
         cursor = (step + 1) * self.global_batch_size
+        if self.rank == 0:
 
-        def publish() -> None:
-            current = self.read_cursor()
-            if current is None or current.value < cursor:
-                self._write_cursor(cursor, step + 1)
+            def publish() -> None:
+                current = self.read_cursor()
+                if current is None or current.value < cursor:
+                    self._write_cursor(cursor, step + 1)
 
-        self._until_store_answers(f"publishing cursor {cursor} after step {step}", publish)
-        done = sorted(g for g in self._consumed if g < cursor)
+            self._until_store_answers(f"publishing cursor {cursor} after step {step}", publish)
+        self._delete_below = max(self._delete_below or 0, cursor)
+        self._delete_consumed_if_published()
+
+    def _delete_consumed_if_published(self) -> None:
+        """Delete this rank's consumed samples below the committed cursor once it is in the store."""
+        if self._delete_below is None:
+            return
+        limit = self._delete_below
+        if self.rank != 0:
+            try:
+                current = self.read_cursor()
+            except TransportError:
+                return  # next time
+            if current is None or current.value < limit:
+                return
+        done = sorted(g for g in self._consumed if g < limit)
         if done:
             try:
                 self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
             except TransportError as exc:
-                # Not fatal: the producer removes anything below the cursor it finds.
+                # Not fatal: the producer removes what it finds below the cursor.
                 log.warning("rank %d: deleting %d consumed samples failed (%s); the producer will", self.rank,
                             len(done), exc)
             self._consumed.difference_update(done)
+        self._delete_below = None
 
     def _until_store_answers(self, what: str, action: Callable[[], None]) -> None:
         start = time.monotonic()
@@ -184,9 +205,14 @@ class Consumer:
                 time.sleep(self.poll_interval_s)
 
     def publish_cursor(self, cursor: int) -> None:
-        """Publish the cursor as is (a restarted trainer republishes its checkpoint's cursor)."""
+        """Publish the cursor as is (a restarted trainer republishes its checkpoint's cursor).
+
+        Rank 0 writes it; on the other ranks this is a no-op, so every rank may call it.
+        """
         if cursor < 0:
             raise ValueError(f"cursor {cursor} is negative")
+        if self.rank != 0:
+            return
         self._until_store_answers(
             f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.global_batch_size)
         )
@@ -305,8 +331,11 @@ class Consumer:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the client."""
-        self.client.close()
+        """Delete what is still due (when the cursor allows it) and release the client."""
+        try:
+            self._delete_consumed_if_published()
+        finally:
+            self.client.close()
 
     def __enter__(self) -> Consumer:
         return self
