@@ -125,7 +125,7 @@ class Launch:
         return "\n".join(f"--- rank {r} (exit {c})\n{log}" for r, (c, log) in enumerate(zip(self.codes, self.logs, strict=True)))
 
 
-def launch(run: Run, port: int, timeout_s: float = 300.0) -> Launch:
+def launch(run: Run, port: int, timeout_s: float = 300.0, env_extra: dict[str, str] | None = None) -> Launch:
     """Start every rank of ``run`` as ``python -m runtime.trainer`` and wait for all of them."""
     processes = []
     for rank in range(run.world_size):
@@ -139,6 +139,7 @@ def launch(run: Run, port: int, timeout_s: float = 300.0) -> Launch:
             DSPARK_JOB_DIR=str(run.job_dir),
             OMP_NUM_THREADS="1",
         )
+        env.update(env_extra or {})
         processes.append(
             subprocess.Popen(
                 [sys.executable, "-m", "runtime.trainer", "--recipe", str(run.recipe_path)],

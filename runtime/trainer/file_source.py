@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -59,8 +60,8 @@ class FileSampleSource:
         self.idle_timeout_s = idle_timeout_s
         self.poll_interval_s = poll_interval_s
 
-    def fetch(self, g: int) -> CapturedSample:
-        """Sample ``g``; waits (up to ``idle_timeout_s``) for its file to appear."""
+    def fetch(self, g: int, device: torch.device | str | None = None) -> CapturedSample:
+        """Sample ``g`` (on ``device`` when given); waits up to ``idle_timeout_s`` for its file."""
         path = sample_file(self.folder, g)
         deadline = time.monotonic() + self.idle_timeout_s
         while not path.exists():
@@ -70,7 +71,11 @@ class FileSampleSource:
                     "(transport.idle_timeout_s); the file source is written by tests/tools, not by a producer"
                 )
             time.sleep(self.poll_interval_s)
-        return read_sample_file(path, g)
+        sample = read_sample_file(path, g)
+        if device is not None:
+            for name, tensor in sample.tensors().items():
+                setattr(sample, name, tensor.to(device))
+        return sample
 
     def commit_step(self, step: int) -> None:
         """Publish the cursor after optimizer step ``step`` (files are kept)."""

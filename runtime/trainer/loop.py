@@ -67,6 +67,7 @@ class Trainer:
         self.trainer_cfg = self.recipe.trainer
         self.stop_requested = False
         self._gate: dict[str, Any] = {}
+        self._copy_stream: Any = None
         """The smoke gate record being built (see :mod:`runtime.trainer.gate`)."""
 
     # ------------------------------------------------------------------ setup
@@ -135,7 +136,27 @@ class Trainer:
         plan = plan_start(self.recipe, s.checkpoint_dir, self.resolved.digest)
         start_step, guard = self._start(plan, model, optimizer, writer)
         source = open_sample_source(self.resolved, s.rank, s.world_size)
-        if s.is_main:
+        try:
+            return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def _train(
+        self,
+        model: DSparkDraft,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any,
+        plan: StartPlan,
+        start_step: int,
+        guard: FiniteGuard,
+        source: SampleConsumer,
+        writer: MetricsWriter,
+    ) -> int:
+        s = self.settings
+        cfg = self.trainer_cfg
+        if s.is_main:  # the producer's window starts at the cursor: a resumed run republishes its own
             source.publish_cursor(start_step * cfg.global_batch_size)
         writer.say(
             f"[trainer] {plan.kind} ({plan.reason}{': ' + str(plan.path) if plan.path else ''}); steps "
@@ -209,6 +230,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _fetcher(self, source: SampleConsumer) -> Any:
+        """The prefetch thread's fetch. On CUDA the sample is copied to the GPU on a side stream
+        inside the fetch (the Mooncake consumer stages it through pinned buffers), overlapping
+        with the compute of the previous sample on the default stream."""
+        device = self.settings.device
+        if device.type != "cuda":
+            return source.fetch
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+
+        def fetch(g: int) -> Any:
+            torch.cuda.set_device(device)  # the current device is per thread
+            with torch.cuda.stream(self._copy_stream):
+                return source.fetch(g, device)  # type: ignore[call-arg]
+
+        return fetch
+
+    def _received(self, sample: Any) -> Any:
+        """Hand a prefetched sample's GPU tensors over to the compute stream."""
+        if self.settings.device.type == "cuda":
+            current = torch.cuda.current_stream(self.settings.device)
+            current.wait_stream(self._copy_stream)
+            for tensor in sample.tensors().values():
+                if tensor.is_cuda:
+                    tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
+        return sample
+
     def _layout(self, sample: Any) -> BlockLayout:
         cfg = self.trainer_cfg
         return build_layout(
@@ -236,10 +284,10 @@ class Trainer:
         device = s.device
         local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
         local.update({name: torch.zeros(cfg.draft.block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
-        prefetch = StepPrefetcher(source.fetch, gs)
+        prefetch = StepPrefetcher(self._fetcher(source), gs)
         try:
             for _m in range(accumulation):
-                samples = [prefetch.next() for _ in range(micro)]
+                samples = [self._received(prefetch.next()) for _ in range(micro)]
                 for sample in samples:
                     check_sample(
                         sample,

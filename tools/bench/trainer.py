@@ -1,0 +1,412 @@
+"""DSpark trainer benchmarks: one micro-step at Kimi K3 draft shapes, and the chunked loss's memory.
+
+Sections (each prints a ratio against a baseline measured in the same run):
+
+- ``matmul``: the baseline, a bf16 8192^3 matmul (TFLOP/s). MFU below is measured against it.
+- ``microstep``: one trainer micro-step (forward + backward of one sample) of the K3 draft
+  (shapes from ``recipes/kimi_k3_v1c.yaml``: 5 layers, hidden 7,168, 64/16 heads of 64, MLP
+  14,336, YaRN; vocab 163,840; 5 aux layers; 512 anchors x 7 slots; chunks of 128 blocks) on a
+  T = 65,536 sample, under FSDP2 on one rank (bf16 compute, fp32 master weights and gradients),
+  flex_attention. Reports time, peak memory, model TFLOP/s and MFU = model FLOP/s / matmul
+  FLOP/s, and a per-phase time breakdown (sample copy, context projection, embedding + RoPE +
+  block mask, decoder layers, loss terms, backward).
+- ``loss``: the vocabulary terms (CE + full L1, fp32 softmaxes, forward + backward) at the same
+  shapes, chunked (this trainer) vs unchunked (plain autograd over [3584, 163840]): peak memory
+  above the inputs and time; the ratio chunked / unchunked peak (target <= 0.15).
+
+``--quick`` runs everything at tiny shapes on CPU (fp32, SDPA, gloo) to prove the tool works; CUDA
+memory statistics are reported on GPU only.
+
+Examples::
+
+    python -m tools.bench.trainer --quick
+    python -m tools.bench.trainer                      # H200; about 2-4 minutes
+    python -m tools.bench.trainer --section loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime.recipe import load_recipe
+from runtime.recipe.schema import DraftConfig
+from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
+from runtime.trainer.model import DSparkDraft, SampleInputs
+from runtime.trainer.objective import loss_coefficients
+from runtime.trainer.vocab_objective import chunked_vocab_objective
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Everything the benchmark sizes."""
+
+    draft: DraftConfig
+    vocab: int
+    num_aux: int
+    tokens: int
+    num_anchors: int
+    chunk_blocks: int
+    matmul_n: int
+    dtype: torch.dtype
+
+
+def k3_shapes() -> Shapes:
+    """K3 draft shapes, read from the recipe so the benchmark follows it."""
+    recipe = load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml").recipe
+    return Shapes(
+        draft=recipe.trainer.draft,
+        vocab=recipe.capture.vocab_size,
+        num_aux=recipe.num_aux_layers,
+        tokens=recipe.data.max_length,
+        num_anchors=recipe.trainer.loss.num_anchors,
+        chunk_blocks=recipe.trainer.loss.objective_chunk_blocks,
+        matmul_n=8192,
+        dtype=torch.bfloat16,
+    )
+
+
+def quick_shapes() -> Shapes:
+    """Tiny shapes for a CPU run."""
+    draft = k3_shapes().draft.model_copy(
+        update=dict(
+            num_layers=2,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            max_position_embeddings=4096,
+            mask_token_id=3,
+            markov_rank=16,
+        )
+    )
+    return Shapes(draft=draft, vocab=4096, num_aux=3, tokens=1024, num_anchors=64, chunk_blocks=8, matmul_n=512, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class PhaseClock:
+    """Marks named points in a micro-step (CUDA events on GPU, wall clock on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def durations(self) -> list[tuple[str, float]]:
+        """Seconds between consecutive marks, named by the later mark."""
+        sync(self.device)
+        out = []
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:], strict=False):
+            seconds = a.elapsed_time(b) / 1000.0 if self.device.type == "cuda" else b - a  # type: ignore[union-attr]
+            out.append((name, seconds))
+        return out
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / GIB
+
+
+def fmt_gib(value: float | None) -> str:
+    return "n/a (CUDA only)" if value is None else f"{value:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul baseline
+# ----------------------------------------------------------------------------------------------
+
+
+def matmul_tflops(shapes: Shapes, device: torch.device) -> float:
+    n = shapes.matmul_n
+    a = torch.randn(n, n, device=device, dtype=shapes.dtype)
+    b = torch.randn(n, n, device=device, dtype=shapes.dtype)
+    seconds = timed(lambda: a @ b, device, repeats=10 if device.type == "cuda" else 3, warmup=3)
+    tflops = 2 * n**3 / seconds / 1e12
+    print(f"[matmul] {str(shapes.dtype).removeprefix('torch.')} {n}^3: {seconds * 1e3:.3f} ms, {tflops:.2f} TFLOP/s (baseline)")
+    return tflops
+
+
+# ----------------------------------------------------------------------------------------------
+# model FLOPs of one micro-step (useful work, fwd + bwd, no recompute counted)
+# ----------------------------------------------------------------------------------------------
+
+
+def microstep_flops(shapes: Shapes, layout: BlockLayout) -> dict[str, float]:
+    d = shapes.draft
+    T, H, V, r = layout.seq_len, d.hidden_size, shapes.vocab, d.markov_rank
+    Q = layout.num_blocks * layout.block_size
+    M = int(layout.eval_mask.sum())
+    q_dim, kv_dim = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    per_layer_params = H * q_dim + 2 * H * kv_dim + q_dim * H + 3 * H * d.intermediate_size
+    visible = int(((layout.anchors * layout.keep).sum() + Q) * layout.block_size)  # keys seen, summed over queries
+    attention_fwd = 4 * visible * d.num_attention_heads * d.head_dim
+    return {
+        "fc (fwd + weight grad)": 4.0 * T * shapes.num_aux * H * H,
+        "context k/v (fwd + bwd)": 6.0 * d.num_layers * T * H * 2 * kv_dim,
+        "draft layers (fwd + bwd)": 6.0 * d.num_layers * Q * per_layer_params,
+        "attention (fwd + bwd)": 3.0 * d.num_layers * attention_fwd,
+        "lm_head draft (fwd + input grad)": 4.0 * M * H * V,
+        "lm_head teacher (fwd)": 2.0 * M * H * V,
+        "markov bias (fwd + bwd)": 6.0 * M * r * V,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# micro-step
+# ----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_single_rank(device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def synthetic_sample(shapes: Shapes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, an assistant-heavy mask (every block of a long sample gets all slots), hs, lhs (host)."""
+    T, H = shapes.tokens, shapes.draft.hidden_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shapes.vocab, (T,), generator=g)
+    mask = torch.ones(T, dtype=torch.uint8)
+    mask[: T // 16] = 0  # a system/user prefix
+    hs = torch.randn(T, shapes.num_aux * H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    lhs = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    if device.type == "cuda":
+        hs, lhs = hs.pin_memory(), lhs.pin_memory()
+    return ids, mask, hs, lhs
+
+
+def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: int, use_fsdp: bool) -> None:
+    backend = "flex" if device.type == "cuda" else "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DSparkDraft(shapes.draft, vocab_size=shapes.vocab, num_aux_layers=shapes.num_aux, attention_backend=backend, max_length=shapes.tokens)
+    embed = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
+    head = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
+    model.attach_frozen_vocab(embed, head)
+    if use_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        init_single_rank(device)
+        mesh = init_device_mesh(device.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=shapes.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    else:
+        model = model.to(shapes.dtype)
+    params = sum(p.numel() for p in model.parameters())
+    ids, mask, hs_host, lhs_host = synthetic_sample(shapes, device)
+    layout_started = time.perf_counter()
+    layout = build_layout(
+        ids, mask, num_anchors=shapes.num_anchors, block_size=shapes.draft.block_size, mask_token_id=shapes.draft.mask_token_id, loss_decay_gamma=4.0, generator=anchor_generator(0, 0)
+    )
+    layout_s = time.perf_counter() - layout_started
+    dev_layout = layout.to(device)
+    coefficients = loss_coefficients(
+        ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0, global_weight_sum=float(layout.weights.sum()), gradient_scale=1.0, chunk_rows=shapes.chunk_blocks * shapes.draft.block_size
+    )
+    clock_ref: list[PhaseClock] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def mark(*_args: object) -> None:
+            if clock_ref:
+                clock_ref[-1].mark(name)
+
+        return mark
+
+    model.fc.register_forward_pre_hook(hook("sample copy + FSDP unshard"))
+    model.hidden_norm.register_forward_hook(hook("context projection (fc + norm)"))
+    model.layers[0].register_forward_pre_hook(hook("embedding + RoPE + block mask"))
+    model.norm.register_forward_hook(hook("decoder layers (fwd)"))
+
+    def step() -> None:
+        clock = PhaseClock(device)
+        clock_ref.append(clock)
+        clock.mark("start")
+        inputs = SampleInputs(hs=hs_host.to(device, non_blocking=True), lhs=lhs_host.to(device, non_blocking=True), layout=dev_layout)
+        terms = model(inputs, coefficients)
+        clock.mark("loss terms (fwd, with their grads)")
+        terms.loss.backward()
+        clock.mark("backward")
+        model.zero_grad(set_to_none=True)
+
+    started = time.perf_counter()
+    step()  # warmup: compiles flex_attention
+    sync(device)
+    print(f"[microstep] warmup (compile) {time.perf_counter() - started:.1f} s; {params:,} parameters; attention {backend}; fsdp {use_fsdp}")
+    resident = reset_peak(device)
+    seconds = timed(step, device, repeats=repeats, warmup=0)
+    peak = peak_gib(device)
+
+    phases: dict[str, list[float]] = {}
+    for clock in clock_ref[1:]:
+        for name, value in clock.durations():
+            phases.setdefault(name, []).append(value)
+    flops = microstep_flops(shapes, layout)
+    total = sum(flops.values())
+    achieved = total / seconds / 1e12
+    print(
+        f"[microstep] T={layout.seq_len:,} anchors={int(layout.keep.sum())} slots={layout.num_blocks * layout.block_size:,} "
+        f"supervised={int(layout.eval_mask.sum()):,} vocab={shapes.vocab:,}: {seconds:.3f} s per micro-step (median of {repeats})"
+    )
+    print(f"[microstep] peak memory {fmt_gib(peak)} (resident before the step {fmt_gib(resident)})")
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory / GIB
+        print(f"[microstep] fits one GPU: {peak <= capacity} ({peak:.1f} of {capacity:.1f} GiB)")
+    print(f"[microstep] model FLOPs {total / 1e12:.3f} TFLOP -> {achieved:.2f} TFLOP/s; MFU vs the matmul baseline = {achieved / matmul:.3f} (target >= 0.45)")
+    for name, value in flops.items():
+        print(f"    {name:<36} {value / 1e9:11.1f} GFLOP ({100 * value / total:4.1f}%)")
+    print(f"[microstep] phases (median ms; layout on the host: {layout_s * 1e3:.1f} ms, not in the step):")
+    for name, values in phases.items():
+        ms = statistics.median(values) * 1e3
+        print(f"    {name:<36} {ms:9.1f} ms ({100 * ms / (seconds * 1e3):4.1f}%)")
+
+
+# ----------------------------------------------------------------------------------------------
+# chunked vs unchunked loss
+# ----------------------------------------------------------------------------------------------
+
+
+def unchunked_terms(h, latent, w2, lm_head, teacher, labels, weights) -> torch.Tensor:
+    """The baseline: plain autograd over the whole [slots, vocab] in fp32."""
+    logits = (h @ lm_head.t()).float() + (latent @ w2.t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    p = torch.softmax(logits, dim=-1)
+    q = torch.softmax((teacher @ lm_head.t()).float(), dim=-1)
+    l1 = (p - q).abs().sum(-1)
+    return (weights * (0.1 * ce + 0.9 * l1)).sum()
+
+
+def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
+    slots = shapes.num_anchors * shapes.draft.block_size
+    H, V, r, dtype = shapes.draft.hidden_size, shapes.vocab, shapes.draft.markov_rank, shapes.dtype
+    g = torch.Generator(device=device).manual_seed(0)
+    h = (torch.randn(slots, H, device=device, generator=g) * 0.05).to(dtype).requires_grad_()
+    latent = (torch.randn(slots, r, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
+    w2 = (torch.randn(V, r, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
+    lm_head = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype)
+    teacher = (torch.randn(slots, H, device=device, generator=g) * 0.05).to(dtype)
+    labels = torch.randint(0, V, (slots,), device=device, generator=g)
+    weights = torch.rand(slots, device=device, generator=g)
+    chunk_rows = shapes.chunk_blocks * shapes.draft.block_size
+
+    def chunked() -> None:
+        loss, *_ = chunked_vocab_objective(h, latent, w2, lm_head, teacher, labels, weights, ce_coef=0.1, l1_coef=0.9, chunk_rows=chunk_rows)
+        loss.backward()
+        h.grad = latent.grad = w2.grad = None
+
+    def unchunked() -> None:
+        unchunked_terms(h, latent, w2, lm_head, teacher, labels, weights).backward()
+        h.grad = latent.grad = w2.grad = None
+
+    results = {}
+    for name, fn in (("unchunked (baseline)", unchunked), ("chunked", chunked)):
+        fn()
+        base = reset_peak(device)
+        seconds = timed(fn, device, repeats=repeats, warmup=0)
+        peak = peak_gib(device)
+        above = None if peak is None or base is None else peak - base
+        results[name] = (seconds, above)
+        print(f"[loss] {name}: {seconds * 1e3:.1f} ms, peak above inputs {fmt_gib(above)} ({slots:,} slots x {V:,} vocab, chunk {chunk_rows} slots)")
+    (t_base, m_base), (t_chunk, m_chunk) = results["unchunked (baseline)"], results["chunked"]
+    ratio = "n/a" if m_base is None or m_chunk is None else f"{m_chunk / m_base:.3f}"
+    print(f"[loss] chunked / unchunked: peak memory {ratio} (target <= 0.15), time {t_chunk / t_base:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, to prove the tool runs")
+    parser.add_argument("--section", action="append", choices=["microstep", "loss"], help="run only these (default: both)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 2)")
+    parser.add_argument("--no-fsdp", action="store_true", help="plain module in the compute dtype instead of single-rank FSDP2")
+    parser.add_argument("--tokens", type=int, default=None, help="override T (default: the recipe's max_length)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        device, shapes = torch.device("cpu"), quick_shapes()
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --quick on CPU, or on the H200 machine")
+            return 0
+        device, shapes = torch.device("cuda", 0), k3_shapes()
+        torch.cuda.set_device(device)
+    if args.tokens:
+        shapes = Shapes(**{**shapes.__dict__, "tokens": args.tokens})
+    repeats = args.repeats or (2 if args.quick else 3)
+    sections = args.section or ["microstep", "loss"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"[bench] {name}, torch {torch.__version__}, shapes: {shapes.draft.num_layers} layers x hidden {shapes.draft.hidden_size}, vocab {shapes.vocab:,}, T {shapes.tokens:,}")
+    matmul = matmul_tflops(shapes, device)
+    if "microstep" in sections:
+        run_microstep(shapes, device, matmul, repeats, use_fsdp=not args.no_fsdp)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the model is gone with run_microstep's frame
+    if "loss" in sections:
+        run_loss(shapes, device, repeats)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
