@@ -95,9 +95,10 @@ class HiddenStateCapture:
             attention[row, : len(sequence)] = 1
         return ids.to(self.device, non_blocking=True), attention.to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, sequences: Sequence[Sequence[int]]) -> list[SampleFeatures]:
-        """Features of every sample (compute dtype, model device), one padded forward."""
+        """Features of every sample (compute dtype, model device), one padded forward. (no_grad rather
+        than inference_mode: the returned tensors are ordinary tensors a caller may use anywhere.)"""
         ids, attention = self.pad(sequences)
         self._outputs.clear()
         try:
