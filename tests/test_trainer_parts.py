@@ -197,6 +197,9 @@ def test_settings_check_world_size_and_derive_steps(tmp_path: Path) -> None:
     resolved = load_resolved(resolved_path)
     with pytest.raises(TrainerSetupError, match="WORLD_SIZE is 2, but the recipe's trainer has 4 ranks"):
         derive_settings(resolved, {"WORLD_SIZE": "2", "RANK": "0"})
+    flex = load_resolved(write_resolved(tiny("trainer.attention_backend=flex"), tmp_path / "flex", REPO_ROOT))
+    with pytest.raises(TrainerSetupError, match="'flex' on a CPU trainer"):
+        derive_settings(flex, {"WORLD_SIZE": "4"})
     settings = derive_settings(resolved, {"WORLD_SIZE": "4", "RANK": "3", "DSPARK_JOB_DIR": str(tmp_path / "job")})
     assert settings.total_steps == 3 * 10 // 8 and settings.rank == 3 and settings.attention_backend == "sdpa"
     assert settings.checkpoint_dir == tmp_path / "job" / "checkpoints" and settings.data_digest == SHA
@@ -207,6 +210,11 @@ def test_wandb_needs_key_from_environment(tmp_path: Path) -> None:
     config = tiny("trainer.metrics.wandb_project=dspark").recipe.trainer.metrics
     with pytest.raises(MetricsSetupError, match="WANDB_API_KEY is not in the environment"):
         MetricsWriter(tmp_path, config, run_name="x", enabled=True, env={})
-    writer = MetricsWriter(tmp_path, tiny("trainer.metrics.tensorboard=false").recipe.trainer.metrics, run_name="x", enabled=True, env={})
-    writer.write({"step": 1, "loss": 2.0})
+    writer = MetricsWriter(tmp_path, tiny("trainer.metrics.tensorboard=true").recipe.trainer.metrics, run_name="x", enabled=True, env={})
+    writer.write({"step": 1, "loss": 2.0, "note": "text is kept out of TensorBoard"})
+    writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    silent = MetricsWriter(tmp_path / "other", config, run_name="x", enabled=False, env={})  # ranks > 0 write nothing
+    silent.write({"step": 1, "loss": 2.0})
+    assert not (tmp_path / "other").exists()

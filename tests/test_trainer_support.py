@@ -125,8 +125,8 @@ class Launch:
         return "\n".join(f"--- rank {r} (exit {c})\n{log}" for r, (c, log) in enumerate(zip(self.codes, self.logs, strict=True)))
 
 
-def launch(run: Run, port: int, timeout_s: float = 300.0, env_extra: dict[str, str] | None = None) -> Launch:
-    """Start every rank of ``run`` as ``python -m runtime.trainer`` and wait for all of them."""
+def start(run: Run, port: int, env_extra: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """Start every rank of ``run`` as ``python -m runtime.trainer`` (the launcher's env contract)."""
     processes = []
     for rank in range(run.world_size):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -150,6 +150,11 @@ def launch(run: Run, port: int, timeout_s: float = 300.0, env_extra: dict[str, s
                 text=True,
             )
         )
+    return processes
+
+
+def wait_all(processes: list[subprocess.Popen[str]], timeout_s: float = 300.0) -> Launch:
+    """Wait for every rank; kill the ones still running after ``timeout_s``."""
     logs, codes = [], []
     try:
         for process in processes:
@@ -162,3 +167,8 @@ def launch(run: Run, port: int, timeout_s: float = 300.0, env_extra: dict[str, s
                 process.kill()
                 process.wait()
     return Launch(codes=codes, logs=logs)
+
+
+def launch(run: Run, port: int, timeout_s: float = 300.0, env_extra: dict[str, str] | None = None) -> Launch:
+    """Start every rank of ``run`` and wait for all of them."""
+    return wait_all(start(run, port, env_extra), timeout_s)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -149,16 +150,23 @@ def restore_rng(state: dict[str, str | None]) -> None:
 
 def state_dict_sha256(state_dict: dict[str, Any]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of full tensors, in name order. Collective when the
-    tensors are DTensors (every rank must call it); every rank returns the same digest."""
+    tensors are DTensors (every rank must call it): rank 0 hashes, every rank returns its digest."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    hashing = not distributed or dist.get_rank() == 0
     digest = hashlib.sha256()
     for name in sorted(state_dict):
         tensor = state_dict[name]
         if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+            tensor = tensor.full_tensor()  # every rank takes part in the gather
+        if not hashing:
+            continue
         tensor = tensor.detach().contiguous().cpu()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
+    result = [digest.hexdigest() if hashing else ""]
+    if distributed:
+        dist.broadcast_object_list(result, src=0)
+    return str(result[0])
 
 
 def model_sha256(model: torch.nn.Module) -> str:

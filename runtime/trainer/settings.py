@@ -104,6 +104,11 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
     backend = trainer.attention_backend
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type != "cuda":
+        raise TrainerSetupError(
+            f"{source}: trainer.attention_backend is 'flex' on a CPU trainer; flex_attention has no CPU backward; "
+            "fix: set trainer.attention_backend: sdpa (or auto)"
+        )
 
     if recipe.data.num_rows is not None:
         num_rows = recipe.data.num_rows
