@@ -163,7 +163,7 @@ class Trainer:
             f"{start_step}..{s.total_steps - 1} of {s.total_steps}, world {s.world_size}, device {s.device}, "
             f"attention {s.attention_backend}, G={cfg.global_batch_size} ({cfg.micro_batch_size} x "
             f"{cfg.gradient_accumulation_steps} x {s.world_size}), {sum(p.numel() for p in model.parameters()):,} "
-            "trainable parameters (sharded view)"
+            "trainable parameters"
         )
         run_started = time.monotonic()
         last_saved: checkpoints.SavedCheckpoint | None = None
@@ -186,9 +186,9 @@ class Trainer:
             if stop:
                 writer.say(f"[trainer] stopped after step {done} on request; checkpoint {last_saved.path if last_saved else None}")
                 return EXIT_STOPPED
-        if cfg.checkpoint.export_safetensors and s.total_steps > start_step:
-            done = s.total_steps
-            target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(done)}"
+        target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(s.total_steps)}"
+        # also after a restart that found every step done but no export (a crash while exporting)
+        if cfg.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
             export_draft(model, target, self.recipe, dtype=s.param_dtype, is_main=s.is_main)
             writer.say(f"[trainer] exported the draft for SGLang to {target}")
             if s.smoke:
