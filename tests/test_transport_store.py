@@ -303,3 +303,48 @@ def test_consumer_wait_logs_name_the_sample_and_the_producer(master: MasterProce
     lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert lines and "for sample g=0 (its meta (the commit marker) is not in the store yet)" in lines[0]
     assert "producer heartbeat" in lines[0]
+
+
+def test_cli_master_and_status(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from runtime.transport.loopback import loopback_env
+
+    resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), [*FAST, *ONE_RANK])
+    env = {**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO)}
+    master = subprocess.Popen([sys.executable, "-m", "runtime.transport", "master", "--recipe", str(resolved.path)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "mooncake_master ready" in master.stdout.readline()
+        endpoints = Endpoints.loopback(resolved.recipe)
+        with open_producer(resolved, endpoints=endpoints) as producer, \
+                open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0):
+            for _ in range(3):
+                producer.commit(producer.next_to_capture(), _sample(0, 16), {})
+            producer.heartbeat()
+            out = subprocess.run([sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
+                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
+        assert "window [0, 8): 3 committed, first missing g=3" in out.stdout
+        assert "producer heartbeat" in out.stdout and "resident 3 samples" in out.stdout
+    finally:
+        master.send_signal(signal.SIGTERM)
+        assert master.wait(timeout=30) == 0
+
+
+@pytest.mark.gpu
+def test_round_trip_from_and_to_cuda_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
+    resolved = _plane(tmp_path, ports, "cuda")
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        for tokens in (64, 2048):
+            g = producer.next_to_capture()
+            sent = {k: v.cuda() for k, v in _sample(g, tokens).items()}  # D2H through pinned staging
+            producer.commit(g, sent, {})
+            got = consumer.fetch(g, device="cuda")  # pinned staging, then H2D
+            for name, tensor in sent.items():
+                received = getattr(got, name)
+                assert received.is_cuda and torch.equal(received, tensor), name

@@ -1,0 +1,91 @@
+"""``python -m runtime.transport``: run the master by hand, or look at a running data plane.
+
+    python -m runtime.transport master --recipe RESOLVED [--host IP]
+    python -m runtime.transport status --recipe RESOLVED
+
+``status`` prints the cursor, the producer's heartbeat and which samples of the window are
+committed; endpoints come from the launcher's environment contract (DSPARK_MOONCAKE_MASTER, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from runtime.recipe.loader import load_resolved
+from runtime.transport.endpoints import ENV_BIND_ADDRESS, Endpoints
+
+
+def run_master(args: argparse.Namespace) -> int:
+    """Start ``mooncake_master`` from the recipe and keep it until SIGTERM / SIGINT."""
+    from runtime.transport.master import MasterProcess, MasterSettings
+
+    resolved = load_resolved(args.recipe)
+    recipe = resolved.recipe
+    host = args.host or os.environ.get(ENV_BIND_ADDRESS) or (
+        recipe.transport.bind_address if recipe.transport.bind_address != "auto" else ""
+    )
+    if not host:
+        print(f"error: pass --host or set {ENV_BIND_ADDRESS} (transport.bind_address is 'auto')", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log_path = resolved.job_dir / "logs" / "mooncake_master.log"
+    with MasterProcess(MasterSettings.from_recipe(recipe, host), log_path, die_with_parent=True) as master:
+        print(f"mooncake_master ready (pid {master.pid}) on {host}; log {log_path}", flush=True)
+        while not stop.wait(1.0):
+            if master.process is not None and master.process.poll() is not None:
+                print(f"mooncake_master exited with {master.process.returncode}; see {log_path}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print cursor, heartbeat and window presence."""
+    from runtime.transport.contract import META_FIELD, cursor_key, heartbeat_key, sample_key
+    from runtime.transport.records import Cursor, Heartbeat
+    from runtime.transport.store import ClientSettings, StoreClient
+
+    resolved = load_resolved(args.recipe)
+    recipe = resolved.recipe
+    settings = ClientSettings.from_recipe(recipe, Endpoints.from_env(recipe), 0)
+    with StoreClient(settings, name="status").connect() as client:
+        store_id = recipe.store_id
+        raw = client.get_bytes(cursor_key(store_id))
+        cursor = Cursor.decode(raw) if raw else None
+        print(f"store {store_id}: " + (f"cursor {cursor.value} (step {cursor.step}, by {cursor.publisher})"
+                                       if cursor else "no cursor"))
+        raw = client.get_bytes(heartbeat_key(store_id))
+        print(Heartbeat.decode(raw).summary() if raw else "no producer heartbeat")
+        if cursor is not None:
+            high = recipe.transport.high_watermark_samples
+            window = range(cursor.value, cursor.value + high)
+            present = client.exist([sample_key(store_id, g, META_FIELD) for g in window])
+            committed = [g for g, ok in zip(window, present, strict=True) if ok]
+            print(f"window [{window.start}, {window.stop}): {len(committed)} committed"
+                  + (f", first missing g={next(g for g, ok in zip(window, present, strict=True) if not ok)}"
+                     if len(committed) < high else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m runtime.transport", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    master = sub.add_parser("master", help="run mooncake_master from the recipe")
+    master.add_argument("--recipe", required=True)
+    master.add_argument("--host", default=None, help="address to bind (default: DSPARK_BIND_ADDRESS)")
+    status = sub.add_parser("status", help="cursor, heartbeat and window of a running data plane")
+    status.add_argument("--recipe", required=True)
+    args = parser.parse_args(argv)
+    return run_master(args) if args.command == "master" else run_status(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
