@@ -228,11 +228,15 @@ def synthetic_sample(shapes: Shapes, device: torch.device) -> tuple[torch.Tensor
     ids = torch.randint(0, shapes.vocab, (T,), generator=g)
     mask = torch.ones(T, dtype=torch.uint8)
     mask[: T // 16] = 0  # a system/user prefix
-    hs = torch.randn(T, shapes.num_aux * H, generator=g, dtype=torch.float32).to(torch.bfloat16)
-    lhs = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
-    if device.type == "cuda":
-        hs, lhs = hs.pin_memory(), lhs.pin_memory()
-    return ids, mask, hs, lhs
+    # drawn on the device (a 64K K3 hs is 2.3e9 values), kept in pinned host memory like a fetched sample
+    features = torch.Generator(device=device).manual_seed(1)
+    out = []
+    for width in (shapes.num_aux * H, H):
+        drawn = torch.randn(T, width, device=device, generator=features, dtype=torch.bfloat16)
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=device.type == "cuda")
+        out.append(host.copy_(drawn))
+        del drawn
+    return ids, mask, out[0], out[1]
 
 
 def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: int, use_fsdp: bool) -> None:
