@@ -57,10 +57,14 @@ class ComponentSignalHandler(job_environment.SignalHandler):
     """submitit's handler, plus: stop the child cleanly before exiting, and forward SIGTERM."""
 
     child: object = None
+    stopped_by_signal = False
 
     def forward_stop(self, signum: int, frame: types.FrameType | None = None) -> None:
-        """SIGTERM from Slurm (cancel, preemption, requeue): pass it to the child's process group."""
+        """SIGTERM from Slurm (cancel, preemption, requeue): pass it to the child's process group.
+        The task then exits without a result file: sacct's state (CANCELLED, TIMEOUT, REQUEUED) is
+        the truth, and an error result would outlive a requeue."""
         self._logger.warning(f"caught {signal.Signals(signum).name}; stopping the component")
+        self.stopped_by_signal = True
         if self.child is not None:
             signal_group(self.child, signal.SIGTERM)  # type: ignore[arg-type]
 
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     log = f"[worker {args.component}/{placement.rank} task {task} on {socket.gethostname()}]"
     print(f"{log} job {leader}; capture host {placement.capture_host}; bind {placement.bind_address}", flush=True)
 
+    # A result left by this task's run before a requeue must not describe this run.
+    paths.result_pickle.unlink(missing_ok=True)
     delayed = _wait_for_submission(paths.submitted_pickle)
     payload = delayed.function
     if not isinstance(payload, ComponentJob):
@@ -124,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         handler.child = child
         code = child.wait()
+        if handler.stopped_by_signal:
+            print(f"{log} stopped by a signal (exit {code}); no result file", flush=True)
+            return 128 + signal.SIGTERM
         result = {
             "component": args.component,
             "rank": placement.rank,

@@ -10,8 +10,8 @@ contract for real:
 
 Set ``DSPARK_PROBE_FAIL=<component>`` (through the recipe's ``job.env``) to make that component exit
 with code 3 after recording, which is how tests check that a failed component is reported. Set
-``DSPARK_PROBE_HOLD_S=N`` to keep trainer rank 0 alive N seconds on a job's first run (not after a
-requeue), which is how tests send the time-out signal to a running job.
+``DSPARK_PROBE_HOLD_S=N`` to keep every task alive N seconds after recording on a job's first run
+(not after a requeue), which is how tests signal, cancel or requeue a running job.
 """
 
 from __future__ import annotations
@@ -138,15 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         extra["trainer_message"] = _capture_listen(
             os.environ["DSPARK_BIND_ADDRESS"], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
         )
-    hold_s = float(os.environ.get("DSPARK_PROBE_HOLD_S", "0"))
-    if args.component == "trainer" and rank == 0 and hold_s and os.environ.get("DSPARK_REQUEUE_COUNT", "0") == "0":
-        print(f"[probe trainer/0] holding {hold_s:.0f} s (DSPARK_PROBE_HOLD_S)", flush=True)
-        time.sleep(hold_s)
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
     if os.environ.get("DSPARK_PROBE_FAIL") == args.component:
         print(f"[probe {args.component}/{rank}] DSPARK_PROBE_FAIL asks this component to fail", flush=True)
         return FAIL_EXIT_CODE
+    hold_s = float(os.environ.get("DSPARK_PROBE_HOLD_S", "0"))
+    if hold_s and os.environ.get("DSPARK_REQUEUE_COUNT", "0") == "0":
+        print(f"[probe {args.component}/{rank}] holding {hold_s:.0f} s (DSPARK_PROBE_HOLD_S)", flush=True)
+        time.sleep(hold_s)
     return 0
 
 

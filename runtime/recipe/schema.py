@@ -7,11 +7,23 @@ fields live in :mod:`runtime.recipe.checks` so that their messages can name both
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.recipe.units import ByteSize
+
+
+def _stringify_scalars(value: Any) -> Any:
+    """Environment values are strings; let ``--set job.env.X=600`` mean ``"600"``."""
+    if isinstance(value, dict):
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, int | float | bool) else v
+                for k, v in value.items()}
+    return value
+
+
+EnvironmentMapping = Annotated[dict[str, str], BeforeValidator(_stringify_scalars)]
+"""A name -> value mapping of environment variables; numbers and booleans become strings."""
 
 
 class Section(BaseModel):
@@ -75,7 +87,7 @@ class JobSection(Section):
     """Container image for pyxis/enroot (``srun --container-image``); null runs on the host."""
     container_mounts: list[str] = Field(default_factory=list)
     """``--container-mounts`` entries, ``src:dst`` each."""
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvironmentMapping = Field(default_factory=dict)
     """Extra environment variables for both components (never credentials: those come from the
     submitting shell's environment)."""
     master_port: int = Field(29500, ge=1024, le=65535)

@@ -1,0 +1,137 @@
+"""The launcher on the real two-node local Slurm cluster (tools/slurm_local): one hetjob, two
+components on different nodes, the environment contract, status, cancel, failure and requeue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from submitit.core import utils
+from test_launcher_local import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
+
+from launcher.control import job_report
+from launcher.hetjob import HetJob
+from launcher.jobs import find_record
+
+pytestmark = pytest.mark.slurm
+
+JOB_TIMEOUT_S = 240.0
+
+
+def submit(runs: Path, *extra: str) -> str:
+    """Submit the tiny recipe's probe job; returns the job id."""
+    done = launch(["tiny", "--probe", *probe_overrides(runs), *extra])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.split("submitted job ", 1)[1].split()[0]
+
+
+def wait_for_state(job_id: str, runs: Path, accept: set[str], timeout_s: float = JOB_TIMEOUT_S) -> str:
+    """Poll ``status`` until the job state is in ``accept``; returns it."""
+    record = find_record(job_id, runs)
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        state = job_report(record).state
+        if state in accept:
+            return state
+        time.sleep(2)
+    raise AssertionError(f"job {job_id} still {state!r} after {timeout_s:.0f} s (wanted {sorted(accept)})")
+
+
+def wait_for_text(path: Path, text: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    """Wait until ``path`` exists and contains ``text``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{path} never contained {text!r}")
+
+
+def test_hetjob_runs_both_components_with_the_contract(slurm_cluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    started = time.monotonic()
+    job_id = submit(runs)
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED"
+    print(f"probe hetjob {job_id}: submitted to COMPLETED in {time.monotonic() - started:.1f} s")
+    record = find_record(job_id, runs)
+    report = job_report(record)
+    assert [(c.name, c.state) for c in report.components] == [("capture", "COMPLETED"), ("trainer", "COMPLETED")]
+    assert report.components[0].nodes != report.components[1].nodes, "the components ran on different nodes"
+
+    probes = read_probes(Path(record.job_dir))
+    assert sorted(probes) == [("capture", 0), ("trainer", 0), ("trainer", 1), ("trainer", 2), ("trainer", 3)]
+    capture_node = probes[("capture", 0)]["env"]["SLURMD_NODENAME"]
+    trainer_nodes = {probes[("trainer", r)]["env"]["SLURMD_NODENAME"] for r in range(4)}
+    assert len(trainer_nodes) == 1 and capture_node not in trainer_nodes
+    trainer_node = trainer_nodes.pop()
+    for rank in range(4):
+        env = probes[("trainer", rank)]["env"]
+        assert set(env) >= TRAINER_CONTRACT, "same contract as --local"
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == str(rank)
+        assert env["MASTER_ADDR"] == trainer_node, "MASTER_ADDR is the trainer group's own node"
+        assert probes[("trainer", rank)]["all_reduce_sum"] == 6
+    capture = probes[("capture", 0)]
+    assert set(capture["env"]) >= CONTRACT and "RANK" not in capture["env"]
+    resolved = json.loads((Path(record.job_dir) / "recipe.resolved.json").read_text())["recipe"]
+    port = resolved["transport"]["master_rpc_port"]
+    assert capture["env"]["DSPARK_MOONCAKE_MASTER"].endswith(f":{port}")
+    assert capture["trainer_message"] == "trainer-ok", "trainer rank 0 reached the capture node's endpoint"
+
+    status = launch(["status", job_id, "--runs-dir", str(runs)])
+    assert status.returncode == 0 and "capture" in status.stdout and "trainer" in status.stdout
+    logs = launch(["logs", job_id, "--runs-dir", str(runs)])
+    assert "_capture_0.out" in logs.stdout and "_trainer_3.out" in logs.stdout
+
+
+def test_cancel_cancels_both_components(slurm_cluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    job_id = submit(runs, "--set", "job.env.DSPARK_PROBE_HOLD_S=600")
+    record = find_record(job_id, runs)
+    wait_for_text(record.log_path("trainer", 0), "holding")
+    done = launch(["cancel", job_id, "--runs-dir", str(runs)])
+    assert done.returncode == 0, done.stderr
+    assert wait_for_state(job_id, runs, {"CANCELLED", "FAILED", "COMPLETED"}) == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = [c.state for c in job_report(record).components]
+        if all(s.startswith("CANCELLED") for s in states):
+            break
+        time.sleep(2)
+    assert all(s.startswith("CANCELLED") for s in states), states
+
+
+def test_failed_component_ends_the_wait(slurm_cluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    job_id = submit(runs, "--set", "job.env.DSPARK_PROBE_FAIL=capture", "--set", "job.env.DSPARK_PROBE_HOLD_S=600")
+    started = time.monotonic()
+    assert wait_for_state(job_id, runs, {"FAILED", "COMPLETED", "CANCELLED"}) == "FAILED"
+    status = launch(["status", job_id, "--runs-dir", str(runs)])
+    assert status.returncode == 1 and "FAILED" in status.stdout
+    record = find_record(job_id, runs)
+    # submitit's own wait on the job must end too (it would hang on an unparsed 123+0 row).
+    job = HetJob(folder=Path(record.job_dir) / "submitit", job_id=job_id, tasks=list(range(5)))
+    job.wait()
+    assert job.exception() is not None
+    assert time.monotonic() - started < 200, "the trainer was held 600 s: the failure stopped it"
+
+
+def test_usr2_requeues_once_through_task_zero(slurm_cluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    job_id = submit(runs, "--set", "job.env.DSPARK_PROBE_HOLD_S=600")
+    record = find_record(job_id, runs)
+    wait_for_text(record.log_path("trainer", 0), "holding")
+    time.sleep(2)  # let every worker install its handlers
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=60)
+    # The requeued run does not hold (DSPARK_REQUEUE_COUNT=1), so the job completes.
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=360) == "COMPLETED"
+    probes = read_probes(Path(record.job_dir))
+    assert probes[("trainer", 0)]["env"]["DSPARK_REQUEUE_COUNT"] == "1"
+    assert probes[("trainer", 0)]["env"]["SLURM_RESTART_COUNT"] == "1"
+    payload = utils.DelayedSubmission.load(utils.JobPaths(Path(record.job_dir) / "submitit", job_id).submitted_pickle)
+    assert payload.function.requeue_count == 1
+    capture_log = record.log_path("capture", 0).read_text(errors="replace")
+    assert "Not checkpointing nor requeuing" in capture_log, "only task 0 (trainer rank 0) acts on the signal"
