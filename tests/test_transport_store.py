@@ -185,6 +185,14 @@ def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
     message = str(info.value)
     assert f"RPC port 127.0.0.1:{dead[0]} does not accept connections" in message
     assert "transport.connect_timeout_s" in message
+    # an address that is not this node's (Mooncake itself would accept it and fail much later)
+    loop = Endpoints.loopback(resolved.recipe)
+    foreign = Endpoints(loop.master_address, loop.metadata_url, "10.255.255.1")
+    with pytest.raises(StoreSetupError) as info:
+        open_consumer(resolved, 0, 4, endpoints=foreign)
+    message = str(info.value)
+    assert "bind address 10.255.255.1 is not an address of this node" in message
+    assert f"master 127.0.0.1:{dead[0]}" in message and "protocol tcp" in message
 
 
 def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:

@@ -132,6 +132,23 @@ def wait_for_master(endpoints: Endpoints, timeout_s: float, log_interval_s: floa
         time.sleep(0.25)
 
 
+def check_bind_address(address: str, name: str, settings: ClientSettings) -> None:
+    """Raise StoreSetupError unless ``address`` belongs to this node.
+
+    Mooncake accepts any address at setup and publishes it; peers then fail to reach this client
+    much later with transfer errors. Binding a socket to it is the cheap early test.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+    except OSError as exc:
+        raise StoreSetupError(
+            f"{name}: bind address {address} is not an address of this node ({exc.strerror or exc}; "
+            f"{settings.describe()}). Set DSPARK_BIND_ADDRESS / transport.bind_address to this node's routable "
+            "IP (hostname -I lists them), never a container bridge address"
+        ) from None
+
+
 class StoreClient:
     """One Mooncake store client with typed, checked, retried operations."""
 
@@ -152,6 +169,7 @@ class StoreClient:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         s = self.settings
+        check_bind_address(s.endpoints.bind_address, self.name, s)
         wait_for_master(s.endpoints, s.connect_timeout_s)
         # Mooncake's transfer engine reads these at setup; they follow the recipe and the endpoints
         # (the launcher exports the same values; explicit endpoints in tests must win).
