@@ -228,6 +228,8 @@ def make_plan(recipe: Recipe) -> Plan:
 
 
 def _capture_fit(recipe: Recipe, plan: Plan) -> None:
+    from runtime.capture.sglang_fit import expert_offload_plan
+
     cap, hw, tr = recipe.capture, recipe.plan, recipe.transport
     gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
     rows = [
@@ -242,15 +244,19 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
                 f"node's host memory ({format_bytes(hw.capture_host_memory_bytes)})",
             )
         )
+    offload = expert_offload_plan(recipe)
+    if offload is not None:
+        rows += offload.rows
+        plan.numbers.update(offload.numbers)
+        for level, message in offload.findings:
+            if "do not fit" not in message:  # the fit verdict itself is stated once, below
+                plan.findings.append(Finding("warn" if level == "warning" else level, message))
     if cap.target_weight_bytes is not None and gpus:
         hbm = gpus * hw.accelerator_memory_bytes
         rows += [
             ("target weights", f"{cap.target_weight_bytes / GB:,.0f} GB"),
             (f"HBM of {gpus} x {hw.accelerator}", f"{hbm / GB:,.0f} GB"),
         ]
-        if cap.engine == "sglang":
-            usable = hbm * cap.sglang.mem_fraction_static
-            rows.append(("usable at mem_fraction_static", f"{usable / GB:,.0f} GB ({cap.sglang.mem_fraction_static})"))
         plan.numbers.update(target_weight_bytes=cap.target_weight_bytes, capture_hbm_bytes=hbm)
         if cap.target_weight_bytes > hbm:
             shortfall = cap.target_weight_bytes - hbm
@@ -260,18 +266,42 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
                     f"the target's weights ({cap.target_weight_bytes / GB:,.0f} GB) exceed the capture node's HBM "
                     f"({gpus} x {hw.accelerator} = {hbm / GB:,.0f} GB) by {shortfall / GB:,.0f} GB: "
                     "they cannot be resident at this TP size",
-                    (
-                        "offload routed experts to host memory and page them in per layer (needs host RAM for "
-                        f"at least {shortfall / GB:,.0f} GB of experts besides the Mooncake segment, and PCIe "
-                        "traffic on every prefill)",
-                        "a second capture node (TP16 / two nodes, as published H200 serving setups do)",
-                        "larger-memory GPUs on the capture node (8 x 288 GB B300 hold it)",
-                    ),
+                    _fit_options(recipe, offload.numbers if offload else {}, shortfall),
                 )
             )
-        else:
+        elif offload is None or not any(level == "blocker" for level, _ in offload.findings):
             plan.findings.append(Finding("ok", "the target's weights fit the capture node's accelerator memory"))
     plan.sections.append(("capture node fit", rows))
+
+
+def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
+    from runtime.capture.sglang_fit import offload_support_0_5_23
+
+    if "offloaded_expert_bytes" in numbers:
+        offload = (
+            f"offload routed experts to host memory: {numbers['offloaded_expert_bytes'] / GB:,.0f} GB of experts "
+            f"off HBM, {numbers['host_bytes_offload'] / GB:,.0f} GB of host RAM with the Mooncake segment, "
+            f"{numbers['pcie_bytes_per_prefill'] / GB:,.0f} GB over PCIe per prefill "
+            f"(about {numbers['pcie_seconds_per_prefill']:.1f} s)"
+        )
+    else:
+        offload = (
+            f"offload routed experts to host memory (at least {shortfall / GB:,.0f} GB of experts, plus "
+            "PCIe traffic on every prefill)"
+        )
+    reasons = offload_support_0_5_23(recipe) if recipe.capture.engine == "sglang" else []
+    if reasons:
+        offload += "; SGLang 0.5.23 cannot do it for this recipe: " + "; ".join(reasons)
+    two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")
+    second = "a second capture node (TP16 / two nodes, as published H200 serving setups use)"
+    if two_nodes:
+        second += f": {two_nodes / GB:,.1f} GB of weights per GPU"
+    return (
+        offload,
+        second,
+        "larger-memory GPUs on the capture node (8 x 288 GB B300 hold it; MXFP4 Marlin needs SM90/SM120, "
+        "so use --moe-runner-backend flashinfer_mxfp4 there)",
+    )
 
 
 def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
