@@ -158,9 +158,14 @@ class Producer:
             full_meta = build_meta(g, layouts, meta)
             meta_bytes = encode_meta(full_meta)
             keys = [sample_key(self.store_id, g, name) for name in TENSOR_FIELDS]
+            meta_key = sample_key(self.store_id, g, META_FIELD)
+            if self.client.exist([meta_key])[0]:
+                # Re-capture of a committed sample: withdraw the commit marker first, so no reader
+                # pairs the old meta (sizes, CRCs) with fields being rewritten.
+                self.client.remove([meta_key])
             self.client.put_tensors(keys, host, what=f"sample g={g}")
             # meta last: a reader that sees it can read every field.
-            self.client.put_bytes(sample_key(self.store_id, g, META_FIELD), meta_bytes)
+            self.client.put_bytes(meta_key, meta_bytes)
         except BaseException as exc:
             with self._lock:
                 self.window.release(g)
