@@ -145,7 +145,7 @@ class CaptureLoop:
             elif self.finished():
                 self.report("finished: the trainer consumed every sample of the run", force=True)
                 return "finished"
-            self.report("paused, " + self.producer.describe_wait() if not work else "capturing")
+            self.report("capturing" if work else self.producer.describe_wait())
         self.report("stopped on request", force=True)
         return "stopped"
 
