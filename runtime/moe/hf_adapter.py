@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.moe.exchange import MoEExchange, group_rank_and_size
+from runtime.moe.exchange import MoEExchange
 from runtime.moe.experts import DequantWorkspace, LocalExperts
 from runtime.moe.layer import ExpertParallelMoE
 from runtime.moe.routing import TopKRouting
@@ -86,14 +86,17 @@ def shard_moe_experts(
     exchange_name: str = "nccl",
     *,
     max_tokens_per_dispatch: int = DEFAULT_MAX_TOKENS_PER_DISPATCH,
+    exchange: MoEExchange | None = None,
+    workspace: DequantWorkspace | None = None,
 ) -> ExpertParallelModel:
     """Replace every MoE block of ``model`` by an expert-parallel one over ``group`` (in place).
 
     Each rank keeps experts ``[rank * E / EP, (rank + 1) * E / EP)``; the other experts' weights
     are released. All blocks share one exchange (the low-latency backends allocate large
-    communication buffers) and one dequantization workspace.
+    communication buffers) and one dequantization workspace. A ready ``exchange`` (for example
+    the in-process one of :mod:`runtime.moe.exchange_threads`) replaces ``group`` and
+    ``exchange_name``.
     """
-    rank, world = group_rank_and_size(group)
     found = [(name, module) for name, module in model.named_modules() if is_hf_moe_block(module)]
     if not found:
         raise ValueError(
@@ -102,17 +105,19 @@ def shard_moe_experts(
         )
     first = found[0][1]
     num_experts, hidden = first.gate.weight.shape
-    exchange = make_exchange(
-        exchange_name,
-        group,
-        num_experts=int(num_experts),
-        hidden_size=int(hidden),
-        top_k=int(first.gate.top_k),
-        max_tokens_per_dispatch=max_tokens_per_dispatch,
-    )
+    if exchange is None:
+        exchange = make_exchange(
+            exchange_name,
+            group,
+            num_experts=int(num_experts),
+            hidden_size=int(hidden),
+            top_k=int(first.gate.top_k),
+            max_tokens_per_dispatch=max_tokens_per_dispatch,
+        )
+    rank, world = exchange.rank, exchange.world_size
     per_rank = exchange.experts_per_rank
     shard = slice(rank * per_rank, (rank + 1) * per_rank)
-    workspace = DequantWorkspace()
+    workspace = workspace or DequantWorkspace()
     blocks = []
     for name, module in found:
         act = getattr(module.experts, "act_fn", None)

@@ -1,0 +1,102 @@
+"""Capture through the embedded engine with EP = 2 equals capture with EP = 1 on a tiny MoE target."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+import torch
+
+engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+from runtime.capture.engine import CaptureRequest  # noqa: E402
+from runtime.moe.embedded_loader import ExpertParallelLoader  # noqa: E402
+from runtime.moe.exchange import ExchangeUnavailableError  # noqa: E402
+from runtime.moe.exchange_threads import ExchangeTimeoutError  # noqa: E402
+
+AUX_LAYERS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_moe_target")
+    Qwen3MoeForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def _settings(target: Path, devices: tuple[str, ...], expert_parallel: int) -> engine_embedded.EmbeddedSettings:
+    return engine_embedded.EmbeddedSettings(
+        target_path=target, aux_layer_ids=AUX_LAYERS, hidden_size=64, pad_id=0, compute_dtype="float32",
+        devices=devices, batch_size=2, expert_parallel=expert_parallel,
+    )
+
+
+def _requests() -> list[CaptureRequest]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for g, length in enumerate((9, 5, 12, 7)):
+        ids = tuple(torch.randint(1, 128, (length,), generator=gen).tolist())
+        out.append(CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"r{g}", input_ids=ids, loss_mask=(1,) * length))
+    return out
+
+
+def test_capture_with_ep2_equals_capture_with_ep1(tiny_moe_target: Path) -> None:
+    requests = _requests()
+    single = engine_embedded.EmbeddedEngine(_settings(tiny_moe_target, ("cpu",), 1))
+    single.start()
+    expected = [f for i in range(0, 4, 2) for f in single.features(requests[i : i + 2])]
+    single.close()
+
+    settings = _settings(tiny_moe_target, ("cpu", "cpu"), 2)
+    loader = ExpertParallelLoader.for_settings(settings)
+    sharded = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
+    sharded.start()
+    got = sharded.features(requests)  # two replicas, two samples each, experts 0-3 / 4-7
+    assert [m.experts_per_rank for m in loader.models] == [4, 4] and [m.rank for m in loader.models] == [0, 1]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.hs, b.hs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.lhs, b.lhs, rtol=1e-5, atol=1e-5)
+    sharded.close()
+
+
+def test_an_idle_replica_takes_part_through_the_idle_step(tiny_moe_target: Path) -> None:
+    settings = _settings(tiny_moe_target, ("cpu", "cpu"), 2)
+    loader = ExpertParallelLoader(2, 2, rendezvous_timeout_s=60)
+    engine = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
+    engine.start()
+    request = _requests()[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(engine.replicas[0].forward, [request.input_ids])
+        idle = pool.submit(loader.idle_step, 1, "cpu", torch.float32)
+        features = busy.result(timeout=60)[0]
+        idle.result(timeout=60)
+    reference = engine_embedded.EmbeddedEngine(_settings(tiny_moe_target, ("cpu",), 1))
+    reference.start()
+    torch.testing.assert_close(features.lhs, reference.features([request])[0].lhs, rtol=1e-5, atol=1e-5)
+    reference.close()
+    engine.close()
+
+
+def test_a_replica_that_skips_a_step_fails_clearly_instead_of_hanging(tiny_moe_target: Path) -> None:
+    settings = _settings(tiny_moe_target, ("cpu", "cpu"), 2)
+    loader = ExpertParallelLoader(2, 2, rendezvous_timeout_s=1.0)
+    engine = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
+    engine.start()
+    with pytest.raises(ExchangeTimeoutError, match="idle step"):
+        engine.replicas[0].forward([_requests()[0].input_ids])
+    engine.close()
+
+
+def test_low_latency_backends_are_refused_for_thread_replicas() -> None:
+    with pytest.raises(ExchangeUnavailableError, match="--k3-moe-exchange nccl"):
+        ExpertParallelLoader(2, 2, exchange_name="deepep")
+    with pytest.raises(ValueError, match="must divide the number of capture replicas"):
+        ExpertParallelLoader(3, 2)
