@@ -10,5 +10,7 @@ Modules, one job each:
 - ``mxfp4`` (torch reference) and ``mxfp4_triton`` (GPU kernel): MXFP4 pack/quantize/dequantize.
 - ``grouped_gemm`` and ``experts``: local experts, dense or resident in MXFP4.
 - ``layer``: the expert-parallel MoE layer and the dense single-process reference.
-- ``hf_adapter``: shards a Hugging Face MoE model's experts for the embedded capture engine.
+- ``hf_adapter``: shards a Hugging Face MoE model's experts over an expert-parallel group.
+- ``exchange_threads`` + ``embedded_loader``: expert parallelism across the embedded capture
+  engine's replicas, which are threads of one process.
 """
