@@ -218,3 +218,40 @@ def test_wandb_needs_key_from_environment(tmp_path: Path) -> None:
     silent = MetricsWriter(tmp_path / "other", config, run_name="x", enabled=False, env={})  # ranks > 0 write nothing
     silent.write({"step": 1, "loss": 2.0})
     assert not (tmp_path / "other").exists()
+
+
+def test_prefetcher_keeps_order_two_samples_resident_and_reraises() -> None:
+    import threading
+    import time
+
+    from runtime.trainer.prefetch import StepPrefetcher
+
+    live, peak, lock = [0], [0], threading.Lock()
+
+    class Held:
+        def __init__(self, g: int) -> None:
+            self.g = g
+
+        def __del__(self) -> None:
+            with lock:
+                live[0] -= 1
+
+    def fetch(g: int) -> Held:
+        if g == 7:
+            raise RuntimeError("sample g=7 is broken")
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.005)
+        return Held(g)
+
+    prefetch = StepPrefetcher(fetch, list(range(10)))  # type: ignore[arg-type]
+    seen = []
+    with pytest.raises(RuntimeError, match="g=7 is broken"):
+        for _ in range(10):
+            item = prefetch.next()
+            seen.append(item.g)
+            time.sleep(0.02)  # "training" on it while the next one is fetched
+            del item
+    prefetch.close()
+    assert seen == list(range(7)) and peak[0] == 2

@@ -18,10 +18,13 @@ from runtime.transport.contract import CapturedSample
 
 
 class StepPrefetcher:
-    """Fetches ``gs`` in order, at most ``depth`` samples ahead of the consumer."""
+    """Fetches ``gs`` in order, at most ``depth`` samples ahead of the consumer: with depth 1 the
+    next sample is fetched while the current one trains, so two samples are resident at most (a
+    64K K3 sample is 5.25 GiB)."""
 
     def __init__(self, fetch: Callable[[int], CapturedSample], gs: list[int], depth: int = 1) -> None:
-        self._queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self._slots = threading.Semaphore(depth)
         self._gs = list(gs)
         self._fetch = fetch
         self._stop = threading.Event()
@@ -32,18 +35,16 @@ class StepPrefetcher:
 
     def _run(self) -> None:
         for g in self._gs:
+            while not self._slots.acquire(timeout=0.5):  # a free slot: the consumer took the last one
+                if self._stop.is_set():
+                    return
             if self._stop.is_set():
                 return
             try:
                 item: Any = self._fetch(g)
             except BaseException as exc:  # handed to the consumer, which re-raises it
                 item = exc
-            while not self._stop.is_set():
-                try:
-                    self._queue.put((g, item), timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
+            self._queue.put((g, item))
             if isinstance(item, BaseException):
                 return
 
@@ -52,6 +53,7 @@ class StepPrefetcher:
         started = time.monotonic()
         g, item = self._queue.get()
         self.wait_s += time.monotonic() - started
+        self._slots.release()
         if isinstance(item, BaseException):
             raise item
         return item
