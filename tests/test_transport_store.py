@@ -356,3 +356,19 @@ def test_round_trip_from_and_to_cuda_is_exact(master: MasterProcess, tmp_path: P
             for name, tensor in sent.items():
                 received = getattr(got, name)
                 assert received.is_cuda and torch.equal(received, tensor), name
+
+
+def test_a_corrupt_field_is_detected_and_named(master: MasterProcess, tmp_path: Path, ports) -> None:
+    from runtime.transport.errors import CorruptSampleError
+
+    resolved = _plane(tmp_path, ports, "corrupt", ["transport.max_retries=1"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as producer, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        sample = _sample(0, 64)
+        producer.commit(producer.next_to_capture(), sample, {})
+        bad = sample["lhs"].clone()
+        bad[10, 3] += 1  # same size, one value changed, written behind the meta's back
+        producer.client.put_tensors(["corrupt/s/000000000000/lhs"], [bad])
+        with pytest.raises(CorruptSampleError, match="sample g=0: field lhs differs from what was committed"):
+            consumer.fetch(0)

@@ -4,6 +4,7 @@ master command line, recipe-time checks. No Mooncake here (the integration tests
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,17 +17,19 @@ from runtime.transport.errors import CorruptSampleError, code_name
 from runtime.transport.master import MasterSettings, eviction_ratio
 from runtime.transport.records import Cursor, Heartbeat
 from runtime.transport.sample_format import (
+    CRC_CHUNK_BYTES,
     DTYPES,
     SAMPLE_FORMAT,
     build_meta,
     byte_view,
-    crc32_of,
+    crc32_chunks,
     decode_meta,
     describe_field,
     encode_meta,
     field_layouts,
     sample_keys,
     tensor_nbytes,
+    verify_field,
 )
 from runtime.transport.window import WindowLimits, WindowState
 
@@ -156,16 +159,31 @@ def test_k3_sizes_are_exact_int64_without_allocating() -> None:
     assert [la.num_bytes for la in field_layouts(meta)] == [la.num_bytes for la in layouts]
 
 
-def test_byte_view_and_crc_of_bf16_are_the_tensor_bytes() -> None:
+def test_byte_view_and_chunk_crcs_of_bf16_are_the_tensor_bytes() -> None:
     t = torch.tensor([[1.0, -2.5], [3.25, 0.0]], dtype=torch.bfloat16)
     view = byte_view(t)
     assert view.dtype == torch.uint8 and view.numel() == 8 and view.data_ptr() == t.data_ptr()
-    assert crc32_of(t) == crc32_of(t.clone())
+    assert crc32_chunks(t) == crc32_chunks(t.clone()) == (zlib.crc32(bytes(view.numpy())),)
     u = t.clone()
     u[1, 1] = 1.0
-    assert crc32_of(u) != crc32_of(t)
+    assert crc32_chunks(u) != crc32_chunks(t)
     with pytest.raises(ValueError, match="contiguous"):
         byte_view(t.t())
+
+
+def test_chunk_crcs_locate_a_corrupt_byte() -> None:
+    data = torch.arange(10_000, dtype=torch.int64)  # 80,000 bytes: 3 chunks of 32 KiB
+    crcs = crc32_chunks(data, chunk_bytes=32768)
+    assert len(crcs) == 3
+    assert crcs[1] == zlib.crc32(bytes(byte_view(data)[32768:65536].numpy()))
+    layout = describe_field("ids", data, crc32=crcs)
+    layout = type(layout)(layout.name, layout.dtype, layout.shape, layout.num_bytes, crcs, 32768)
+    verify_field(0, layout, data.clone())
+    bad = data.clone()
+    bad[5000] += 1  # byte 40,000: the second chunk
+    with pytest.raises(CorruptSampleError, match="field ids differs from what was committed in the chunk at byte 32768"):
+        verify_field(0, layout, bad)
+    assert CRC_CHUNK_BYTES == 64 * 2**20
 
 
 def _layouts(g: int) -> list:
@@ -182,7 +200,11 @@ def test_meta_carries_capture_metadata_and_field_layouts() -> None:
     meta = build_meta(3, _layouts(3), {"epoch": 1, "row_id": "r3", "T": 5})
     decoded = decode_meta(3, "key", encode_meta(meta))
     assert decoded["format"] == SAMPLE_FORMAT and decoded["g"] == 3 and decoded["row_id"] == "r3"
-    assert decoded["fields"]["hs"] == {"dtype": "bfloat16", "shape": [5, 6], "bytes": 60, "crc32": _layouts(3)[2].crc32}
+    assert decoded["fields"]["hs"] == {
+        "dtype": "bfloat16", "shape": [5, 6], "bytes": 60, "crc32": list(_layouts(3)[2].crc32),
+        "crc32_chunk_bytes": CRC_CHUNK_BYTES,
+    }
+    assert field_layouts(decoded)[2] == _layouts(3)[2]
     assert decoded["sample_bytes"] == 40 + 5 + 60 + 20
 
 

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ from runtime.transport.contract import (
 )
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
 from runtime.transport.records import Cursor, Heartbeat
-from runtime.transport.sample_format import FieldLayout, byte_view, decode_meta, field_layouts, sample_keys
+from runtime.transport.sample_format import FieldLayout, decode_meta, field_layouts, sample_keys, verify_field
 from runtime.transport.store import StoreClient
 
 log = logging.getLogger("dspark.transport.consumer")
@@ -271,14 +270,7 @@ class Consumer:
             return None
         if self.verify_checksums:
             for layout, tensor in zip(layouts, host, strict=True):
-                if layout.crc32 is None:
-                    continue
-                view = byte_view(tensor)
-                crc = zlib.crc32(memoryview(view.numpy())) if view.numel() else 0
-                if crc != layout.crc32:
-                    raise CorruptSampleError(
-                        f"sample g={g}: field {layout.name} has CRC-32 {crc:#010x}, meta records {layout.crc32:#010x}"
-                    )
+                verify_field(g, layout, tensor)
         if use_staging:
             tensors = [t.to(target, non_blocking=True) for t in host]
             torch.cuda.current_stream(target).synchronize()

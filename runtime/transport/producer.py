@@ -41,6 +41,7 @@ from runtime.transport.sample_format import (
     describe_field,
     encode_meta,
     sample_keys,
+    submit_crc32_chunks,
 )
 from runtime.transport.store import StoreClient
 from runtime.transport.window import WindowLimits, WindowState
@@ -154,9 +155,8 @@ class Producer:
                     self.window.release(g)
                 return 0
             host = [self._to_host(g, name, tensors[name]) for name in TENSOR_FIELDS]
-            layouts = [describe_field(name, t) for name, t in zip(TENSOR_FIELDS, host, strict=True)]
-            full_meta = build_meta(g, layouts, meta)
-            meta_bytes = encode_meta(full_meta)
+            # The checksums run on their own threads while the fields are put; meta waits for both.
+            crc_futures = [submit_crc32_chunks(t) for t in host]
             keys = [sample_key(self.store_id, g, name) for name in TENSOR_FIELDS]
             meta_key = sample_key(self.store_id, g, META_FIELD)
             if self.client.exist([meta_key])[0]:
@@ -164,6 +164,12 @@ class Producer:
                 # pairs the old meta (sizes, CRCs) with fields being rewritten.
                 self.client.remove([meta_key])
             self.client.put_tensors(keys, host, what=f"sample g={g}")
+            layouts = [
+                describe_field(name, t, crc32=tuple(f.result() for f in futures))
+                for name, t, futures in zip(TENSOR_FIELDS, host, crc_futures, strict=True)
+            ]
+            full_meta = build_meta(g, layouts, meta)
+            meta_bytes = encode_meta(full_meta)
             # meta last: a reader that sees it can read every field.
             self.client.put_bytes(meta_key, meta_bytes)
         except BaseException as exc:

@@ -3,16 +3,21 @@
 Each tensor field is stored as its contiguous bytes, nothing else (no pickling, no header), so a
 put and a get move exactly ``numel * itemsize`` bytes straight from and into tensor memory. The
 ``meta`` object, written last, carries what a reader needs to rebuild the tensors (dtype, shape,
-bytes) and a CRC-32 per field, next to the capture's own metadata (epoch, row id, T, H, ...).
+bytes) and the CRC-32 of every 64 MiB chunk of every field (chunks, so that both sides compute
+them on several cores: one CRC-32 stream runs at about 4.5 GB/s, a 5.25 GiB K3 sample would take
+over a second), next to the capture's own metadata (epoch, row id, T, H, ...).
 All sizes are Python ints (int64 on the wire): a K3 ``hs`` field is above 2**31 bytes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +43,12 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 # Keys the transport owns inside ``meta``; the capture's metadata may not set them differently.
 TRANSPORT_META_KEYS = ("format", "g", "fields", "sample_bytes", "committed_at")
 
+CRC_CHUNK_BYTES = 64 * 2**20
+"""Bytes per CRC-32 chunk."""
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True)
 class FieldLayout:
@@ -47,7 +58,9 @@ class FieldLayout:
     dtype: str
     shape: tuple[int, ...]
     num_bytes: int
-    crc32: int | None
+    crc32: tuple[int, ...] | None
+    """CRC-32 of each ``crc32_chunk_bytes`` chunk of the field's bytes (None: not recorded)."""
+    crc32_chunk_bytes: int = CRC_CHUNK_BYTES
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -56,7 +69,13 @@ class FieldLayout:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored in ``meta['fields']``."""
-        return {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.num_bytes, "crc32": self.crc32}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "bytes": self.num_bytes,
+            "crc32": None if self.crc32 is None else list(self.crc32),
+            "crc32_chunk_bytes": self.crc32_chunk_bytes,
+        }
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -75,26 +94,61 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def crc32_of(tensor: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
+def checksum_pool() -> ThreadPoolExecutor:
+    """The process-wide threads that compute CRC-32 chunks (zlib releases the GIL on big buffers)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="dspark-crc")
+        return _POOL
+
+
+def _crc_of(chunk: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(chunk.numpy()))
+
+
+def submit_crc32_chunks(tensor: torch.Tensor, chunk_bytes: int = CRC_CHUNK_BYTES) -> list[Future[int]]:
+    """Start the CRC-32 of each chunk of a contiguous CPU tensor's bytes on the checksum threads."""
     view = byte_view(tensor)
-    if view.numel() == 0:
-        return 0
-    return zlib.crc32(memoryview(view.numpy()))
+    pool = checksum_pool()
+    return [pool.submit(_crc_of, view[start : start + chunk_bytes]) for start in range(0, view.numel(), chunk_bytes)]
 
 
-def describe_field(name: str, tensor: torch.Tensor, with_checksum: bool = True) -> FieldLayout:
-    """The layout of one host tensor as ``meta`` records it."""
+def crc32_chunks(tensor: torch.Tensor, chunk_bytes: int = CRC_CHUNK_BYTES) -> tuple[int, ...]:
+    """CRC-32 of each chunk of a contiguous CPU tensor's bytes, computed in parallel."""
+    return tuple(f.result() for f in submit_crc32_chunks(tensor, chunk_bytes))
+
+
+def describe_field(
+    name: str, tensor: torch.Tensor, with_checksum: bool = True, crc32: tuple[int, ...] | None = None
+) -> FieldLayout:
+    """The layout of one host tensor as ``meta`` records it (``crc32``: chunk CRCs already computed)."""
     dtype_name = DTYPE_NAMES.get(tensor.dtype)
     if dtype_name is None:
         raise ValueError(f"field {name}: dtype {tensor.dtype} is not storable; use one of {sorted(DTYPES)}")
+    if crc32 is None and with_checksum:
+        crc32 = crc32_chunks(tensor)
     return FieldLayout(
         name=name,
         dtype=dtype_name,
         shape=tuple(int(d) for d in tensor.shape),
         num_bytes=tensor_nbytes(tuple(tensor.shape), tensor.dtype),
-        crc32=crc32_of(tensor) if with_checksum else None,
+        crc32=crc32,
     )
+
+
+def verify_field(g: int, layout: FieldLayout, tensor: torch.Tensor) -> None:
+    """Raise CorruptSampleError when the tensor's chunk CRCs differ from the layout's."""
+    if layout.crc32 is None:
+        return
+    got = crc32_chunks(tensor, layout.crc32_chunk_bytes)
+    if got != layout.crc32:
+        bad = next((i for i, (a, b) in enumerate(zip(got, layout.crc32, strict=False)) if a != b), min(len(got), len(layout.crc32)))
+        raise CorruptSampleError(
+            f"sample g={g}: field {layout.name} differs from what was committed in the chunk at byte "
+            f"{bad * layout.crc32_chunk_bytes} (CRC-32 {got[bad] if bad < len(got) else None} vs "
+            f"{layout.crc32[bad] if bad < len(layout.crc32) else None})"
+        )
 
 
 def build_meta(g: int, layouts: list[FieldLayout], capture_meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -157,7 +211,9 @@ def field_layouts(meta: Mapping[str, Any]) -> list[FieldLayout]:
             raise CorruptSampleError(
                 f"sample g={meta['g']}: field {name} records {num_bytes} bytes for shape {shape} {dtype}"
             )
-        out.append(FieldLayout(name, dtype, shape, num_bytes, info.get("crc32")))
+        crc = info.get("crc32")
+        chunk = int(info.get("crc32_chunk_bytes", CRC_CHUNK_BYTES))
+        out.append(FieldLayout(name, dtype, shape, num_bytes, None if crc is None else tuple(crc), chunk))
     return out
 
 

@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:
 
 from runtime.transport.endpoints import Endpoints  # noqa: E402
 from runtime.transport.master import MasterProcess, MasterSettings  # noqa: E402
-from runtime.transport.sample_format import build_meta, byte_view, crc32_of, describe_field, encode_meta  # noqa: E402
+from runtime.transport.sample_format import build_meta, byte_view, crc32_chunks, describe_field, encode_meta  # noqa: E402
 from runtime.transport.store import ClientSettings, StoreClient  # noqa: E402
 
 FIELDS = ("ids", "mask", "hs", "lhs")
@@ -59,10 +59,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def median_time(fn: Callable[[], Any], reps: int) -> float:
-    """Median wall time of ``reps`` calls."""
+def median_time(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` (``before`` runs untimed ahead of each)."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -159,7 +161,7 @@ def reader_command(client: StoreClient, cmd: dict[str, Any], device: str, reused
         assert list(codes) == sizes, codes
         for ptr in ptrs:
             store.unregister_buffer(ptr)
-        crcs = [crc32_of(t) for t in dst]
+        crcs = [list(crc32_chunks(t)) for t in dst]
         t4 = time.perf_counter()
         assert crcs == cmd["crcs"], "bytes differ from what was put"
         h2d = 0.0
@@ -270,12 +272,6 @@ def bench_size(tokens: int, args: argparse.Namespace, producer: StoreClient, ask
             target.copy_(source)
         memcpy_times.append(time.perf_counter() - start)
 
-    def paired(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            memcpy()
-            return fn()
-        return run
-
     memcpy()
     memcpy_times.clear()
     start = time.perf_counter()
@@ -305,17 +301,17 @@ def bench_size(tokens: int, args: argparse.Namespace, producer: StoreClient, ask
         with producer.registered(views):
             pass
 
-    row["register_s"] = median_time(paired(register_cycle), reps)
+    row["register_s"] = median_time(register_cycle, reps, before=memcpy)
     keys = [f"bench/{tokens}/{name}" for name in FIELDS]
     start = time.perf_counter()
     producer.put_tensors(keys, host, what=f"T={tokens}")
     producer.put_bytes(f"bench/{tokens}/meta", meta)
     row["put_cold_s"] = time.perf_counter() - start  # first put: fresh segment pages
-    row["put_s"] = median_time(paired(lambda: producer.put_tensors(keys, host, what=f"T={tokens}")), reps)
+    row["put_s"] = median_time(lambda: producer.put_tensors(keys, host, what=f"T={tokens}"), reps, before=memcpy)
 
     # reader side (the other process, over TCP)
     cmd = {"keys": keys, "shapes": [list(t.shape) for t in host], "dtypes": [str(t.dtype).split(".")[1] for t in host],
-           "crcs": [la.crc32 for la in layouts], "reps": reps}
+           "crcs": [list(la.crc32) for la in layouts], "reps": reps}
     for op in ("get_fresh", "get_reused", "get_single"):
         memcpy()
         row[op] = ask({**cmd, "op": op})
