@@ -372,3 +372,29 @@ def test_a_corrupt_field_is_detected_and_named(master: MasterProcess, tmp_path: 
         producer.client.put_tensors(["corrupt/s/000000000000/lhs"], [bad])
         with pytest.raises(CorruptSampleError, match="sample g=0: field lhs differs from what was committed"):
             consumer.fetch(0)
+
+
+def _owner(client, key: str) -> str:
+    replica = client.raw.get_replica_desc(key)[0]
+    return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+
+
+def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
+    master: MasterProcess, tmp_path: Path, ports
+) -> None:
+    from runtime.transport.sample_format import sample_keys
+
+    resolved = _plane(tmp_path, ports, "placement")
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_producer(resolved, endpoints=endpoints) as owner, \
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer, \
+            open_producer(resolved, endpoints=endpoints, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink:
+        owner.heartbeat()  # names the owner's segment
+        for g in range(6):  # like the SGLang sink: a second process-like writer without a segment
+            (sink if g % 2 else owner).commit(g, _sample(g, 32), {})
+        assert sink.client.preferred_segment == owner.client.hostname
+        for g in range(6):
+            for key in sample_keys("placement", g):
+                assert _owner(consumer.client, key) == owner.client.hostname, key
+        assert _owner(consumer.client, "placement/cursor") == consumer.client.hostname
+        assert consumer.fetch(3).g == 3

@@ -154,6 +154,8 @@ class Producer:
                 with self._lock:
                     self.window.release(g)
                 return 0
+            if not self.client.settings.segment_bytes:
+                self._follow_owner_segment()
             host = [self._to_host(g, name, tensors[name]) for name in TENSOR_FIELDS]
             # The checksums run on their own threads while the fields are put; meta waits for both.
             crc_futures = [submit_crc32_chunks(t) for t in host]
@@ -187,6 +189,22 @@ class Producer:
             self._last_commit_time = now
             self._commit_times = [t for t in self._commit_times if now - t < 60.0] + [now]
         return total
+
+    def _follow_owner_segment(self) -> None:
+        """A producer without a segment (an SGLang sink) writes into the owning producer's segment,
+        named in its heartbeat; it follows a restarted owner to its new segment."""
+        try:
+            raw = self.client.get_bytes(heartbeat_key(self.store_id))
+        except TransportError:
+            return
+        if raw is None:
+            return
+        try:
+            segment = Heartbeat.decode(raw).segment
+        except (ValueError, TypeError):
+            return
+        if segment:
+            self.client.prefer_segment(segment)
 
     def release(self, g: int) -> None:
         """Give back a claimed g whose capture failed (it will be offered again)."""
@@ -383,6 +401,7 @@ class Producer:
             last_error=self._last_error,
             waiting_for=self._waiting_for,
             stats=dict(self._extra_stats),
+            segment=self.client.hostname if self.client.settings.segment_bytes else "",
         )
 
     def _heartbeat_loop(self) -> None:

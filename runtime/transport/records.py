@@ -67,6 +67,8 @@ class Heartbeat:
     """What the producer itself waits for, if anything (the cursor, free space)."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Extra statistics from the capture engine."""
+    segment: str = ""
+    """Mooncake segment the producer owns (``ip:port``): where other writers put sample fields."""
 
     def encode(self) -> bytes:
         """JSON bytes."""

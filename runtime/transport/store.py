@@ -158,7 +158,7 @@ class StoreClient:
         self._store: Any = None
         self._scratch: torch.Tensor | None = None
         self._scratch_lock = threading.Lock()
-        self._own_config: Any = None
+        self._write_config: Any = None  # ReplicateConfig naming the segment writes go to
         self.hostname = ""
         self.setup_s = 0.0
 
@@ -166,7 +166,7 @@ class StoreClient:
 
     def connect(self) -> StoreClient:
         """Wait for the master, then set the client up (segment, local buffer, transport)."""
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import MooncakeDistributedStore
 
         s = self.settings
         check_bind_address(s.endpoints.bind_address, self.name, s)
@@ -205,11 +205,29 @@ class StoreClient:
         self._store = store
         self.hostname = store.get_hostname()
         if s.segment_bytes:
-            config = ReplicateConfig()
-            config.preferred_segment = self.hostname  # keep this client's writes in its own segment
-            self._own_config = config
+            self.prefer_segment(self.hostname)  # keep this client's writes in its own segment
         log.info("%s: Mooncake client up as %s in %.2f s (%s)", self.name, self.hostname, self.setup_s, s.describe())
         return self
+
+    def prefer_segment(self, segment: str) -> None:
+        """Place this client's writes in ``segment`` (a Mooncake segment name, the owner's ``ip:port``).
+
+        Without it Mooncake picks any mounted segment with room, and trainer rank 0's small control
+        segment is one of them.
+        """
+        from mooncake.store import ReplicateConfig
+
+        if self._write_config is not None and self._write_config.preferred_segment == segment:
+            return
+        config = ReplicateConfig()
+        config.preferred_segment = segment
+        self._write_config = config
+        log.info("%s: writes go to segment %s", self.name, segment)
+
+    @property
+    def preferred_segment(self) -> str:
+        """Where this client's writes go ('' when Mooncake chooses)."""
+        return self._write_config.preferred_segment if self._write_config is not None else ""
 
     @property
     def raw(self) -> Any:
@@ -331,7 +349,7 @@ class StoreClient:
     def put_bytes(self, key: str, data: bytes) -> None:
         """Upsert a small object (cursor, heartbeat, meta) through the local buffer."""
         for attempt in range(self.settings.max_retries + 1):
-            rc = self.raw.upsert(key, data, self._own_config) if self._own_config else self.raw.upsert(key, data)
+            rc = self.raw.upsert(key, data, self._write_config) if self._write_config else self.raw.upsert(key, data)
             if rc == 0:
                 return
             self._raise_if_permanent("put", [(key, rc)], key)
@@ -418,8 +436,8 @@ class StoreClient:
 
     def _call_batch(self, method: str, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         fn: Callable[..., list[int]] = getattr(self.raw, method)
-        if method == "batch_upsert_from" and self._own_config is not None:
-            return list(fn(keys, ptrs, sizes, self._own_config))
+        if method == "batch_upsert_from" and self._write_config is not None:
+            return list(fn(keys, ptrs, sizes, self._write_config))
         return list(fn(keys, ptrs, sizes))
 
     def _raise_if_permanent(self, op: str, failures: list[tuple[str, int]], what: str) -> None:
