@@ -71,6 +71,7 @@ class _Draw:
         self._rng = random.Random(seed)
 
     def below(self, n: int) -> int:
+        """Uniform integer in [0, n)."""
         return min(int(self._rng.random() * n), n - 1)
 
     def between(self, low: int, high: int) -> int:
@@ -78,6 +79,7 @@ class _Draw:
         return low + self.below(high - low + 1)
 
     def pick(self, items: Sequence[Any]) -> Any:
+        """One of ``items``, uniformly."""
         return items[self.below(len(items))]
 
 

@@ -40,15 +40,20 @@ POLL_S = 0.5
 class WindowProducer(Protocol):
     """What the loop needs of :class:`runtime.transport.producer.Producer`."""
 
-    def wait_next(self, max_count: int = 1, timeout_s: float | None = None) -> list[int]: ...
+    def wait_next(self, max_count: int = 1, timeout_s: float | None = None) -> list[int]:
+        """Up to ``max_count`` missing g, claimed, in order (empty after ``timeout_s``)."""
 
-    def release(self, g: int) -> None: ...
+    def release(self, g: int) -> None:
+        """Give back a claimed g that was not committed."""
 
-    def heartbeat(self, stats: dict[str, Any] | None = None) -> None: ...
+    def heartbeat(self, stats: dict[str, Any] | None = None) -> None:
+        """Upsert the heartbeat, keeping ``stats`` for later beats."""
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """Cursor, window end, resident samples/bytes, in flight, paused."""
 
-    def describe_wait(self) -> str: ...
+    def describe_wait(self) -> str:
+        """Why nothing can be captured right now."""
 
 
 class DataError(ValueError):

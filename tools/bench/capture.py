@@ -97,6 +97,7 @@ class HostSink:
         self.samples = 0
 
     def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+        """Copy every field to host memory and checksum it; returns the bytes."""
         total = 0
         for tensor in tensors.values():
             host = tensor.to("cpu", non_blocking=False).contiguous()
@@ -111,6 +112,7 @@ class NullSink:
     """Accepts a sample and does nothing (the engine's own cost only)."""
 
     def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+        """Nothing."""
         return 0
 
 
@@ -130,11 +132,13 @@ def make_batches(preset: Preset, vocab: int, seed: int = 0) -> list[list[Capture
 
 
 def synchronize(device: str) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable[[], Any], device: str) -> float:
+    """Wall seconds of ``fn`` including its device work."""
     synchronize(device)
     start = time.perf_counter()
     fn()
