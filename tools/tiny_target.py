@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,6 +41,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 """Plain-text turns: ``<|role|> content <|end|>``; the generation prompt is ``<|assistant|>``."""
+BUILD_PROCEDURE_VERSION = 1
+"""Bump when the code that turns the content into a model changes (model class, training loop,
+tokenizer construction): the cache key covers the content itself, not the source text."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,18 @@ class TinyTargetSpec:
     chat_rows: int = 128
 
     def cache_key(self) -> str:
-        """SHA-256 of this spec and of the source of every module that shapes the output."""
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode())
-        for module in (tiny_corpus, chat_tokenize, sys.modules[__name__]):
-            digest.update(Path(module.__file__).read_bytes())
-        return digest.hexdigest()
+        """SHA-256 of everything the build consumes: this spec, the vocabulary, the chat template,
+        the training and chat conversations, and :data:`BUILD_PROCEDURE_VERSION`."""
+        vocabulary = tiny_corpus.build_vocabulary(self.vocab_size)
+        content = {
+            "procedure": BUILD_PROCEDURE_VERSION,
+            "spec": dataclasses.asdict(self),
+            "vocabulary": vocabulary,
+            "chat_template": CHAT_TEMPLATE,
+            "train": tiny_corpus.generate_conversations(vocabulary, self.train_conversations, self.train_corpus_seed, "train"),
+            "chat": tiny_corpus.generate_conversations(vocabulary, self.chat_rows, self.chat_seed, "tiny"),
+        }
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
