@@ -2,11 +2,14 @@
 
 Reads only the resolved recipe and the launcher's environment contract (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DSPARK_JOB_DIR).
+
+Exit codes: 0 done; 143 stopped by SIGTERM after checkpointing at a step boundary; 1 failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from runtime.recipe import load_resolved
@@ -21,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = load_resolved(args.recipe)
     settings = derive_settings(resolved)
 
-    from runtime.trainer.loop import Trainer  # torch-heavy: after the cheap checks
+    from runtime.trainer.loop import Trainer
 
     trainer = Trainer(resolved, settings)
     try:
@@ -34,4 +37,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and the process group is destroyed. Leave without interpreter
+    # finalization: gloo worker threads can still hold tensors whose late destruction aborts
+    # the process (SIGABRT, "terminate called without an active exception"), which would turn a
+    # finished rank into a failed task. Failures take the normal path, traceback included.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
