@@ -123,7 +123,9 @@ def port_in_use(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     # The master must not outlive the capture process that owns it: an orphan would hold the ports
-    # and a stale, empty store across a restart.
+    # and a stale, empty store across a restart. PR_SET_PDEATHSIG fires when the *thread* that
+    # started the master exits, so start it from a thread that lives as long as the component
+    # (the main thread), or pass die_with_parent=False.
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
