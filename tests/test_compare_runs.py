@@ -1,0 +1,88 @@
+"""tools/compare_runs: alignment by step, the largest deviation per metric, plots, checkpoint hashes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from tools.compare_runs import deviations, load_run, write_plots
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_run(folder: Path, losses: list[float], sha: str, skip_step: int | None = None) -> Path:
+    folder.mkdir(parents=True)
+    lines = []
+    for step, loss in enumerate(losses, start=1):
+        if step == skip_step:
+            continue
+        lines.append(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "loss_ce": loss / 2,
+                    "tau": 1 + step / 10,
+                    "lr": 1e-3,
+                    "acc@0": 0.5,
+                    "tokens_per_s": 100.0,
+                    "data_wait_fraction": 0.1,
+                    "time": "2026-11-29T00:00:00+00:00",
+                }
+            )
+        )
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    state_dir = folder / "checkpoints" / "step_00000004"
+    state_dir.mkdir(parents=True)
+    (state_dir / "trainer_state.json").write_text(json.dumps({"step": 4, "weights_sha256": sha}))
+    return folder
+
+
+def test_largest_deviation_is_found_at_its_step(tmp_path: Path) -> None:
+    a = load_run(make_run(tmp_path / "a", [4.0, 3.0, 2.0, 1.0], "aaa"))
+    b = load_run(make_run(tmp_path / "b", [4.0, 3.0, 2.5, 1.0], "bbb", skip_step=1))
+    rows = {d.metric: d for d in deviations(a, b)}
+    assert rows["loss"].step == 3 and rows["loss"].absolute == 0.5 and rows["loss"].relative == 0.2
+    assert rows["tau"].absolute == 0.0
+    assert deviations(a, b)[0].metric in {"loss", "loss_ce"}, "sorted by relative deviation"
+    assert set(a.steps) - set(b.steps) == {1}
+
+
+def test_cli_prints_table_hashes_and_writes_plots(tmp_path: Path) -> None:
+    run_a = make_run(tmp_path / "a", [4.0, 3.0, 2.0, 1.0], "same")
+    run_b = make_run(tmp_path / "b", [4.0, 3.0, 2.0, 1.5], "same")
+    out = tmp_path / "plots"
+    done = subprocess.run(
+        [str(REPO / "tools" / "compare_runs"), str(run_a), str(run_b), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "loss" in done.stdout and "step_00000004 step 4 same  (same as the other run)" in done.stdout
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["accuracy.png", "data_wait.png", "loss.png", "lr.png", "tau.png", "tokens_per_s.png"]
+    assert all((out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
+
+
+def test_differing_checkpoints_are_flagged_and_bad_lines_named(tmp_path: Path) -> None:
+    run_a = make_run(tmp_path / "a", [1.0, 1.0, 1.0, 1.0], "x1")
+    run_b = make_run(tmp_path / "b", [1.0, 1.0, 1.0, 1.0], "x2")
+    done = subprocess.run(
+        [str(REPO / "tools" / "compare_runs"), str(run_a), str(run_b), "--no-plots"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "DIFFERS from the other run" in done.stdout
+    (run_b / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n')
+    done = subprocess.run(
+        [str(REPO / "tools" / "compare_runs"), str(run_a), str(run_b), "--no-plots"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "metrics.jsonl:2" in done.stderr
+
+
+def test_single_run_plots(tmp_path: Path) -> None:
+    run = load_run(make_run(tmp_path / "a", [2.0, 1.0, 0.5, 0.2], "h"))
+    written = write_plots([run], tmp_path / "plots")
+    assert (tmp_path / "plots" / "loss.png") in written

@@ -1,0 +1,224 @@
+"""``tools/compare_runs RUN_A [RUN_B] [--out DIR]``: compare two runs' metrics step by step.
+
+A run is a job folder (with ``metrics.jsonl`` and ``checkpoints/``) or a ``metrics.jsonl`` file.
+The tool aligns the runs by optimizer step, prints for every metric the largest deviation (absolute
+and relative, and at which step), writes PNG plots with both runs overlaid (total and per-term loss,
+per-slot accuracy, tau, learning rate, tokens/s, data-wait fraction), and lists each run's
+checkpoints with their weight hashes. This is how a reproduction is compared with a prior run. With
+one run it plots that run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IGNORED_KEYS = {"step", "time", "epoch"}
+PLOTS: dict[str, tuple[str, ...]] = {
+    "loss": ("loss", "loss_ce", "loss_l1", "loss_confidence"),
+    "accuracy": tuple(f"acc@{k}" for k in range(16)),
+    "tau": ("tau",),
+    "lr": ("lr",),
+    "tokens_per_s": ("tokens_per_s",),
+    "data_wait": ("data_wait_fraction",),
+}
+
+
+@dataclass
+class Run:
+    """One run's metrics by step and its checkpoints."""
+
+    label: str
+    folder: Path | None
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    checkpoints: list[tuple[int, str, str]] = field(default_factory=list)
+    """(step, folder name, weights SHA-256)."""
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """The largest difference of one metric between two runs."""
+
+    metric: str
+    step: int
+    value_a: float
+    value_b: float
+
+    @property
+    def absolute(self) -> float:
+        """|a - b|."""
+        return abs(self.value_a - self.value_b)
+
+    @property
+    def relative(self) -> float:
+        """|a - b| / max(|a|, |b|), 0 when both are 0."""
+        scale = max(abs(self.value_a), abs(self.value_b))
+        return self.absolute / scale if scale else 0.0
+
+
+def load_run(path: Path, label: str | None = None) -> Run:
+    """Read a run from a job folder or a metrics.jsonl file; errors name the file and the line."""
+    metrics_file = path / "metrics.jsonl" if path.is_dir() else path
+    folder = path if path.is_dir() else path.parent
+    if not metrics_file.exists():
+        raise FileNotFoundError(f"{metrics_file} does not exist: pass a job folder or a metrics.jsonl file")
+    run = Run(label=label or folder.name, folder=folder)
+    for number, line in enumerate(metrics_file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{metrics_file}:{number}: not a metrics record with a step ({exc})") from exc
+        values = {
+            key: float(value)
+            for key, value in record.items()
+            if key not in IGNORED_KEYS and isinstance(value, int | float) and not isinstance(value, bool)
+        }
+        run.steps[step] = values  # a resumed run repeats steps after its checkpoint: the last one wins
+    run.checkpoints = _checkpoints(folder / "checkpoints")
+    return run
+
+
+def _checkpoints(checkpoint_dir: Path) -> list[tuple[int, str, str]]:
+    found = []
+    for state_file in sorted(checkpoint_dir.glob("step_*/trainer_state.json")):
+        state = json.loads(state_file.read_text())
+        found.append((int(state.get("step", 0)), state_file.parent.name, str(state.get("weights_sha256", "?"))))
+    return found
+
+
+def deviations(a: Run, b: Run) -> list[Deviation]:
+    """For every metric both runs have, the step with the largest absolute difference; sorted by
+    relative deviation, largest first. NaN against a number counts as infinitely far."""
+    common = sorted(set(a.steps) & set(b.steps))
+    metrics = sorted({k for s in common for k in a.steps[s]} & {k for s in common for k in b.steps[s]})
+    out = []
+    for metric in metrics:
+        worst: Deviation | None = None
+        worst_gap = -1.0
+        for step in common:
+            if metric not in a.steps[step] or metric not in b.steps[step]:
+                continue
+            va, vb = a.steps[step][metric], b.steps[step][metric]
+            gap = math.inf if math.isnan(va) != math.isnan(vb) else (0.0 if math.isnan(va) else abs(va - vb))
+            if gap > worst_gap:
+                worst, worst_gap = Deviation(metric, step, va, vb), gap
+        if worst is not None:
+            out.append(worst)
+    return sorted(out, key=lambda d: (-(math.inf if math.isnan(d.relative) else d.relative), d.metric))
+
+
+def render_table(a: Run, b: Run, rows: list[Deviation], top: int) -> str:
+    """The deviation table plus the checkpoint listing."""
+    common = set(a.steps) & set(b.steps)
+    lines = [
+        f"A = {a.folder} ({len(a.steps)} steps)",
+        f"B = {b.folder} ({len(b.steps)} steps); {len(common)} steps in common",
+        f"  {'metric':<22} {'step':>6} {'A':>14} {'B':>14} {'|A-B|':>12} {'relative':>9}",
+    ]
+    for d in rows[:top]:
+        lines.append(
+            f"  {d.metric:<22} {d.step:>6} {d.value_a:>14.6g} {d.value_b:>14.6g} {d.absolute:>12.4g} {d.relative:>9.2%}"
+        )
+    if len(rows) > top:
+        lines.append(f"  ... {len(rows) - top} more metrics (--top to show them)")
+    lines += render_checkpoints([a, b])
+    return "\n".join(lines)
+
+
+def render_checkpoints(runs: list[Run]) -> list[str]:
+    """Checkpoint hashes per run, with equal hashes at equal steps marked."""
+    lines = ["checkpoints (weights SHA-256):"]
+    by_step = [{step: sha for step, _, sha in run.checkpoints} for run in runs]
+    for run, hashes in zip(runs, by_step, strict=True):
+        if not run.checkpoints:
+            lines.append(f"  {run.label}: none")
+        for step, name, sha in run.checkpoints:
+            others = [h.get(step) for h in by_step if h is not hashes]
+            mark = ""
+            if len(runs) > 1 and others and others[0] is not None:
+                mark = "  (same as the other run)" if others[0] == sha else "  (DIFFERS from the other run)"
+            lines.append(f"  {run.label}: {name} step {step} {sha}{mark}")
+    return lines
+
+
+def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
+    """One PNG per metric group, every run overlaid; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    styles = ["-", "--", ":"]
+    for name, keys in PLOTS.items():
+        present = [k for k in keys if any(k in values for run in runs for values in run.steps.values())]
+        if not present:
+            continue
+        figure, axis = plt.subplots(figsize=(8, 4.5))
+        for run_index, run in enumerate(runs):
+            steps = sorted(run.steps)
+            for key in present:
+                points = [(s, run.steps[s][key]) for s in steps if key in run.steps[s]]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    axis.plot(xs, ys, styles[run_index % len(styles)], label=f"{run.label}: {key}")
+        axis.set_xlabel("optimizer step")
+        axis.set_title(name.replace("_", " "))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, ncol=2)
+        target = out_dir / f"{name}.png"
+        tmp = target.with_name(f".{target.stem}.tmp.png")
+        figure.savefig(tmp, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        tmp.replace(target)
+        written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="tools/compare_runs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_a", type=Path, help="job folder or metrics.jsonl")
+    parser.add_argument("run_b", type=Path, nargs="?", help="job folder or metrics.jsonl (omit to plot one run)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the PNG plots (default: plots/ in run A's folder, or compare-<B> there when comparing)",
+    )
+    parser.add_argument("--top", type=int, default=25, help="rows of the deviation table")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        run_a = load_run(args.run_a, "A")
+        runs = [run_a]
+        if args.run_b:
+            run_b = load_run(args.run_b, "B")
+            runs.append(run_b)
+            print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
+        else:
+            print(f"run {args.run_a}: {len(run_a.steps)} steps")
+            print("\n".join(render_checkpoints(runs)))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.no_plots:
+        default = run_a.folder / "plots" if run_a.folder else Path("plots")
+        if args.run_b and args.out is None:
+            default = default / f"compare-{Path(args.run_b).resolve().name}"
+        written = write_plots(runs, args.out or default)
+        print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
