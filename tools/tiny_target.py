@@ -315,6 +315,7 @@ def make_tiny_target(
         quality = evaluate_peakedness(model, chat_rows, tokenizer, spec.max_position_embeddings)
         target_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp", dir=target_dir.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; the target is shared by every component
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         _fix_config_keys(staging, spec)
