@@ -72,12 +72,15 @@ class CaptureProgress:
         return sum(e[1] for e in recent) / span, sum(e[2] for e in recent) / span
 
     def eta_s(self, now: float | None = None) -> float | None:
-        """Seconds until every g of the run is captured at the current rate (None when idle)."""
-        samples_per_s, _ = self.rates(now)
+        """Seconds until every g of the run is captured, at the average rate since the start (the
+        producer is paced by the trainer, so the long-run average is the meaningful rate; the last
+        minute's rate swings between bursts and pauses). None before the first sample."""
+        now = time.monotonic() if now is None else now
         remaining = max(self.total_samples - self.frontier, 0)
         if remaining == 0:
             return 0.0
-        return remaining / samples_per_s if samples_per_s > 0 else None
+        elapsed = now - self.started
+        return remaining * elapsed / self.samples if self.samples and elapsed > 0 else None
 
     def stats(self, now: float | None = None) -> dict[str, Any]:
         """Numbers for the heartbeat."""
