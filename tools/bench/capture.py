@@ -66,7 +66,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # The tiny recipe's target shape (hidden 256, 8 layers, 8 experts top-2, vocab 2048), its data lengths.
     "cpu": Preset(256, 8, 4, 2, 8, 2, 256, 2048, (1, 3, 5), 4, 16, 256, 24, "float32", "cpu"),
-    # About 0.5B parameters (0.13B active per token): hidden 1024, 12 layers, 16 experts top-4.
+    # 480M parameters (168M active per token): hidden 1024, 12 layers, 16 experts top-4, vocab 32000.
     "h200": Preset(1024, 12, 16, 4, 16, 4, 704, 32000, (1, 5, 9), 4, 1024, 4096, 24, "bfloat16", "cuda"),
     "quick": Preset(64, 4, 4, 2, 4, 2, 32, 300, (0, 2), 2, 8, 32, 4, "float32", "cpu"),
 }
