@@ -54,7 +54,15 @@ def start_component(
         stdout=stdout,  # type: ignore[arg-type]
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
+        preexec_fn=_ignore_requeue_signal,
     )
+
+
+def _ignore_requeue_signal() -> None:
+    # Slurm delivers the time-out signal (USR2) to every process of the step, the component too,
+    # whose default action would kill it. The worker owns that signal (checkpoint + requeue); the
+    # component starts with it ignored (SIG_IGN survives exec) and stops on the SIGTERM that follows.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def stop_process(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int | None:

@@ -77,6 +77,9 @@ class HetJob(SlurmJob[tp.Any]):
     """A submitit Job for one hetjob; tasks are numbered job-wide (see :func:`task_index`)."""
 
     watcher = HetInfoWatcher(delay_s=60)
+    # A task stopped by Slurm (cancel, requeue, a failed peer) writes no result file; submitit would
+    # wait 15 s for each such task. Our workers write results atomically before exiting.
+    _results_timeout_s = 5
 
     def _component_log(self) -> Path | None:
         layout_file = Path(self.paths.folder) / TASK_LAYOUT_FILENAME
