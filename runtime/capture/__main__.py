@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("DSPARK_RECIPE"),
         help="resolved recipe JSON written by the launcher (default: $DSPARK_RECIPE)",
     )
+    from runtime.moe.selection import add_moe_exchange_argument, chosen_exchange
+
+    add_moe_exchange_argument(parser)
     args = parser.parse_args(argv)
     if not args.recipe:
         parser.error("no resolved recipe: pass --recipe PATH or set DSPARK_RECIPE")
@@ -28,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     from runtime.capture.producer import run_capture
 
-    return run_capture(load_resolved(args.recipe))
+    resolved = load_resolved(args.recipe)
+    override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
+    return run_capture(resolved, moe_exchange=override)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ The loop ends by itself once the trainer's cursor has passed the last sample of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -198,13 +199,17 @@ def stop_on_signals(stop: threading.Event, on_stop: Callable[[], None]) -> Itera
             signal.signal(sig, old)
 
 
-def make_engine(resolved: ResolvedRecipe, sink: Any) -> CaptureEngine:
-    """The engine the recipe names, committing through ``sink``."""
+def make_engine(resolved: ResolvedRecipe, sink: Any, moe_exchange: str | None = None) -> CaptureEngine:
+    """The engine the recipe names, committing through ``sink``. ``moe_exchange`` (the capture
+    command line's ``--k3-moe-exchange``) overrides ``capture.moe_exchange``."""
     engine = resolved.recipe.capture.engine
     if engine == "embedded":
         from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
 
-        return EmbeddedEngine(EmbeddedSettings.from_recipe(resolved), sink)
+        settings = EmbeddedSettings.from_recipe(resolved)
+        if moe_exchange:
+            settings = dataclasses.replace(settings, moe_exchange=moe_exchange)
+        return EmbeddedEngine(settings, sink)
     from runtime.capture.engine_sglang import SGLangEngine
 
     # The SGLang server's own sink commits each sample; the window sees them on its next scan.
@@ -216,8 +221,9 @@ def engine_batch(engine: CaptureEngine, resolved: ResolvedRecipe) -> int:
     return int(getattr(engine, "max_batch", resolved.recipe.capture.batch_size))
 
 
-def run_capture(resolved: ResolvedRecipe, endpoints: Any = None) -> int:
-    """The capture component (see the module docstring); returns the process exit code."""
+def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: str | None = None) -> int:
+    """The capture component (see the module docstring); returns the process exit code.
+    ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
     from runtime.transport.dataplane import open_producer
     from runtime.transport.endpoints import Endpoints
     from runtime.transport.master import MasterProcess, MasterSettings
@@ -237,7 +243,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None) -> int:
         producer = open_producer(resolved, endpoints=endpoints)
         stack.callback(producer.close)
         producer.heartbeat({"capture": {"state": f"loading the {recipe.capture.engine} engine"}})
-        engine = make_engine(resolved, producer)
+        engine = make_engine(resolved, producer, moe_exchange)
         engine_holder.append(engine)
         stack.callback(engine.close)
         engine.start()
