@@ -4,6 +4,7 @@
     python -m launcher status JOB
     python -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
     python -m launcher cancel JOB
+    python -m launcher gate JOB              (the smoke gate's table for a --smoke job)
     python -m launcher render [RECIPE ...] [--check]
     python -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from launcher import control, jobs
+from launcher import control, gate, jobs
 from launcher.environment import COMPONENTS
 from launcher.plan import make_plan
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
@@ -26,7 +29,7 @@ from runtime.recipe.loader import atomic_write_text, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
-SUBCOMMANDS = ("status", "logs", "cancel", "render", "resolve")
+SUBCOMMANDS = ("status", "logs", "cancel", "gate", "render", "resolve")
 
 
 class LaunchError(RuntimeError):
@@ -63,7 +66,7 @@ def _submit_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m launcher",
         description="Submit a DSpark recipe as one heterogeneous Slurm job (capture + trainer).",
-        epilog="Other commands: status JOB | logs JOB | cancel JOB | render [RECIPE...] | resolve RECIPE",
+        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | render [RECIPE...] | resolve RECIPE",
     )
     _add_recipe_arguments(parser)
     mode = parser.add_mutually_exclusive_group()
@@ -92,16 +95,11 @@ def _check_environment_references(loaded: LoadedRecipe) -> None:
         )
 
 
-def _preflight(loaded: LoadedRecipe, allow_blockers: bool) -> None:
-    _check_environment_references(loaded)
-    blockers = make_plan(loaded.recipe).blockers
-    if blockers and not allow_blockers:
-        text = "\n".join(f"  - {b.message}" + "".join(f"\n      option: {o}" for o in b.options) for b in blockers)
-        raise LaunchError(
-            f"the plan for {loaded.source} has blockers:\n{text}\n"
-            f"  fix: change the recipe (see `python -m launcher {loaded.recipe.job.name} --plan`), or pass "
-            "--allow-blockers to submit anyway"
-        )
+def _refuse_on_preflight_failure(loaded: LoadedRecipe, allow_blockers: bool) -> None:
+    """A normal submission runs the gate's first three checks and refuses on a failure."""
+    for check in gate.preflight_checks(loaded, REPO_ROOT, allow_blockers):
+        if check.status == gate.FAIL:
+            raise LaunchError(f"{check.name} check failed for {loaded.source}: {check.detail}\n  fix: {check.fix}")
 
 
 def _runs_dir(loaded: LoadedRecipe) -> Path:
@@ -123,7 +121,7 @@ def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, pro
 
 
 def submit(args: argparse.Namespace) -> int:
-    """Default command: plan, dry-run, local run or Slurm submission of a recipe."""
+    """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
     loaded = load(args.recipe, args.overrides, args.smoke)
     if args.plan:
         print(make_plan(loaded.recipe).render())
@@ -139,23 +137,78 @@ def submit(args: argparse.Namespace) -> int:
         )
         print(render_script(loaded.recipe, options), end="")
         print(f"# command: sbatch {planned}/submission.sh   (dry run: nothing was submitted)")
-        blockers = make_plan(loaded.recipe).blockers
-        for finding in blockers:
+        for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
         return 0
+    _check_environment_references(loaded)
+    if loaded.smoke:
+        return run_smoke_gate(loaded, args)
+    _refuse_on_preflight_failure(loaded, args.allow_blockers)
+    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     if args.local:
-        return run_local(loaded, args.probe)
-    _preflight(loaded, args.allow_blockers)
-    return submit_slurm(loaded, args.probe)
+        return run_local(loaded, job_dir, args.probe)
+    submit_slurm(loaded, job_dir, args.probe)
+    return 0
 
 
-def run_local(loaded: LoadedRecipe, probe: bool) -> int:
+def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace) -> int:
+    """``--smoke``: checks 1-3 here, then the smoke job (local, or Slurm and wait), then checks 4-8."""
+    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
+    preflight = gate.preflight_checks(loaded, REPO_ROOT, args.allow_blockers)
+    failed = any(c.status == gate.FAIL for c in preflight)
+    rows = gate.settle(preflight, pending=not failed)
+    gate.write_gate(job_dir, rows, None, loaded.source, loaded.digest)
+    print(f"smoke gate for {loaded.source}: folder {_display_path(job_dir)}", flush=True)
+    if failed:
+        print(gate.render(rows))
+        return 1
+    if args.local:
+        run_local(loaded, job_dir, args.probe)
+        record = jobs.find_record(str(job_dir), _runs_dir(loaded))
+    else:
+        record = submit_slurm(loaded, job_dir, args.probe)
+        if args.no_wait:
+            print(f"not waiting: python -m launcher gate {record.job_id} prints the gate once the job ended")
+            return 0
+        _wait_for_job(record)
+    return _finish_gate(record)
+
+
+def _wait_for_job(record: jobs.JobRecord, report_every_s: float = 30.0, poll_s: float = 5.0) -> str:
+    """Wait until the Slurm job ends, with a progress line every ``report_every_s``."""
+    started = time.monotonic()
+    last_report = 0.0
+    while True:
+        report = control.job_report(record)
+        if report.state in control.TERMINAL_JOB_STATES:
+            return report.state
+        now = time.monotonic()
+        if now - last_report >= report_every_s:
+            states = ", ".join(f"{c.name} {c.state}" for c in report.components)
+            print(
+                f"[gate] waiting for job {record.job_id} ({states}); {now - started:.0f} s so far; Ctrl-C stops "
+                f"waiting (the job keeps running: python -m launcher gate {record.job_id})",
+                flush=True,
+            )
+            last_report = now
+        time.sleep(poll_s)
+
+
+def _finish_gate(record: jobs.JobRecord) -> int:
+    job_dir = Path(record.job_dir)
+    running = control.job_report(record).state not in control.TERMINAL_JOB_STATES
+    rows = gate.settle(gate.read_preflight(job_dir) + gate.job_checks(job_dir), pending=running)
+    path = gate.write_gate(job_dir, rows, record.job_id, record.recipe_source, record.recipe_digest)
+    print(gate.render(rows))
+    print(f"  gate record: {_display_path(path)}")
+    return 0 if gate.passed(rows) else 1
+
+
+def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
     """Run both components on this machine and print where the results are."""
     from launcher.local import LocalRun
     from runtime.recipe import load_resolved
 
-    _check_environment_references(loaded)
-    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     resolved_path = write_resolved(loaded, job_dir, REPO_ROOT)
     job_id = f"local-{job_dir.name}"
     record = _record_for(loaded, job_dir, job_id, "local", probe)
@@ -164,8 +217,24 @@ def run_local(loaded: LoadedRecipe, probe: bool) -> int:
     print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
     code = LocalRun(load_resolved(resolved_path), record, probe).run()
     print(control.job_report(record).render())
+    _plot_metrics(job_dir)
     _print_outputs(job_dir)
     return code
+
+
+def _plot_metrics(job_dir: Path) -> None:
+    """Plots of the run's metrics into ``plots/`` (tools/compare_runs with one run)."""
+    if not (job_dir / "metrics.jsonl").exists():
+        return
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / "plots")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"  (plots failed: {done.stderr.strip()[-300:]})")
 
 
 def _print_outputs(job_dir: Path) -> None:
@@ -180,11 +249,10 @@ def _print_outputs(job_dir: Path) -> None:
             print(f"  {label:<12} {_display_path(path)}")
 
 
-def submit_slurm(loaded: LoadedRecipe, probe: bool) -> int:
+def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRecord:
     """Submit the hetjob through submitit and record it."""
     from launcher.hetjob import ComponentJob, HetJobExecutor
 
-    job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     write_resolved(loaded, job_dir, REPO_ROOT)
     options = RenderOptions(
         recipe_file=loaded.source, job_dir=str(job_dir), smoke=loaded.smoke, probe=probe, repo_dir=str(REPO_ROOT)
@@ -208,7 +276,7 @@ def submit_slurm(loaded: LoadedRecipe, probe: bool) -> int:
     print(f"  status  python -m launcher status {job.job_id}")
     print(f"  logs    python -m launcher logs {job.job_id} --follow")
     print(f"  cancel  python -m launcher cancel {job.job_id}")
-    return 0
+    return record
 
 
 def resolve(argv: list[str]) -> int:
@@ -292,6 +360,8 @@ def job_command(command: str, argv: list[str]) -> int:
     if command == "cancel":
         print(control.cancel_job(record))
         return 0
+    if command == "gate":
+        return _finish_gate(record)
     control.print_logs(record, args.component, args.rank, args.follow)
     return 0
 

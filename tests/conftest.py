@@ -103,3 +103,16 @@ def slurm_cluster() -> Iterator[LocalSlurmCluster]:
     )
     if started and os.environ.get("DSPARK_SLURM_LOCAL_KEEP") != "1":
         subprocess.run([str(SLURM_LOCAL), "down"], capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_assets() -> Path:
+    """The tiny target and its prepared data (tools/make_tiny_target + tools/prepare_data, cached by
+    content hash, so this is instant after the first build)."""
+    import subprocess
+
+    for command in (["tools/make_tiny_target"], ["tools/prepare_data", "--recipe", "tiny"]):
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+    return REPO_ROOT / ".cache" / "tiny"

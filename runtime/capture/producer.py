@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from runtime.capture.data_files import RowIndex, check_data_sha256
 from runtime.capture.engine import CaptureEngine, CaptureRequest
+from runtime.capture.gate import CaptureGate, NanInjectingSink
 from runtime.capture.progress import CaptureProgress
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
@@ -203,13 +204,19 @@ def make_engine(resolved: ResolvedRecipe, sink: Any, moe_exchange: str | None = 
     """The engine the recipe names, committing through ``sink``. ``moe_exchange`` (the capture
     command line's ``--k3-moe-exchange``) overrides ``capture.moe_exchange``."""
     engine = resolved.recipe.capture.engine
+    inject_g = resolved.recipe.capture.inject_nan_at_g
     if engine == "embedded":
         from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
 
         settings = EmbeddedSettings.from_recipe(resolved)
         if moe_exchange:
             settings = dataclasses.replace(settings, moe_exchange=moe_exchange)
+        if inject_g is not None:
+            log.warning("smoke self-test: sample g=%d will be committed with NaN hidden states", inject_g)
+            sink = NanInjectingSink(sink, inject_g)
         return EmbeddedEngine(settings, sink)
+    if inject_g is not None:
+        raise ValueError("capture.inject_nan_at_g is a self-test of the embedded engine; unset it for engine: sglang")
     from runtime.capture.engine_sglang import SGLangEngine
 
     # The SGLang server's own sink commits each sample; the window sees them on its next scan.
@@ -231,28 +238,40 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
     recipe = resolved.recipe
     stop = threading.Event()
     engine_holder: list[CaptureEngine] = []
+    gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke)
     with ExitStack() as stack:
         stack.enter_context(stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")]))
         endpoints = endpoints or Endpoints.from_env(recipe)
-        if recipe.capture.owns_master:
-            settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
-            master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
-            master.start()
-            stack.callback(master.stop)
-        source = CaptureSource.from_recipe(resolved)
-        producer = open_producer(resolved, endpoints=endpoints)
-        stack.callback(producer.close)
+        with gate.stage("master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"):
+            if recipe.capture.owns_master:
+                settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
+                master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
+                master.start()
+                stack.callback(master.stop)
+            producer = open_producer(resolved, endpoints=endpoints)
+            stack.callback(producer.close)
+        with gate.stage("data", f"{recipe.data.train_path}: SHA-256 and row count as the recipe says"):
+            source = CaptureSource.from_recipe(resolved)
         producer.heartbeat({"capture": {"state": f"loading the {recipe.capture.engine} engine"}})
-        engine = make_engine(resolved, producer, moe_exchange)
-        engine_holder.append(engine)
-        stack.callback(engine.close)
-        engine.start()
-        engine.check_health()
+        with gate.stage("engine", f"{recipe.capture.engine} engine started and healthy"):
+            engine = make_engine(resolved, producer, moe_exchange)
+            engine_holder.append(engine)
+            stack.callback(engine.close)
+            engine.start()
+            engine.check_health()
         if stop.is_set():
             log.info("stop requested while the engine loaded; nothing was captured")
             return 0
         loop = CaptureLoop(producer, engine, source, engine_batch(engine, resolved), recipe.capture.progress_interval_s,
                            stop)
-        outcome = loop.run()
+        with gate.stage("capture", "capture loop ran"):
+            outcome = loop.run()
+        gate.record("capture", loop.progress.samples > 0, f"{loop.progress.samples} sample(s) committed ({outcome})")
         log.info("capture %s after %d samples", outcome, loop.progress.samples)
+        if outcome == "finished":
+            # The trainer still holds store clients (and may write its last checkpoint for a while):
+            # keep the master up until the supervisor stops this component after the trainer ends.
+            log.info("every sample was consumed; keeping the Mooncake master up until the trainer ends")
+            producer.heartbeat({"capture": {"state": "finished; waiting for the trainer to end"}})
+            stop.wait()
     return 0

@@ -66,8 +66,13 @@ class ResolvedRecipe:
 
     def resolve_path(self, value: str) -> Path:
         """A recipe path made absolute: relative paths are relative to the repository root."""
-        path = Path(os.path.expandvars(os.path.expanduser(value)))
-        return path if path.is_absolute() else self.repo_root / path
+        return resolve_recipe_path(value, self.repo_root)
+
+
+def resolve_recipe_path(value: str, repo_root: Path) -> Path:
+    """A path from a recipe: ``~`` and ``${VAR}`` expanded, relative to ``repo_root`` unless absolute."""
+    path = Path(os.path.expandvars(os.path.expanduser(value)))
+    return path if path.is_absolute() else repo_root / path
 
 
 def recipe_digest(recipe: Recipe) -> str:
@@ -130,6 +135,14 @@ def load_recipe(
 
     recipe = _validate(document, name, origins, smoke_overlay if smoke else {})
     problems = check_recipe(recipe)
+    if recipe.capture.inject_nan_at_g is not None and not smoke:
+        problems.append(
+            Problem(
+                "capture.inject_nan_at_g",
+                f"is {recipe.capture.inject_nan_at_g}: NaN injection is a smoke-gate self-test",
+                "use it only with --smoke",
+            )
+        )
     if not smoke and smoke_overlay:
         # A typo in the smoke overlay should fail now, not minutes before a gate on the cluster.
         smoke_doc = deep_merge(raw, smoke_overlay)
@@ -167,7 +180,8 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     if not all(parts):
         raise RecipeError(file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {item}")])
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        # A text field takes the text as written (a SHA-256 of digits is not the number 0).
+        value = text if _expects_text(parts) else (yaml.safe_load(text) if text.strip() else "")
     except yaml.YAMLError as exc:
         raise RecipeError(
             file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]
@@ -344,6 +358,17 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
             return None
         model = inner
     return model
+
+
+def _expects_text(parts: list[str]) -> bool:
+    """Whether the schema field at ``parts`` holds text (str, optional str, or a string Literal)."""
+    model = _model_at(tuple(parts[:-1]))
+    info = model.model_fields.get(parts[-1]) if model else None
+    if info is None:
+        return False
+    options = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    return all(a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
+               for a in options)
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:

@@ -229,6 +229,9 @@ class CaptureSection(Section):
     """MoE dispatch/combine backend when ``expert_parallel > 1``."""
     owns_master: bool = True
     """The capture component starts the Mooncake master on its node."""
+    inject_nan_at_g: int | None = Field(None, ge=0)
+    """Smoke-gate self-test only: write NaN into the ``hs`` of sample g, to prove the gate stops a
+    non-finite update (refused outside ``--smoke``; embedded engine only)."""
     progress_interval_s: float = Field(30.0, gt=0)
     """Seconds between producer progress lines in a non-TTY log."""
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)

@@ -37,7 +37,7 @@ from runtime.trainer.resume import StartPlan, check_resume_compatible, plan_star
 from runtime.trainer.schedules import build_schedule
 from runtime.trainer.settings import RunSettings
 from runtime.trainer.sources import check_sample, open_sample_source
-from runtime.transport.contract import SampleConsumer, global_sample_index
+from runtime.transport.contract import SampleConsumer, contract_problems, global_sample_index
 
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
 EXIT_STOPPED = 143
@@ -67,8 +67,10 @@ class Trainer:
         self.trainer_cfg = self.recipe.trainer
         self.stop_requested = False
         self._gate: dict[str, Any] = {}
-        self._copy_stream: Any = None
         """The smoke gate record being built (see :mod:`runtime.trainer.gate`)."""
+        self._copy_stream: Any = None
+        self._contract: dict[str, Any] = {"samples": [], "fields": None, "problems": []}
+        """Smoke mode: the capture contract checked on every sample this rank received."""
 
     # ------------------------------------------------------------------ setup
 
@@ -257,6 +259,19 @@ class Trainer:
                     tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
         return sample
 
+    def _check_contract(self, sample: Any) -> None:
+        """Smoke gate: record the sample's fields and any break of the capture contract."""
+        capture = self.recipe.capture
+        self._contract["samples"].append(sample.g)
+        if self._contract["fields"] is None:
+            self._contract["fields"] = {
+                name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                for name, t in sample.tensors().items()
+            }
+        self._contract["problems"] += contract_problems(
+            sample, capture.aux_layer_ids, capture.hidden_size, self.recipe.data.max_length
+        )
+
     def _layout(self, sample: Any) -> BlockLayout:
         cfg = self.trainer_cfg
         return build_layout(
@@ -289,6 +304,8 @@ class Trainer:
             for _m in range(accumulation):
                 samples = [self._received(prefetch.next()) for _ in range(micro)]
                 for sample in samples:
+                    if s.smoke and self.recipe.trainer.sample_source == "mooncake":
+                        self._check_contract(sample)  # the capture contract is about captured samples
                     check_sample(
                         sample,
                         num_aux_layers=self.recipe.num_aux_layers,
@@ -343,6 +360,16 @@ class Trainer:
             "grad_norm": grad_norm,
             "problems": check.problems,
         }
+        if s.smoke:
+            # Gathered before the guard may abort, so a failed gate still shows every rank's samples.
+            contracts: list[Any] = [None] * s.world_size
+            if s.world_size > 1:
+                dist.all_gather_object(contracts, self._contract)
+            else:
+                contracts = [self._contract]
+            self._gate["ranks"] = [
+                {"rank": r, "terms_finite": rank_terms[r], "sample_contract": contracts[r]} for r in range(s.world_size)
+            ]
         applied = guard.decide(check)
         if applied:
             optimizer.step()
@@ -442,7 +469,13 @@ class Trainer:
         s = self.settings
         finite_after = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
         per_rank: list[Any] = [None] * s.world_size
-        mine = {"rank": s.rank, "terms_finite": outcome.rank_terms[s.rank], "params_finite_after_update": finite_after, "samples": outcome.samples}
+        mine = {
+            "rank": s.rank,
+            "terms_finite": outcome.rank_terms[s.rank],
+            "params_finite_after_update": finite_after,
+            "samples": outcome.samples,
+            "sample_contract": self._contract,
+        }
         if s.world_size > 1:
             dist.all_gather_object(per_rank, mine)
         else:
@@ -456,6 +489,7 @@ class Trainer:
             problems.append("parameters are not finite after the update on rank(s) " + str([r["rank"] for r in per_rank if not r["params_finite_after_update"]]))
         if not matches:
             problems.append("the checkpoint read back does not hash to the saved weights")
+        problems += [p for r in per_rank for p in r["sample_contract"]["problems"]]
         sums = outcome.sums
         self._gate = {
             "passed": not problems,

@@ -105,3 +105,59 @@ class SampleConsumer(Protocol):
 
     def publish_cursor(self, cursor: int) -> None:
         """Publish the cursor explicitly (a restarted trainer republishes its checkpoint's cursor)."""
+
+
+CONTRACT_DTYPES: dict[str, str] = {
+    "ids": "torch.int64",
+    "mask": "torch.uint8",
+    "hs": "torch.bfloat16",
+    "lhs": "torch.bfloat16",
+}
+"""Dtype of every tensor field (DESIGN section 4)."""
+REQUIRED_META_KEYS: tuple[str, ...] = (
+    "g",
+    "epoch",
+    "row_id",
+    "num_tokens",
+    "hidden_size",
+    "aux_layer_ids",
+    "target_revision",
+    "engine",
+    "fields",
+)
+"""Keys every sample's ``meta`` carries (the transport adds ``fields``: dtype, shape, bytes, checksums)."""
+
+
+def contract_problems(sample: CapturedSample, aux_layer_ids: list[int], hidden_size: int, max_length: int) -> list[str]:
+    """Every way ``sample`` breaks the capture contract (empty when it holds): field dtypes and
+    shapes, T within ``max_length``, and the meta keys, layer ids and sizes the recipe expects."""
+    problems: list[str] = []
+    where = f"sample g={sample.g}"
+    tokens = int(sample.ids.shape[0]) if sample.ids.ndim == 1 else -1
+    expected_shapes = {
+        "ids": (tokens,),
+        "mask": (tokens,),
+        "hs": (tokens, len(aux_layer_ids) * hidden_size),
+        "lhs": (tokens, hidden_size),
+    }
+    for name, tensor in sample.tensors().items():
+        if str(tensor.dtype) != CONTRACT_DTYPES[name]:
+            problems.append(f"{where}: {name} is {tensor.dtype}, the contract says {CONTRACT_DTYPES[name]}")
+        if tuple(tensor.shape) != expected_shapes[name]:
+            problems.append(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, the contract says {expected_shapes[name]}"
+            )
+    if not 1 <= tokens <= max_length:
+        problems.append(f"{where}: T={tokens} is outside 1..{max_length} (data.max_length)")
+    missing = [key for key in REQUIRED_META_KEYS if key not in sample.meta]
+    if missing:
+        problems.append(f"{where}: meta lacks {missing}")
+    if "aux_layer_ids" in sample.meta and list(sample.meta["aux_layer_ids"]) != list(aux_layer_ids):
+        problems.append(
+            f"{where}: meta aux_layer_ids {sample.meta['aux_layer_ids']} != capture.aux_layer_ids {aux_layer_ids}"
+        )
+    if "hidden_size" in sample.meta and sample.meta["hidden_size"] != hidden_size:
+        problems.append(f"{where}: meta hidden_size {sample.meta['hidden_size']} != capture.hidden_size {hidden_size}")
+    if "num_tokens" in sample.meta and sample.meta["num_tokens"] != tokens:
+        problems.append(f"{where}: meta num_tokens {sample.meta['num_tokens']} != T={tokens}")
+    return problems

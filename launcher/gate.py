@@ -1,0 +1,329 @@
+"""The smoke gate: eight checks, in order, stopping at the first failure with the reason and the fix.
+
+    1 plan                      the recipe's plan has no blocker                        (login node)
+    2 sglang patch              the installed SGLang carries our capture patch           (login node)
+    3 data sha256               the data file hashes to data.expected_sha256             (login node)
+    4 mooncake master health    the master answered and the producer connected           (capture_gate.json)
+    5 engine health             the capture engine started and reported healthy          (capture_gate.json)
+    6 captured sample contract  every sample the trainer received has the contract's
+                                fields, dtypes and shapes                                 (trainer_gate.json)
+    7 finite update             one optimizer update, finite on every trainer rank        (trainer_gate.json)
+    8 checkpoint                written, read back, same weights hash                     (trainer_gate.json)
+
+Checks 1-3 run before anything is submitted; their functions are also what refuses a normal
+submission. Checks 4-8 read the records the components write in a smoke run. The result is a
+PASS/FAIL table and ``gate.json`` in the job folder.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import textwrap
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.recipe import LoadedRecipe
+from runtime.recipe.loader import atomic_write_text, resolve_recipe_path
+
+GATE_FORMAT = "dspark-gate/1"
+GATE_FILENAME = "gate.json"
+CAPTURE_GATE_FILENAME = "capture_gate.json"  # written by runtime.capture.gate
+TRAINER_GATE_FILENAME = "trainer_gate.json"  # written by runtime.trainer.gate
+
+PASS, FAIL, SKIP, NOT_RUN, PENDING = "PASS", "FAIL", "SKIP", "NOT RUN", "PENDING"
+CHECK_NAMES = (
+    "plan",
+    "sglang patch",
+    "data sha256",
+    "mooncake master health",
+    "engine health",
+    "captured sample contract",
+    "finite update on every rank",
+    "checkpoint written, reloaded, hashed",
+)
+PREFLIGHT = CHECK_NAMES[:3]
+
+
+@dataclass
+class Check:
+    """One row of the gate."""
+
+    name: str
+    status: str
+    detail: str = ""
+    fix: str = ""
+
+
+# ----------------------------------------------------------------------------------------------
+# checks 1-3: before submission
+# ----------------------------------------------------------------------------------------------
+
+
+def check_plan(loaded: LoadedRecipe, allow_blockers: bool = False) -> Check:
+    """No blocker in the plan (or the operator allowed them)."""
+    from launcher.plan import make_plan
+
+    blockers = make_plan(loaded.recipe).blockers
+    if not blockers:
+        return Check("plan", PASS, "no blockers")
+    text = "; ".join(b.message for b in blockers)
+    if allow_blockers:
+        return Check("plan", PASS, f"blockers allowed by --allow-blockers: {text}")
+    options = [o for b in blockers for o in b.options]
+    fix = "change the recipe (see --plan)" + (": " + " | ".join(options) if options else "")
+    return Check("plan", FAIL, text, fix + ", or pass --allow-blockers")
+
+
+def check_sglang_patch(loaded: LoadedRecipe) -> Check:
+    """The installed SGLang carries the recipe's patch target (embedded engine: skipped)."""
+    recipe = loaded.recipe
+    if recipe.capture.engine != "sglang":
+        return Check("sglang patch", SKIP, f"capture.engine is {recipe.capture.engine}: no SGLang involved")
+    from tools.patch_check import check_installed
+
+    report = check_installed(recipe.capture.sglang.patch_target)
+    if report.ok:
+        return Check("sglang patch", PASS, f"{report.tree}: sglang {report.version}, target {report.target}")
+    return Check("sglang patch", FAIL, "; ".join(report.problems), report.fix)
+
+
+def check_data(loaded: LoadedRecipe, repo_root: Path) -> Check:
+    """``data.train_path`` hashes to ``data.expected_sha256``."""
+    from runtime.capture.data_files import check_data_sha256
+
+    data = loaded.recipe.data
+    path = resolve_recipe_path(data.train_path, repo_root)
+    try:
+        digest = check_data_sha256(path, data.expected_sha256, recipe_file=loaded.source)
+    except (ValueError, OSError) as exc:
+        fix = (
+            "prepare and verify the data (tools/prepare_data, tools/verify_data), or correct data.train_path / "
+            "data.expected_sha256"
+        )
+        return Check("data sha256", FAIL, str(exc), fix)
+    return Check("data sha256", PASS, f"{path.name}: {digest[:16]}...")
+
+
+def preflight_checks(loaded: LoadedRecipe, repo_root: Path, allow_blockers: bool = False) -> list[Check]:
+    """Checks 1-3, stopping at the first failure."""
+    checks = [check_plan(loaded, allow_blockers)]
+    if checks[-1].status != FAIL:
+        checks.append(check_sglang_patch(loaded))
+    if checks[-1].status != FAIL:
+        checks.append(check_data(loaded, repo_root))
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# checks 4-8: from the components' records
+# ----------------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _log_hint(job_dir: Path, component: str) -> str:
+    logs = sorted((job_dir / "logs").glob(f"*_{component}_0.out"))
+    if not logs:
+        return f"no {component} log yet in {job_dir / 'logs'}"
+    tail = [line for line in logs[-1].read_text(errors="replace").splitlines() if line.strip()][-3:]
+    return f"see {logs[-1]}; last lines: " + " | ".join(tail)
+
+
+def job_checks(job_dir: Path) -> list[Check]:
+    """Checks 4-8 from ``capture_gate.json`` and ``trainer_gate.json`` (missing records fail)."""
+    capture = _read(job_dir / CAPTURE_GATE_FILENAME) or {}
+    stages = capture.get("stages", {})
+    trainer = _read(job_dir / TRAINER_GATE_FILENAME)
+    checks: list[Check] = []
+
+    def stage_check(name: str, stage: str, fix: str) -> Check:
+        entry = stages.get(stage)
+        if entry is None:
+            return Check(
+                name, FAIL, f"the capture component recorded no '{stage}' stage: " + _log_hint(job_dir, "capture"), fix
+            )
+        return Check(name, PASS if entry["ok"] else FAIL, entry["detail"], "" if entry["ok"] else fix)
+
+    checks.append(
+        stage_check(
+            "mooncake master health",
+            "master",
+            "check transport ports and bind address (a port in use, or capture.owns_master: false with no master "
+            "running), and the master log in logs/mooncake_master.log",
+        )
+    )
+    data_stage = stages.get("data")
+    if data_stage is not None and not data_stage["ok"]:
+        checks.append(
+            Check(
+                "engine health",
+                FAIL,
+                f"not started: the data check on the capture node failed: {data_stage['detail']}",
+                "make data.train_path readable on the capture node with the expected SHA-256",
+            )
+        )
+    else:
+        checks.append(
+            stage_check(
+                "engine health",
+                "engine",
+                "see the capture log; for SGLang run tools/check_patch --apply and check capture.sglang.*, for the "
+                "embedded engine check capture.target_path (tools/make_tiny_target for tiny)",
+            )
+        )
+
+    if trainer is None:
+        missing = Check(
+            "captured sample contract",
+            FAIL,
+            "the trainer wrote no trainer_gate.json: " + _log_hint(job_dir, "trainer"),
+            "read the trainer log; the trainer never finished its first step",
+        )
+        return [*checks, missing]
+    ranks = trainer.get("ranks") or []
+    contracts = [r.get("sample_contract") or {} for r in ranks]
+    samples = sorted(g for c in contracts for g in c.get("samples", []))
+    contract_problems = [p for c in contracts for p in c.get("problems", [])]
+    if trainer.get("error") and not ranks:
+        checks.append(
+            Check(
+                "captured sample contract",
+                FAIL,
+                f"the trainer failed before its step: {trainer['error']}",
+                "read the trainer log",
+            )
+        )
+        return checks
+    if contract_problems or not samples:
+        detail = "; ".join(contract_problems) or "no captured sample reached the trainer"
+        checks.append(
+            Check(
+                "captured sample contract",
+                FAIL,
+                detail,
+                "the capture engine and the recipe disagree (capture.aux_layer_ids, hidden_size, dtypes)",
+            )
+        )
+    else:
+        fields = next((c["fields"] for c in contracts if c.get("fields")), {})
+        shown = ", ".join(f"{k} {v['dtype']}{v['shape']}" for k, v in fields.items())
+        checks.append(Check("captured sample contract", PASS, f"samples {samples}: {shown}"))
+
+    nonfinite = [p for p in trainer.get("problems", []) if p not in contract_problems]
+    finite = trainer.get("update_finite") and all(r.get("params_finite_after_update") for r in ranks)
+    if finite and not any("not applied" in p for p in nonfinite):
+        checks.append(
+            Check(
+                "finite update on every rank",
+                PASS,
+                f"step {trainer.get('step')} on {trainer.get('world_size')} ranks, grad norm "
+                f"{trainer.get('grad_norm'):.4g}, loss {trainer.get('loss', {}).get('total', float('nan')):.4g}",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "finite update on every rank",
+                FAIL,
+                f"optimizer update {trainer.get('step')}: "
+                + ("; ".join(nonfinite) or str(trainer.get("error") or "the update was not finite")),
+                "find the rank and term named here; check its samples (NaN/inf in hs or lhs), the learning "
+                "rate and the loss weights",
+            )
+        )
+    point = trainer.get("checkpoint") or {}
+    if point.get("reload_matches"):
+        checks.append(
+            Check(
+                "checkpoint written, reloaded, hashed",
+                PASS,
+                f"{point.get('path')}: weights sha256 {point.get('weights_sha256')}",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "checkpoint written, reloaded, hashed",
+                FAIL,
+                f"checkpoint {point.get('path')}: saved {point.get('weights_sha256')}, read back "
+                f"{point.get('reloaded_sha256')}",
+                "check the checkpoint folder's file system (space, permissions) and the trainer log",
+            )
+        )
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# the gate as a whole
+# ----------------------------------------------------------------------------------------------
+
+
+def settle(checks: list[Check], pending: bool = False) -> list[Check]:
+    """All eight rows: everything after the first failure is NOT RUN; rows without a result are
+    PENDING (the job still runs) or NOT RUN."""
+    by_name = {c.name: c for c in checks}
+    rows: list[Check] = []
+    failed = False
+    for name in CHECK_NAMES:
+        check = by_name.get(name)
+        if failed:
+            rows.append(Check(name, NOT_RUN, "an earlier check failed"))
+        elif check is None:
+            rows.append(Check(name, PENDING if pending else NOT_RUN, "waiting for the job" if pending else ""))
+        else:
+            rows.append(check)
+            failed = check.status == FAIL
+    return rows
+
+
+def passed(rows: list[Check]) -> bool:
+    """Every check passed or was skipped."""
+    return all(r.status in {PASS, SKIP} for r in rows)
+
+
+def write_gate(job_dir: Path, rows: list[Check], job_id: str | None, loaded_source: str, digest: str) -> Path:
+    """Write ``gate.json`` atomically."""
+    payload = {
+        "format": GATE_FORMAT,
+        "passed": passed(rows),
+        "job_id": job_id,
+        "recipe": loaded_source,
+        "recipe_digest": digest,
+        "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "checks": [asdict(r) for r in rows],
+    }
+    target = job_dir / GATE_FILENAME
+    atomic_write_text(target, json.dumps(payload, indent=2) + "\n")
+    return target
+
+
+def read_preflight(job_dir: Path) -> list[Check]:
+    """The pre-submission rows recorded in ``gate.json`` (empty when absent)."""
+    payload = _read(job_dir / GATE_FILENAME) or {}
+    return [
+        Check(**c) for c in payload.get("checks", []) if c["name"] in PREFLIGHT and c["status"] in {PASS, SKIP, FAIL}
+    ]
+
+
+def render(rows: list[Check]) -> str:
+    """The PASS/FAIL table with the fix under each failure."""
+    indent = " " * 52
+    lines = [f"  {'#':>2}  {'check':<38} {'result':<8} detail"]
+    for index, row in enumerate(rows, start=1):
+        detail = row.detail if len(row.detail) <= 600 else row.detail[:597] + "..."
+        wrapped = textwrap.wrap(detail, 100) or [""]
+        lines.append(f"  {index:>2}  {row.name:<38} {row.status:<8} {wrapped[0]}")
+        lines += [indent + part for part in wrapped[1:]]
+        if row.status == FAIL and row.fix:
+            fix = textwrap.wrap("fix: " + row.fix, 100)
+            lines += [indent + part for part in fix]
+    verdict = "PASS" if passed(rows) else ("PENDING" if any(r.status == PENDING for r in rows) else "FAIL")
+    lines.append(f"  smoke gate: {verdict}")
+    return "\n".join(lines)
