@@ -55,6 +55,9 @@ class StepOutcome:
     wait_s: float
     step_time_s: float
     samples: list[int] = field(default_factory=list)
+    row_indices: list[int | None] = field(default_factory=list)
+    """Data row of every sample of the step, in g order (from the samples' meta): what the
+    optimizer saw, recorded so a run can be checked against the prompt order."""
 
 
 class Trainer:
@@ -300,9 +303,11 @@ class Trainer:
         local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
         local.update({name: torch.zeros(cfg.draft.block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
         prefetch = StepPrefetcher(self._fetcher(source), gs)
+        consumed: list[tuple[int, int | None]] = []
         try:
             for _m in range(accumulation):
                 samples = [self._received(prefetch.next()) for _ in range(micro)]
+                consumed += [(sample.g, sample.meta.get("row_index")) for sample in samples]
                 for sample in samples:
                     if s.smoke and self.recipe.trainer.sample_source == "mooncake":
                         self._check_contract(sample)  # the capture contract is about captured samples
@@ -389,7 +394,14 @@ class Trainer:
         sums["loss_total"] = (
             loss.ce_weight * sums["loss_ce"] + loss.l1_weight * sums["loss_l1"] + loss.confidence_weight * sums["loss_confidence"]
         )
+        everyone: list[Any] = [None] * s.world_size
+        if s.world_size > 1:
+            dist.all_gather_object(everyone, consumed)
+        else:
+            everyone = [consumed]
+        row_indices = [row for _, row in sorted(pair for part in everyone for pair in part)]
         return StepOutcome(
+            row_indices=row_indices,
             sums=sums,
             rank_terms=rank_terms,
             grad_norm=grad_norm,
@@ -416,6 +428,7 @@ class Trainer:
             data_wait_fraction=min(1.0, outcome.wait_s / step_time),
             skipped=0 if outcome.applied else 1,
             skipped_total=guard.skipped_total,
+            row_indices=outcome.row_indices,
         )
         return record
 

@@ -6,7 +6,7 @@ Each ``metrics.jsonl`` line is one optimizer step::
     step, epoch, cursor, lr, loss, loss_ce, loss_l1, loss_confidence, grad_norm, tau,
     acc@k / accept@k (per slot k), confidence_abs_error, tokens, tokens_per_s, samples_per_s,
     step_time_s, data_wait_s, data_wait_fraction, valid_blocks, supervised_slots, skipped,
-    skipped_total, time
+    skipped_total, row_indices (the data row of every sample of the step, in g order), time
 """
 
 from __future__ import annotations

@@ -176,6 +176,10 @@ class MasterProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
+            # Its own process group: a SIGTERM to the component's group (local supervisor, srun)
+            # must not stop the master before the component's clients unregister; the component
+            # stops it last, and the parent-death signal covers a component that is killed.
+            start_new_session=self.die_with_parent,
         )
         try:
             self.wait_ready(ready_timeout_s)
