@@ -1,6 +1,6 @@
 """Command line of the launcher.
 
-    python -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--set k=v ...]
+    python -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB] [--set k=v ...]
     python -m launcher status JOB
     python -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
     python -m launcher cancel JOB
@@ -8,7 +8,7 @@
     python -m launcher render [RECIPE ...] [--check]
     python -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
 
-RECIPE is a name in recipes/ (``tiny``) or a path. JOB is a job id or a job folder.
+RECIPE is a name in recipes/ (``tiny``) or a path. JOB is a job id, a job folder, or ``latest``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,14 @@ def _submit_parser() -> argparse.ArgumentParser:
         help="run the environment-contract probe in each component instead of the runtime",
     )
     parser.add_argument("--allow-blockers", action="store_true", help="submit even though the plan reports blockers")
+    parser.add_argument(
+        "--resume", metavar="JOB", help="continue from that job's newest checkpoint (job id, folder, or 'latest')"
+    )
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="with --smoke on Slurm: submit and return; `gate JOB` prints the gate later",
+    )
     return parser
 
 
@@ -120,9 +128,24 @@ def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, pro
     )
 
 
+def _resume_overrides(job: str, runs_dir: Path) -> list[str]:
+    """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start)."""
+    record = jobs.find_record(job, runs_dir)
+    checkpoint = jobs.newest_checkpoint(record)
+    if checkpoint is None:
+        raise LaunchError(
+            f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to resume from; "
+            "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
+        )
+    print(f"resuming from {_display_path(checkpoint)} (job {record.job_id})")
+    return [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
+
+
 def submit(args: argparse.Namespace) -> int:
     """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
     loaded = load(args.recipe, args.overrides, args.smoke)
+    if args.resume:
+        loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, _runs_dir(loaded)), args.smoke)
     if args.plan:
         print(make_plan(loaded.recipe).render())
         return 0
@@ -340,7 +363,7 @@ def render(argv: list[str]) -> int:
 def job_command(command: str, argv: list[str]) -> int:
     """``status`` / ``logs`` / ``cancel``."""
     parser = argparse.ArgumentParser(prog=f"python -m launcher {command}")
-    parser.add_argument("job", help="job id or job folder")
+    parser.add_argument("job", help="job id, job folder, or 'latest' (the most recent submission)")
     parser.add_argument(
         "--runs-dir",
         type=Path,

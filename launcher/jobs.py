@@ -27,6 +27,8 @@ from runtime.recipe.loader import atomic_write_text
 JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
 INDEX_DIRNAME = "jobs"
+LATEST_ALIAS = "latest"
+"""``{runs_dir}/jobs/latest`` links to the most recently submitted job."""
 
 
 @dataclass
@@ -107,7 +109,22 @@ def write_record(record: JobRecord, runs_dir: Path | None) -> Path:
             tmp_link.unlink()
         tmp_link.symlink_to(os.path.relpath(job_dir, index))
         os.replace(tmp_link, link)
+        latest = index / LATEST_ALIAS  # `status latest`, `logs latest`, `--resume latest`
+        tmp_link.symlink_to(os.path.relpath(job_dir, index))
+        os.replace(tmp_link, latest)
     return target
+
+
+def newest_checkpoint(record: JobRecord) -> Path | None:
+    """The newest complete checkpoint (``step_*`` with ``trainer_state.json``) of a job, without torch."""
+    from runtime.recipe import load_resolved
+
+    job_dir = Path(record.job_dir)
+    resolved = load_resolved(job_dir / "recipe.resolved.json")
+    configured = resolved.recipe.trainer.checkpoint.dir
+    folder = resolved.resolve_path(configured) if configured else job_dir / "checkpoints"
+    complete = sorted(p.parent for p in folder.glob("step_*/trainer_state.json"))
+    return complete[-1] if complete else None
 
 
 def find_record(job: str, runs_dir: Path) -> JobRecord:

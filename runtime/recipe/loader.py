@@ -181,7 +181,10 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
         raise RecipeError(file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {item}")])
     try:
         # A text field takes the text as written (a SHA-256 of digits is not the number 0).
-        value = text if _expects_text(parts) else (yaml.safe_load(text) if text.strip() else "")
+        if _expects_text(parts):
+            value = None if text.strip() in {"null", "~"} and _accepts_none(parts) else text
+        else:
+            value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise RecipeError(
             file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]
@@ -369,6 +372,12 @@ def _expects_text(parts: list[str]) -> bool:
     options = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
     return all(a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
                for a in options)
+
+
+def _accepts_none(parts: list[str]) -> bool:
+    model = _model_at(tuple(parts[:-1]))
+    info = model.model_fields.get(parts[-1]) if model else None
+    return info is not None and type(None) in typing.get_args(info.annotation)
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
