@@ -233,3 +233,18 @@ def test_digest_is_machine_independent() -> None:
     loaded = load_recipe(TINY)
     assert loaded.recipe.capture.target_path == ".cache/tiny/target"
     assert loaded.digest == load_recipe(TINY).digest
+
+
+def test_set_values_follow_the_field_type() -> None:
+    recipe = load_recipe(
+        TINY,
+        overrides=[
+            "data.expected_sha256=" + "0" * 64,  # digits stay text for a text field
+            "capture.sglang.extra_args=[--log-level, debug]",  # a list stays a list
+            "trainer.checkpoint.init_from=null",  # null clears an optional text field
+            "job.partition=123",
+        ],
+    ).recipe
+    assert recipe.data.expected_sha256 == "0" * 64 and recipe.job.partition == "123"
+    assert recipe.capture.sglang.extra_args == ["--log-level", "debug"]
+    assert recipe.trainer.checkpoint.init_from is None

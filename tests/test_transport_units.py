@@ -320,11 +320,11 @@ def _problems(error: RecipeError) -> dict[str, str]:
 
 def test_in_flight_overshoot_above_store_cap_is_rejected_naming_both_numbers() -> None:
     with pytest.raises(RecipeError) as info:
-        load_recipe(TINY, overrides=["transport.high_watermark_bytes=191MiB"])
+        load_recipe(TINY, overrides=["transport.high_watermark_bytes=191MiB", "capture.batch_size=4"])
     message = _problems(info.value)["transport.high_watermark_bytes"]
     assert "191.00 MiB" in message and "4 sample(s) in flight" in message
     assert "store_cap_bytes 192.00 MiB" in message and "193.02 MiB" in message
-    load_recipe(TINY, overrides=["transport.high_watermark_bytes=189MiB"])  # fits: no problem
+    load_recipe(TINY, overrides=["transport.high_watermark_bytes=189MiB", "capture.batch_size=4"])  # fits
 
 
 def test_k3_recipe_watermarks_pass_and_bad_ones_name_both_numbers() -> None:

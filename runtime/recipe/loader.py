@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -369,9 +370,13 @@ def _expects_text(parts: list[str]) -> bool:
     info = model.model_fields.get(parts[-1]) if model else None
     if info is None:
         return False
-    options = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
-    return all(a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
-               for a in options)
+    annotation = info.annotation
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] if is_union else [annotation]
+    return bool(options) and all(
+        a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
+        for a in options
+    )
 
 
 def _accepts_none(parts: list[str]) -> bool:
