@@ -460,4 +460,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # As runtime/trainer/__main__.py does: results are written and the process group is gone;
+    # skip interpreter finalization, where late gloo teardown can abort a finished rank (SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
