@@ -108,6 +108,15 @@ def test_k3_shapes_follow_the_recipe_at_the_bench_batch() -> None:
     assert (shapes.tokens, shapes.draft.hidden_size, shapes.vocab, shapes.num_aux, shapes.num_anchors) == (65536, 7168, 163840, 5, 512)
     assert recipe.trainer.global_batch_size == 4 and recipe.trainer_world_size == 2
     assert (shapes.matmul_n, shapes.dtype) == (8192, torch.bfloat16)
+    from tools.bench.trainer_scaling import RankSetup, run_settings
+
+    gpu_rank = RankSetup(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1))
+    k3 = run_settings(recipe, gpu_rank, total_steps=4)
+    assert (k3.param_dtype, k3.reduce_dtype, k3.attention_backend, k3.chunk_rows) == (torch.bfloat16, torch.float32, "flex", 128 * 7)
+    tiny = run_settings(bench_recipe("tiny", 2, 2, None), gpu_rank, total_steps=4)
+    assert (tiny.param_dtype, tiny.attention_backend) == (torch.float32, "sdpa")  # as recipes/tiny.yaml says
+    cpu = run_settings(recipe, RankSetup(0, 0, 1, torch.device("cpu")), total_steps=4)
+    assert (cpu.param_dtype, cpu.attention_backend) == (torch.float32, "sdpa")  # flex has no CPU backward
     shorter = bench_recipe("k3", world_size=1, accumulation=1, tokens=32768)
     assert shorter.data.max_length == 32768 and shorter.trainer.draft.max_position_embeddings == 65536  # RoPE unchanged
 

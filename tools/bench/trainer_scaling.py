@@ -5,8 +5,9 @@ prefetch thread and GPU copy stream, block layouts, the global weight all-reduce
 backward per sample with FSDP2 reducing gradients in fp32, gradient clipping, the finite-update
 check, AdamW over fp32 master weights) on synthetic samples held in pinned host memory instead of
 Mooncake. Shapes come from a recipe: ``k3`` (``recipes/kimi_k3_v1c.yaml``: the K3 draft, vocab
-163,840, T = 65,536) or ``tiny`` (``recipes/tiny.yaml``). On GPU the ranks run bf16 compute with
-flex_attention over NCCL; on CPU fp32 with SDPA over gloo (the form the tests use).
+163,840, T = 65,536) or ``tiny`` (``recipes/tiny.yaml``). On GPU the ranks run over NCCL with the
+recipe's dtypes and attention (K3: bf16 compute, fp32 reduction, flex_attention; tiny: fp32, SDPA);
+on CPU fp32 with SDPA over gloo (the form the tests use).
 
 Reported, after warm-up steps (flex_attention compiles in the first): step time (slowest rank),
 tokens/s in total and per rank, model TFLOP/s per rank and MFU against a bf16 8192^3 matmul timed
@@ -128,20 +129,22 @@ def recipe_shapes(recipe: Recipe, device: torch.device) -> Shapes:
 
 def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSettings:
     """What :func:`runtime.trainer.settings.derive_settings` would give on this device, without a
-    job folder or data file: bf16 compute + flex attention on GPU (the K3 recipe's choice), fp32 +
-    SDPA on CPU; gradients reduced in fp32."""
+    job folder or data file: the recipe's dtypes and attention backend on GPU (K3: bf16 compute,
+    fp32 reduction, flex; tiny: fp32, SDPA), fp32 + SDPA on CPU (flex has no CPU backward)."""
+    cfg = recipe.trainer
     on_gpu = setup.device.type == "cuda"
+    backend = cfg.attention_backend if cfg.attention_backend != "auto" else ("flex" if on_gpu else "sdpa")
     return RunSettings(
         rank=setup.rank,
         local_rank=setup.local_rank,
         world_size=setup.world_size,
         device=setup.device,
-        param_dtype=torch.bfloat16 if on_gpu else torch.float32,
-        reduce_dtype=torch.float32,
-        attention_backend="flex" if on_gpu else "sdpa",
+        param_dtype=getattr(torch, cfg.param_dtype) if on_gpu else torch.float32,
+        reduce_dtype=getattr(torch, cfg.reduce_dtype) if on_gpu else torch.float32,
+        attention_backend=backend if on_gpu else "sdpa",
         num_rows=recipe.data.num_rows or 1,
         total_steps=total_steps,
-        chunk_rows=recipe.trainer.loss.objective_chunk_blocks * recipe.trainer.draft.block_size,
+        chunk_rows=cfg.loss.objective_chunk_blocks * cfg.draft.block_size,
         job_dir=REPO_ROOT,
         checkpoint_dir=REPO_ROOT,
         data_digest="synthetic",
