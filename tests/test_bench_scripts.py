@@ -156,3 +156,41 @@ def test_capture_ep_quick_runs_ep2_on_cpu_replicas(tmp_path: Path) -> None:
 def test_capture_ep_gpu_preset_skips_cleanly_without_cuda() -> None:  # run_cmd hides any GPU
     done = run_cmd([sys.executable, "-m", "tools.bench.capture_ep"])
     assert done.returncode == 0 and "skipped" in done.stdout
+
+
+def test_parameter_count_of_the_presets_matches_the_built_model() -> None:
+    from tools.bench.capture_ep import PRESETS, build_random_model, parameter_counts
+
+    model = build_random_model(PRESETS["quick"], "cpu")
+    total, experts = parameter_counts(PRESETS["quick"])
+    assert total == sum(p.numel() for p in model.parameters())
+    assert experts == sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    h200_total, h200_experts = parameter_counts(PRESETS["h200"])
+    assert 2 * h200_total < 0.5 * 141e9 and h200_experts / h200_total > 0.98  # fits one H200 twice over; experts dominate
+
+
+def test_exchange_timers_time_nested_calls_and_put_the_methods_back() -> None:
+    from runtime.moe.exchange_nccl import AllToAllExchange
+    from runtime.moe.experts import LocalExperts
+    from runtime.moe.routing import route_topk
+    from tools.bench.capture_ep import TIMED_METHODS, ExchangeTimers
+
+    gen = torch.Generator().manual_seed(0)
+    exchange = AllToAllExchange(None, num_experts=4)  # one rank, no process group
+    experts = LocalExperts(torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 8, generator=gen))
+    hidden = torch.randn(32, 8, generator=gen)
+    routing = route_topk(torch.randn(32, 4, generator=gen), 2, renormalize=True)
+    expected = exchange.run(hidden, routing, experts)
+    timers = ExchangeTimers(exchange, "cpu")
+    torch.testing.assert_close(exchange.run(hidden, routing, experts), expected, rtol=0, atol=0)
+    seconds = dict(timers.seconds)
+    assert seconds["run"] >= seconds["dispatch"] + seconds["combine"] > 0  # nested inside run
+    rendezvous = seconds["exchange_counts"] + seconds["_all_to_all"]
+    assert 0 < rendezvous <= seconds["dispatch"] + seconds["combine"]  # nested inside dispatch and combine
+    shares = timers.breakdown(wall_s=2 * seconds["run"])
+    assert shares["exchange_share"] + shares["experts_share"] == pytest.approx(0.5)
+    timers.remove()
+    assert not any(name in exchange.__dict__ for name in TIMED_METHODS)
+    exchange.run(hidden, routing, experts)
+    assert timers.seconds["run"] == seconds["run"]  # no longer timed

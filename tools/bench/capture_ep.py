@@ -252,11 +252,11 @@ def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log:
             timers = [ExchangeTimers(m.exchange, d) for m, d in zip(models, config.devices, strict=True)]
             try:
                 instrumented_s = timed_pass(engine, calls, config.name, "instrumented pass", log)
+                shares = [t.breakdown(instrumented_s) for t in timers]  # before the check's forward adds to them
                 features = first_call_features(engine, calls[0])
             finally:
                 for timer in timers:
                     timer.remove()
-            shares = [t.breakdown(instrumented_s) for t in timers]
             result.update(
                 instrumented_wall_s=instrumented_s,
                 instrumentation_overhead=instrumented_s / wall_s - 1,
