@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,6 +59,9 @@ PRESETS: dict[str, Preset] = {
     "h200": Preset(2048, 24, 16, 4, 256, 8, 768, 32000, (1, 11, 21), 4, 1024, 4096, 8, "bfloat16", "cuda"),
     "quick": Preset(64, 4, 4, 2, 8, 2, 32, 300, (0, 2), 2, 8, 32, 4, "float32", "cpu"),
 }
+RENDEZVOUS_TIMEOUT_S = 120.0
+"""A replica that fails outside its MoE layers leaves the others waiting at the next exchange
+(the engine does not abort the rendezvous for it): give up after two minutes, not the default ten."""
 TIMED_METHODS = ("run", "dispatch", "combine", "_all_to_all", "exchange_counts")
 """Exchange methods the timers wrap (run contains dispatch, the experts and combine; dispatch and
 combine contain the rendezvous calls _all_to_all and exchange_counts)."""
@@ -220,7 +224,9 @@ def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log:
 
     loader: Any = build
     if config.expert_parallel:
-        loader = ExpertParallelLoader(config.expert_parallel, len(config.devices), base_loader=build)
+        loader = ExpertParallelLoader(
+            config.expert_parallel, len(config.devices), base_loader=build, rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S
+        )
     started = time.monotonic()
     engine = EmbeddedEngine(settings, NullSink(), model_loader=loader)
     try:
@@ -288,8 +294,14 @@ def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return diff / max(scale, 1e-30)
 
 
-def report(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
-    """The comparison table (ratios against the first configuration)."""
+def report(everything: list[dict[str, Any]], log: Callable[[str], None]) -> None:
+    """The comparison table (ratios against the first configuration that ran), then the failures."""
+    results = [r for r in everything if "error" not in r]
+    failed = [r for r in everything if "error" in r]
+    if not results:
+        for r in failed:
+            log(f"[{r['config']}] FAILED: {r['error']}")
+        return
     base = results[0]
     log(f"{'config':>6} {'devices':>7} {'EP':>3} {'tokens/s':>10} {'tok/s/dev':>10} {'vs ' + base['config']:>7} "
         f"{'exchange':>8} {'(max)':>6} {'rendezv.':>8} {'local':>6} {'experts':>7} {'peak GiB':>9}")
@@ -312,6 +324,8 @@ def report(results: list[dict[str, Any]], log: Callable[[str], None]) -> None:
         if r is not base:
             log(f"[{r['config']}] lhs of the first call vs {base['config']}: max |diff| / max |{base['config']}| = "
                 f"{r['lhs_rel_diff_vs_base']:.2e}")
+    for r in failed:
+        log(f"[{r['config']}] FAILED: {r['error']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,13 +364,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{preset.batch_size} per replica forward; configs {', '.join(c.name for c in configs)}")
     torch.set_grad_enabled(False)
     started = time.monotonic()
-    results = []
+    results: list[dict[str, Any]] = []
     for config in configs:
-        results.append(measure(config, preset, requests, log))
+        try:
+            results.append(measure(config, preset, requests, log))
+        except Exception as exc:  # one configuration failing (say out of memory) must not lose the others
+            traceback.print_exc()
+            results.append({"config": config.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]})
+            log(f"[{config.name}] FAILED ({time.monotonic() - started:.0f} s since start): {results[-1]['error']}")
+            continue
         log(f"[{config.name}] done: {results[-1]['tokens_per_s']:,.0f} tokens/s ({time.monotonic() - started:.0f} s since start)")
-    base_lhs = results[0]["reference_lhs"]
-    for r in results:
-        r["lhs_rel_diff_vs_base"] = relative_difference(r.pop("reference_lhs"), base_lhs)
+    ran = [r for r in results if "error" not in r]
+    for r in ran:
+        r["lhs_rel_diff_vs_base"] = relative_difference(r["reference_lhs"], ran[0]["reference_lhs"])
+    for r in ran:
+        del r["reference_lhs"]
     report(results, log)
     if args.json:
         payload = {
@@ -370,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
         os.replace(tmp, args.json)
         log(f"wrote {args.json}")
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
