@@ -284,11 +284,17 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     model.layers[0].register_forward_pre_hook(hook("embedding + RoPE + block mask"))
     model.norm.register_forward_hook(hook("decoder layers (fwd)"))
 
+    resident_sample: list[torch.Tensor] = []
+
     def step() -> None:
         clock = PhaseClock(device)
         clock_ref.append(clock)
         clock.mark("start")
-        inputs = SampleInputs(hs=hs_host.to(device, non_blocking=True), lhs=lhs_host.to(device, non_blocking=True), layout=dev_layout)
+        if resident_sample:  # the trainer's prefetch has the sample on the GPU already
+            hs, lhs = resident_sample
+        else:
+            hs, lhs = hs_host.to(device, non_blocking=True), lhs_host.to(device, non_blocking=True)
+        inputs = SampleInputs(hs=hs, lhs=lhs, layout=dev_layout)
         terms = model(inputs, coefficients)
         clock.mark("loss terms (fwd, with their grads)")
         terms.loss.backward()
@@ -302,6 +308,13 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     resident = reset_peak(device)
     seconds = timed(step, device, repeats=repeats, warmup=0)
     peak = peak_gib(device)
+    # The trainer copies the next sample to the GPU on a side stream while this one computes
+    # (runtime/trainer/prefetch.py), so the step it runs starts with the sample resident.
+    resident_sample.extend([hs_host.to(device), lhs_host.to(device)])
+    clock_count = len(clock_ref)
+    prefetched_seconds = timed(step, device, repeats=repeats, warmup=0)
+    del clock_ref[clock_count:]
+    resident_sample.clear()
 
     phases: dict[str, list[float]] = {}
     for clock in clock_ref[1:]:
@@ -319,6 +332,11 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
         capacity = torch.cuda.get_device_properties(device).total_memory / GIB
         print(f"[microstep] fits one GPU: {peak <= capacity} ({peak:.1f} of {capacity:.1f} GiB)")
     print(f"[microstep] model FLOPs {total / 1e12:.3f} TFLOP -> {achieved:.2f} TFLOP/s; MFU vs the matmul baseline = {achieved / matmul:.3f} (target >= 0.45)")
+    prefetched = total / prefetched_seconds / 1e12
+    print(
+        f"[microstep] with the sample already on the GPU (the trainer's side-stream prefetch): {prefetched_seconds:.3f} s, "
+        f"{prefetched:.2f} TFLOP/s, MFU {prefetched / matmul:.3f}"
+    )
     for name, value in flops.items():
         print(f"    {name:<36} {value / 1e9:11.1f} GFLOP ({100 * value / total:4.1f}%)")
     print(f"[microstep] phases (median ms; layout on the host: {layout_s * 1e3:.1f} ms, not in the step):")
@@ -385,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 2)")
     parser.add_argument("--no-fsdp", action="store_true", help="plain module in the compute dtype instead of single-rank FSDP2")
     parser.add_argument("--tokens", type=int, default=None, help="override T (default: the recipe's max_length)")
+    parser.add_argument("--chunk-blocks", type=int, default=None, help="override objective_chunk_blocks (default: the recipe's)")
     args = parser.parse_args(argv)
     if args.quick:
         device, shapes = torch.device("cpu"), quick_shapes()
@@ -396,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if args.tokens:
         shapes = Shapes(**{**shapes.__dict__, "tokens": args.tokens})
+    if args.chunk_blocks:
+        shapes = Shapes(**{**shapes.__dict__, "chunk_blocks": args.chunk_blocks})
     repeats = args.repeats or (2 if args.quick else 3)
     sections = args.section or ["microstep", "loss"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
