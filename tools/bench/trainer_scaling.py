@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     setup = rank_setup()
     say = print if setup.rank == 0 else (lambda *_a, **_k: None)
     if args.shapes == "k3" and setup.device.type != "cuda":
-        raise SystemExit("--shapes k3 needs a CUDA GPU per rank (about 100 GiB each); on CPU use --shapes tiny")
+        raise SystemExit("--shapes k3 needs a CUDA GPU per rank (H200-class: tens of GiB each); on CPU use --shapes tiny")
     recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens)
     total_steps = args.warmup + args.steps
     settings = run_settings(recipe, setup, total_steps)
@@ -265,11 +265,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     losses: list[float] = []
     grad_norms: list[float] = []
     timed_started = 0.0
+    warmup_peak: float | None = None
     for step in range(total_steps):
         warm = step < args.warmup
         if step == args.warmup:
             sync(setup.device)
-            if setup.device.type == "cuda":
+            if setup.device.type == "cuda":  # the warm-up's peak includes compiling; the timed steps get their own
+                warmup_peak = torch.cuda.max_memory_allocated(setup.device) / GIB
                 torch.cuda.reset_peak_memory_stats(setup.device)
             dist.barrier()
             timed_started = time.monotonic()
@@ -297,7 +299,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     reserved = torch.cuda.max_memory_reserved(setup.device) / GIB if setup.device.type == "cuda" else None
     capacity = torch.cuda.get_device_properties(setup.device).total_memory / GIB if setup.device.type == "cuda" else None
     flops = rank_flops(trainer, source, shapes, range(args.warmup, total_steps), setup, args.accumulation)
-    per_rank = gather({"step_s": step_s, "flops": flops, "peak": peak, "reserved": reserved, "capacity": capacity}, setup.world_size)
+    per_rank = gather(
+        {"step_s": step_s, "flops": flops, "peak": peak, "reserved": reserved, "capacity": capacity, "warmup_peak": warmup_peak},
+        setup.world_size,
+    )
     dist.barrier()
     dist.destroy_process_group()
     if setup.rank != 0:
@@ -342,6 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "mfu": statistics.mean(mfu),
         "peak_allocated_gib_per_rank": [r["peak"] for r in per_rank],
         "peak_reserved_gib_per_rank": [r["reserved"] for r in per_rank],
+        "warmup_peak_allocated_gib_per_rank": [r["warmup_peak"] for r in per_rank],
         "device_memory_gib_per_rank": [r["capacity"] for r in per_rank],
         "loss": losses,
         "grad_norm": grad_norms,
@@ -361,9 +367,12 @@ def print_report(result: dict[str, Any]) -> None:
           + f" (mean {r['mfu']:.3f}; target >= {MFU_TARGET}: {'met' if r['mfu'] >= MFU_TARGET else 'NOT met'})")
     if r["peak_allocated_gib_per_rank"][0] is not None:
         print("    peak memory          " + ", ".join(
-            f"{p:.1f} GiB (reserved {q:.1f} of {c:.1f})"
-            for p, q, c in zip(r["peak_allocated_gib_per_rank"], r["peak_reserved_gib_per_rank"], r["device_memory_gib_per_rank"], strict=True)
-        ))
+            f"{p:.1f} GiB (reserved {q:.1f} of {c:.1f}; warm-up {w:.1f})"
+            for p, q, c, w in zip(
+                r["peak_allocated_gib_per_rank"], r["peak_reserved_gib_per_rank"], r["device_memory_gib_per_rank"],
+                r["warmup_peak_allocated_gib_per_rank"], strict=True,
+            )
+        ) + " per rank")
     else:
         print("    peak memory          n/a (CUDA only)")
 
