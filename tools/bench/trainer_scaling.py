@@ -50,7 +50,7 @@ from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
 from runtime.transport.contract import CapturedSample, global_sample_index
-from tools.bench.trainer import GIB, Shapes, free_port, matmul_tflops, microstep_flops, synthetic_sample
+from tools.bench.trainer import GIB, Shapes, free_port, matmul_tflops, microstep_flops, sync, synthetic_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"k3": "kimi_k3_v1c", "tiny": "tiny"}
@@ -195,12 +195,6 @@ class SyntheticSource:
 # ----------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gather(value: Any, world_size: int) -> list[Any]:
