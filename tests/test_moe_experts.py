@@ -97,4 +97,12 @@ def test_gpu_mxfp4_experts_use_grouped_gemm_and_match_dense_bf16() -> None:
     dense_gate_up = dequantize_reference(q_gate_up, torch.float32)
     dense_down = dequantize_reference(q_down, torch.float32)
     expected = _swiglu_reference(tokens.float(), dense_gate_up, dense_down, counts)
-    torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)
+    # bf16 activations round every intermediate (seen on H200: |diff| up to 0.25 on outputs of
+    # magnitude ~60, i.e. one bf16 ulp), so compare per group in norm, not elementwise.
+    start = 0
+    for group, count in enumerate(counts):
+        if count:
+            part_got, part_expected = got[start : start + count], expected[start : start + count]
+            relative = float((part_got - part_expected).norm() / part_expected.norm())
+            assert relative < 1e-2, f"expert {group} ({count} rows): relative error {relative:.3g}"
+        start += count
