@@ -31,10 +31,19 @@ def run_cmd(args: list[str], timeout_s: float = TIMEOUT_S) -> subprocess.Complet
 
 
 def torchrun(ranks: int, *bench_args: str) -> subprocess.CompletedProcess[str]:
-    return run_cmd([
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}", "-m", "tools.bench.trainer_scaling", *bench_args,
-    ])
+    return run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "tools.bench.trainer_scaling",
+            *bench_args,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +52,9 @@ def scaling_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Pa
     out = {}
     for ranks in (1, 2):
         path = folder / f"tiny-{ranks}.json"
-        done = torchrun(ranks, "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--accumulation", "2", "--json", str(path))
+        done = torchrun(
+            ranks, "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--accumulation", "2", "--json", str(path)
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "step 3/3 (timed)" in done.stdout and "ETA" in done.stdout  # progress lines
         out[ranks] = (path, json.loads(path.read_text()))
@@ -62,7 +73,9 @@ def test_trainer_scaling_result_is_consistent(scaling_runs, ranks: int) -> None:
     assert len(r["matmul_tflops_per_rank"]) == ranks and all(t > 0 for t in r["matmul_tflops_per_rank"])
     # MFU is each rank's model FLOP/s over its own matmul FLOP/s.
     per_rank_tflop = r["model_tflop_per_step"] / ranks
-    for achieved, matmul, mfu in zip(r["model_tflops_per_rank"], r["matmul_tflops_per_rank"], r["mfu_per_rank"], strict=True):
+    for achieved, matmul, mfu in zip(
+        r["model_tflops_per_rank"], r["matmul_tflops_per_rank"], r["mfu_per_rank"], strict=True
+    ):
         assert achieved == pytest.approx(per_rank_tflop / r["step_time_s"], rel=0.05)
         assert mfu == pytest.approx(achieved / matmul)
     assert r["peak_allocated_gib_per_rank"] == [None] * ranks  # CUDA only
@@ -105,14 +118,25 @@ def test_k3_shapes_follow_the_recipe_at_the_bench_batch() -> None:
 
     recipe = bench_recipe("k3", world_size=2, accumulation=2, tokens=None)
     shapes = recipe_shapes(recipe, torch.device("cuda"))
-    assert (shapes.tokens, shapes.draft.hidden_size, shapes.vocab, shapes.num_aux, shapes.num_anchors) == (65536, 7168, 163840, 5, 512)
+    assert (shapes.tokens, shapes.draft.hidden_size, shapes.vocab, shapes.num_aux, shapes.num_anchors) == (
+        65536,
+        7168,
+        163840,
+        5,
+        512,
+    )
     assert recipe.trainer.global_batch_size == 4 and recipe.trainer_world_size == 2
     assert (shapes.matmul_n, shapes.dtype) == (8192, torch.bfloat16)
     from tools.bench.trainer_scaling import RankSetup, run_settings
 
     gpu_rank = RankSetup(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1))
     k3 = run_settings(recipe, gpu_rank, total_steps=4)
-    assert (k3.param_dtype, k3.reduce_dtype, k3.attention_backend, k3.chunk_rows) == (torch.bfloat16, torch.float32, "flex", 128 * 7)
+    assert (k3.param_dtype, k3.reduce_dtype, k3.attention_backend, k3.chunk_rows) == (
+        torch.bfloat16,
+        torch.float32,
+        "flex",
+        128 * 7,
+    )
     tiny = run_settings(bench_recipe("tiny", 2, 2, None), gpu_rank, total_steps=4)
     assert (tiny.param_dtype, tiny.attention_backend) == (torch.float32, "sdpa")  # as recipes/tiny.yaml says
     cpu = run_settings(recipe, RankSetup(0, 0, 1, torch.device("cpu")), total_steps=4)
@@ -128,7 +152,9 @@ def test_k3_shapes_are_refused_without_a_gpu() -> None:  # run_cmd hides any GPU
 
 def test_capture_ep_quick_runs_ep2_on_cpu_replicas(tmp_path: Path) -> None:
     path = tmp_path / "ep.json"
-    done = run_cmd([sys.executable, "-m", "tools.bench.capture_ep", "--quick", "--configs", "hf1,ep1,ep2,dp2", "--json", str(path)])
+    done = run_cmd(
+        [sys.executable, "-m", "tools.bench.capture_ep", "--quick", "--configs", "hf1,ep1,ep2,dp2", "--json", str(path)]
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(path.read_text())
     results = {r["config"]: r for r in report["results"]}
@@ -167,7 +193,9 @@ def test_parameter_count_of_the_presets_matches_the_built_model() -> None:
     assert experts == sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     h200_total, h200_experts = parameter_counts(PRESETS["h200"])
-    assert 2 * h200_total < 0.5 * 141e9 and h200_experts / h200_total > 0.98  # fits one H200 twice over; experts dominate
+    assert (
+        2 * h200_total < 0.5 * 141e9 and h200_experts / h200_total > 0.98
+    )  # fits one H200 twice over; experts dominate
 
 
 def test_exchange_timers_time_nested_calls_and_put_the_methods_back() -> None:

@@ -28,6 +28,10 @@ def test_cli_override_replaces_the_recipe_exchange(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_unknown_exchange() -> None:
-    done = subprocess.run([sys.executable, "-m", "runtime.capture", "--recipe", "x", "--k3-moe-exchange", "pplx"],
-                          cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.capture", "--recipe", "x", "--k3-moe-exchange", "pplx"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "invalid choice: 'pplx'" in done.stderr

@@ -24,9 +24,19 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Qwen3-MoE checkpoint (random weights are fine for exactness tests)."""
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     path = tmp_path_factory.mktemp("target")
     Qwen3MoeForCausalLM(config).save_pretrained(path)
@@ -34,8 +44,16 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _settings(target: Path, **changes) -> EmbeddedSettings:
-    base = EmbeddedSettings(target_path=target, aux_layer_ids=AUX, hidden_size=HIDDEN, pad_id=0, compute_dtype="float32",
-                            devices=("cpu",), batch_size=4, target_revision="test-rev")
+    base = EmbeddedSettings(
+        target_path=target,
+        aux_layer_ids=AUX,
+        hidden_size=HIDDEN,
+        pad_id=0,
+        compute_dtype="float32",
+        devices=("cpu",),
+        batch_size=4,
+        target_revision="test-rev",
+    )
     return dataclasses.replace(base, **changes)
 
 

@@ -48,9 +48,18 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen3-MoE with the tiny recipe's shape (hidden 256, 8 layers, vocab 2048), small experts."""
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=256, moe_intermediate_size=32, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
     path = tmp_path_factory.mktemp("target")
     Qwen3MoeForCausalLM(config).save_pretrained(path)
@@ -103,7 +112,9 @@ def _wait_until(condition, timeout_s: float, what: str, proc: subprocess.Popen |
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def test_producer_fills_the_window_and_refills_after_the_cursor_moves(tmp_path: Path, target: Path, data_file: Path) -> None:
+def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
+    tmp_path: Path, target: Path, data_file: Path
+) -> None:
     resolved = _resolve(tmp_path, target, data_file)
     recipe = resolved.recipe
     high = recipe.transport.high_watermark_samples
@@ -111,15 +122,22 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(tmp_path: 
     log_path = tmp_path / "capture.log"
     env = {**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO_ROOT)}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.capture", "--recipe", str(resolved.path)], cwd=REPO_ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.capture", "--recipe", str(resolved.path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     consumer = None
     try:
         _wait_until(lambda: port_in_use("127.0.0.1", recipe.transport.master_rpc_port), 60, "the master", proc)
         consumer = open_consumer(resolved, 0, recipe.trainer_world_size, endpoints=Endpoints.loopback(recipe))
         _wait_until(lambda: all(_present(consumer.client, store_id, range(high))), 180, f"samples 0..{high - 1}", proc)
         time.sleep(1.0)
-        assert not any(_present(consumer.client, store_id, range(high, high + 8))), "the window must stop at the high watermark"
+        assert not any(_present(consumer.client, store_id, range(high, high + 8))), (
+            "the window must stop at the high watermark"
+        )
 
         # The samples are the prompt order's rows, and their features are the target's.
         order = PromptOrder(NUM_ROWS, recipe.trainer.effective_prompt_seed, recipe.trainer.epochs)
@@ -134,8 +152,9 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(tmp_path: 
                 out = model(input_ids=sample.ids[None], output_hidden_states=True)
             expected_hs = torch.cat([out.hidden_states[i + 1][0] for i in recipe.capture.aux_layer_ids], -1)
             torch.testing.assert_close(sample.hs.float(), expected_hs.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
-            torch.testing.assert_close(sample.lhs.float(), out.hidden_states[-1][0].to(torch.bfloat16).float(),
-                                       rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(
+                sample.lhs.float(), out.hidden_states[-1][0].to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2
+            )
             assert sample.hs.dtype == torch.bfloat16 and sample.mask.dtype == torch.uint8
         heartbeat = consumer.read_heartbeat()
         assert heartbeat is not None and heartbeat.stats["capture"]["captured_samples"] >= high
@@ -144,9 +163,15 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(tmp_path: 
         # so the producer resumes, drops the consumed ones and captures the next ones.
         cursor = 3 * recipe.trainer.global_batch_size
         consumer.publish_cursor(cursor)
-        _wait_until(lambda: all(_present(consumer.client, store_id, range(cursor, cursor + high))), 180,
-                    f"samples {cursor}..{cursor + high - 1} after the cursor moved to {cursor}", proc)
-        _wait_until(lambda: not any(_present(consumer.client, store_id, range(cursor))), 30, "consumed samples removed", proc)
+        _wait_until(
+            lambda: all(_present(consumer.client, store_id, range(cursor, cursor + high))),
+            180,
+            f"samples {cursor}..{cursor + high - 1} after the cursor moved to {cursor}",
+            proc,
+        )
+        _wait_until(
+            lambda: not any(_present(consumer.client, store_id, range(cursor))), 30, "consumed samples removed", proc
+        )
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -217,8 +242,9 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
             time.sleep(1.0)
             assert sorted(committed) == list(range(16)), "nothing past the run's last sample is captured"
             assert not any(producer.client.exist([sample_key(store_id, g, META_FIELD) for g in range(16, 32)]))
-            consumer = open_consumer(resolved, 0, resolved.recipe.trainer_world_size,
-                                     endpoints=Endpoints.loopback(resolved.recipe))
+            consumer = open_consumer(
+                resolved, 0, resolved.recipe.trainer_world_size, endpoints=Endpoints.loopback(resolved.recipe)
+            )
             consumer.publish_cursor(16)
             thread.join(timeout=30)
             consumer.close()

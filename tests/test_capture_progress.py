@@ -30,8 +30,16 @@ def test_line_names_rates_window_state_and_eta() -> None:
     progress.record([0, 1, 2, 3], tokens=1000, num_bytes=4096, now=1.0)
     window = {"cursor": 0, "window_end": 32, "resident_samples": 4, "resident_bytes": 4096, "in_flight": 2}
     line = progress.line(window, "paused: 32 samples resident")
-    for part in ("4 samples / 1000 tokens", "samples/s", "tokens/s", "window [0, 32) 4 resident (4.0 KiB)",
-                 "2 in flight", "paused: 32 samples resident", "g=4 of 64", "ETA"):
+    for part in (
+        "4 samples / 1000 tokens",
+        "samples/s",
+        "tokens/s",
+        "window [0, 32) 4 resident (4.0 KiB)",
+        "2 in flight",
+        "paused: 32 samples resident",
+        "g=4 of 64",
+        "ETA",
+    ):
         assert part in line, (part, line)
 
 

@@ -62,8 +62,13 @@ def test_tiny_recipe_pins_the_sha256_of_the_generated_data(tmp_path: Path) -> No
     build_tokenizer(SPEC).save_pretrained(tmp_path / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     write_chat_corpus(SPEC, tmp_path / "chat.jsonl")
-    options = PrepareOptions(tmp_path / "chat.jsonl", tmp_path / "train.jsonl", tmp_path / "tokenizer",
-                             recipe.data.max_length, vocab_size=recipe.capture.vocab_size)
+    options = PrepareOptions(
+        tmp_path / "chat.jsonl",
+        tmp_path / "train.jsonl",
+        tmp_path / "tokenizer",
+        recipe.data.max_length,
+        vocab_size=recipe.capture.vocab_size,
+    )
     result = prepare(options, tokenizer=tokenizer, log=lambda *_: None)
     assert result.rows == recipe.data.num_rows
     assert sha256_file(options.output_path) == recipe.data.expected_sha256, (

@@ -110,7 +110,9 @@ def test_id_out_of_range_names_row_and_position(tmp_path: Path) -> None:
     rows[3]["input_ids"][5] = 50
     path = tmp_path / "train.jsonl"
     _write(path, rows)
-    with pytest.raises(DataFileError, match=r"row 4 \(id 'row-3'\): input_ids\[5\] = 50 is outside the vocabulary 0\.\.49"):
+    with pytest.raises(
+        DataFileError, match=r"row 4 \(id 'row-3'\): input_ids\[5\] = 50 is outside the vocabulary 0\.\.49"
+    ):
         verify_data_file(path, vocab_size=50)
     verify_data_file(path, vocab_size=51)  # the same file passes with a larger vocabulary
 

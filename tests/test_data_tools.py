@@ -59,10 +59,21 @@ def _spans(mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def test_prepare_masks_exactly_the_assistant_turns(tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer) -> None:
+def test_prepare_masks_exactly_the_assistant_turns(
+    tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer
+) -> None:
     out = tmp_path / "train.jsonl"
-    result = _tool("prepare_data", "--input", str(chat_file), "--output", str(out), "--tokenizer", str(tokenizer_dir),
-                   "--max-length", "256")
+    result = _tool(
+        "prepare_data",
+        "--input",
+        str(chat_file),
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--max-length",
+        "256",
+    )
     assert result.returncode == 0, result.stderr
     chats = [json.loads(line) for line in chat_file.read_text().splitlines()]
     rows = list(iter_rows(out))
@@ -79,8 +90,18 @@ def test_prepare_masks_exactly_the_assistant_turns(tmp_path: Path, chat_file: Pa
     assert manifest["rows"] == len(rows) and manifest["tokens"] == sum(r.num_tokens for r in rows)
     assert manifest["masked_tokens"] == sum(sum(r.loss_mask) for r in rows)
     assert str(tmp_path) not in out.with_name(out.name + ".manifest.json").read_text(), "no absolute paths"
-    verified = _tool("verify_data", str(out), "--expected-sha256", "manifest", "--vocab-size", "2048",
-                     "--max-length", "256", "--rows", str(len(rows)))
+    verified = _tool(
+        "verify_data",
+        str(out),
+        "--expected-sha256",
+        "manifest",
+        "--vocab-size",
+        "2048",
+        "--max-length",
+        "256",
+        "--rows",
+        str(len(rows)),
+    )
     assert verified.returncode == 0, verified.stderr
     assert f"{len(rows)} rows" in verified.stdout
 
@@ -88,7 +109,9 @@ def test_prepare_masks_exactly_the_assistant_turns(tmp_path: Path, chat_file: Pa
 def test_prepare_is_deterministic(tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer) -> None:
     options = PrepareOptions(chat_file, tmp_path / "a.jsonl", tokenizer_dir, 256)
     first = prepare(options, tokenizer=tokenizer, log=lambda *_: None)
-    second = prepare(dataclasses.replace(options, output_path=tmp_path / "b.jsonl"), tokenizer=tokenizer, log=lambda *_: None)
+    second = prepare(
+        dataclasses.replace(options, output_path=tmp_path / "b.jsonl"), tokenizer=tokenizer, log=lambda *_: None
+    )
     assert first.sha256 == second.sha256 == sha256_file(tmp_path / "b.jsonl")
 
 
@@ -98,8 +121,11 @@ def test_truncation_and_dropped_rows(tmp_path: Path, chat_file: Path, tokenizer_
     rows = list(iter_rows(options.output_path))
     assert all(r.num_tokens <= 12 for r in rows) and result.truncated_rows > 0
     # A row whose first answer starts past token 12 has nothing left to learn: dropped and listed.
-    full = prepare(dataclasses.replace(options, output_path=tmp_path / "full.jsonl", max_length=256), tokenizer=tokenizer,
-                   log=lambda *_: None)
+    full = prepare(
+        dataclasses.replace(options, output_path=tmp_path / "full.jsonl", max_length=256),
+        tokenizer=tokenizer,
+        log=lambda *_: None,
+    )
     assert full.dropped_rows == []
     full_rows = {r.id: r for r in iter_rows(tmp_path / "full.jsonl")}
     expect_dropped = [i for i, r in full_rows.items() if not any(r.loss_mask[:12])]
@@ -112,7 +138,10 @@ def test_truncation_and_dropped_rows(tmp_path: Path, chat_file: Path, tokenizer_
 
 def test_bad_chat_rows_name_the_line(tmp_path: Path, tokenizer_dir: Path, tokenizer) -> None:
     path = tmp_path / "chat.jsonl"
-    good = {"id": "a", "conversations": [{"role": "user", "content": "say : bati"}, {"role": "assistant", "content": "bati ."}]}
+    good = {
+        "id": "a",
+        "conversations": [{"role": "user", "content": "say : bati"}, {"role": "assistant", "content": "bati ."}],
+    }
     no_answer = {"id": "b", "conversations": [{"role": "user", "content": "say : bati"}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps(no_answer) + "\n")
     options = PrepareOptions(path, tmp_path / "train.jsonl", tokenizer_dir, 64)
@@ -181,10 +210,18 @@ def chat_server() -> Iterator[str]:
     server.server_close()
 
 
-def test_regenerate_through_an_openai_compatible_server(tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer,
-                                                        chat_server: str) -> None:
-    options = PrepareOptions(chat_file, tmp_path / "train.jsonl", tokenizer_dir, 256, regenerate="openai",
-                             server_url=chat_server, server_model="tiny")
+def test_regenerate_through_an_openai_compatible_server(
+    tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer, chat_server: str
+) -> None:
+    options = PrepareOptions(
+        chat_file,
+        tmp_path / "train.jsonl",
+        tokenizer_dir,
+        256,
+        regenerate="openai",
+        server_url=chat_server,
+        server_model="tiny",
+    )
     result = prepare(options, tokenizer=tokenizer, log=lambda *_: None)
     assert result.manifest["regenerate"]["mode"] == "openai"
     chats = [json.loads(line) for line in chat_file.read_text().splitlines()]
@@ -202,11 +239,19 @@ def test_regenerate_through_an_openai_compatible_server(tmp_path: Path, chat_fil
     assert all(r["path"] == "/v1/chat/completions" and r["model"] == "tiny" for r in _ChatServer.requests)
 
 
-def test_regenerate_server_refusal_is_a_clear_error(tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer,
-                                                    chat_server: str) -> None:
+def test_regenerate_server_refusal_is_a_clear_error(
+    tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer, chat_server: str
+) -> None:
     _ChatServer.fail_with = 404
-    options = PrepareOptions(chat_file, tmp_path / "train.jsonl", tokenizer_dir, 256, regenerate="openai",
-                             server_url=chat_server + "/v1", server_model="nope")
+    options = PrepareOptions(
+        chat_file,
+        tmp_path / "train.jsonl",
+        tokenizer_dir,
+        256,
+        regenerate="openai",
+        server_url=chat_server + "/v1",
+        server_model="nope",
+    )
     with pytest.raises(RegenerationError, match=r"line 1 \(id 'tiny-000000'\): conversations\[\d\]: .*HTTP 404"):
         prepare(options, tokenizer=tokenizer)
     assert len(_ChatServer.requests) == 1, "a 4xx is not retried"
@@ -215,14 +260,27 @@ def test_regenerate_server_refusal_is_a_clear_error(tmp_path: Path, chat_file: P
         unreachable.reply([{"role": "user", "content": "hi"}])
 
 
-def test_regenerate_with_the_embedded_target_is_its_greedy_continuation(tmp_path: Path, tokenizer_dir: Path, tokenizer) -> None:
+def test_regenerate_with_the_embedded_target_is_its_greedy_continuation(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer
+) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=SPEC.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                            num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config = Qwen3MoeConfig(
+        vocab_size=SPEC.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():  # never emit special tokens, so the reply decodes and re-encodes to itself
         model.lm_head.weight[: len(tiny_corpus.SPECIAL_TOKENS)] = 0.0

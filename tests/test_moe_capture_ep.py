@@ -22,9 +22,20 @@ AUX_LAYERS = (0, 1)
 @pytest.fixture(scope="module")
 def tiny_moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_moe_target")
@@ -34,8 +45,14 @@ def tiny_moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _settings(target: Path, devices: tuple[str, ...], expert_parallel: int) -> engine_embedded.EmbeddedSettings:
     return engine_embedded.EmbeddedSettings(
-        target_path=target, aux_layer_ids=AUX_LAYERS, hidden_size=64, pad_id=0, compute_dtype="float32",
-        devices=devices, batch_size=2, expert_parallel=expert_parallel,
+        target_path=target,
+        aux_layer_ids=AUX_LAYERS,
+        hidden_size=64,
+        pad_id=0,
+        compute_dtype="float32",
+        devices=devices,
+        batch_size=2,
+        expert_parallel=expert_parallel,
     )
 
 

@@ -71,7 +71,9 @@ def test_single_process_exchange_matches_dense_moe_bitwise_with_router() -> None
     gen = torch.Generator().manual_seed(3)
     gate_up, down = torch.randn(8, 64, 32, generator=gen) / 6, torch.randn(8, 32, 32, generator=gen) / 6
     hidden = torch.randn(33, 32, generator=gen)
-    layer = ExpertParallelMoE(torch.randn(8, 32, generator=gen), LocalExperts(gate_up, down), AllToAllExchange(None, 8), 3)
+    layer = ExpertParallelMoE(
+        torch.randn(8, 32, generator=gen), LocalExperts(gate_up, down), AllToAllExchange(None, 8), 3
+    )
     routing = layer.route(hidden)
     assert torch.equal(routing.expert_ids, route_topk(hidden @ layer.router_weight.t(), 3).expert_ids)
     torch.testing.assert_close(layer(hidden), dense_moe_reference(hidden, routing, gate_up, down), rtol=1e-6, atol=1e-6)

@@ -27,12 +27,18 @@ def test_grouped_linear_matches_row_by_row_with_empty_groups() -> None:
         grouped_linear(rows, weights, torch.tensor(counts[:-1]))
 
 
-def _expert_weights(seed: int, experts: int = 4, hidden: int = 64, inter: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_weights(
+    seed: int, experts: int = 4, hidden: int = 64, inter: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(experts, 2 * inter, hidden, generator=gen) / 8, torch.randn(experts, hidden, inter, generator=gen) / 6
+    return torch.randn(experts, 2 * inter, hidden, generator=gen) / 8, torch.randn(
+        experts, hidden, inter, generator=gen
+    ) / 6
 
 
-def _swiglu_reference(tokens: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _swiglu_reference(
+    tokens: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
     out, start = [], 0
     for e, n in enumerate(counts):
         gate, up = F.linear(tokens[start : start + n], gate_up[e]).chunk(2, dim=-1)

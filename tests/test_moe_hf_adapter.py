@@ -65,8 +65,12 @@ def _worker(rank: int, world: int, port: int, state_path: str, out_dir: str) -> 
         second = _hidden_states(model, _input_ids(rank)) if rank == 0 else None
         if rank == 1:
             sharded.idle_step(torch.device("cpu"), torch.float32)
-        result = {"first": first, "second": second, "experts_per_rank": sharded.experts_per_rank,
-                  "blocks": len(sharded.blocks)}
+        result = {
+            "first": first,
+            "second": second,
+            "experts_per_rank": sharded.experts_per_rank,
+            "blocks": len(sharded.blocks),
+        }
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -85,7 +89,9 @@ def test_ep1_adapter_reproduces_the_hf_model(tiny_model_state: Path) -> None:
     reference = _hidden_states(_model(tiny_model_state), _input_ids(0))
     model = _model(tiny_model_state)
     sharded = shard_moe_experts(model, None, "nccl")
-    assert len(sharded.blocks) == 2 and all(isinstance(layer.mlp, HFExpertParallelBlock) for layer in model.model.layers)
+    assert len(sharded.blocks) == 2 and all(
+        isinstance(layer.mlp, HFExpertParallelBlock) for layer in model.model.layers
+    )
     torch.testing.assert_close(_hidden_states(model, _input_ids(0)), reference, rtol=1e-5, atol=1e-5)
 
 
@@ -98,7 +104,9 @@ def test_ep2_hidden_states_equal_the_unsharded_model(tiny_model_state: Path, tmp
         assert results[rank]["experts_per_rank"] == 4 and results[rank]["blocks"] == 2
         expected = _hidden_states(reference_model, _input_ids(rank))
         torch.testing.assert_close(results[rank]["first"], expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(results[0]["second"], _hidden_states(reference_model, _input_ids(0)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        results[0]["second"], _hidden_states(reference_model, _input_ids(0)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_model_without_moe_blocks_is_refused() -> None:

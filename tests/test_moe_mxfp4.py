@@ -123,7 +123,9 @@ def test_launch_plan_never_exceeds_65535_programs_and_covers_a_k3_shard() -> Non
     assert sum(c.num_programs for c in chunks) * 4096 >= numel > (sum(c.num_programs for c in chunks) - 1) * 4096
     assert chunks[-1].first_element > 2**31
     starts = [c.first_element for c in chunks]
-    assert starts == sorted(starts) and all(b - a == MAX_PROGRAMS_PER_LAUNCH * 4096 for a, b in itertools.pairwise(starts))
+    assert starts == sorted(starts) and all(
+        b - a == MAX_PROGRAMS_PER_LAUNCH * 4096 for a, b in itertools.pairwise(starts)
+    )
     with pytest.raises(ValueError, match="65535"):
         plan_launches(numel, max_programs=70_000)
 
@@ -161,7 +163,12 @@ def test_triton_kernel_interpreted_on_cpu_matches_reference() -> None:
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_KERNEL_CHECK], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", INTERPRETED_KERNEL_CHECK],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0 and "kernel ok" in result.stdout, result.stderr[-3000:]
 

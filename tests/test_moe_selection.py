@@ -70,8 +70,14 @@ def test_k3_shapes_are_beyond_stock_limits_and_the_message_says_why_and_how_to_f
     problems = beyond_limits(K3_SHAPES, STOCK_LIMITS["deepep"])
     assert len(problems) == 2
     message = str(shape_error("deepep", K3_SHAPES, problems, detail="EPException: Unsupported hidden"))
-    for needle in ("hidden 3584 is not one of", "top-k 16 is above the compiled maximum 11", "Unsupported hidden",
-                   "--k3-moe-exchange nccl", "capture.moe_exchange: nccl", "896 experts over 8 ranks"):
+    for needle in (
+        "hidden 3584 is not one of",
+        "top-k 16 is above the compiled maximum 11",
+        "Unsupported hidden",
+        "--k3-moe-exchange nccl",
+        "capture.moe_exchange: nccl",
+        "896 experts over 8 ranks",
+    ):
         assert needle in message, needle
     fits = ExchangeShapes(7168, 8, 256, 8, 128)
     assert beyond_limits(fits, STOCK_LIMITS["deepep"]) == [] and hard_problems(fits, STOCK_LIMITS["mooncake"]) == []
@@ -83,7 +89,9 @@ def test_layout_rules_no_build_can_change_are_hard_errors() -> None:
     assert any("do not split evenly" in p for p in problems)
     assert any("not a multiple of 128" in p for p in problems)
     assert any("above the kernel's 1024" in p for p in problems)
-    assert hard_problems(bad, STOCK_LIMITS["deepep"]) and not any("1024" in p for p in hard_problems(bad, STOCK_LIMITS["deepep"]))
+    assert hard_problems(bad, STOCK_LIMITS["deepep"]) and not any(
+        "1024" in p for p in hard_problems(bad, STOCK_LIMITS["deepep"])
+    )
 
 
 def test_padded_layout_round_trip_keeps_rows_grouped_by_expert() -> None:
@@ -118,7 +126,9 @@ class _SingleRankKernels(LowLatencyExchange):
                 counts[e] += 1
         return recv, counts, (sources, x.shape[0])
 
-    def _kernel_combine(self, expert_out: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, handle: object) -> torch.Tensor:
+    def _kernel_combine(
+        self, expert_out: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, handle: object
+    ) -> torch.Tensor:
         sources, num_tokens = handle
         out = torch.zeros((num_tokens, expert_out.shape[2]))
         for e, slot, t, j in sources:

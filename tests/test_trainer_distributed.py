@@ -24,8 +24,17 @@ def assert_launched(result, run: Run) -> None:
 def test_four_rank_fsdp2_equals_one_rank(tmp_path: Path, inputs, port_factory) -> None:
     target, samples = inputs
     common = ["trainer.gradient_accumulation_steps=2", "trainer.global_batch_size=8", "trainer.max_steps=2"]
-    four = make_run(tmp_path, "four", world_size=4, target=target, samples=samples, overrides=[*common, "trainer.micro_batch_size=1"])
-    one = make_run(tmp_path, "one", world_size=1, target=target, samples=samples, overrides=[*common, "trainer.micro_batch_size=4"])
+    four = make_run(
+        tmp_path,
+        "four",
+        world_size=4,
+        target=target,
+        samples=samples,
+        overrides=[*common, "trainer.micro_batch_size=1"],
+    )
+    one = make_run(
+        tmp_path, "one", world_size=1, target=target, samples=samples, overrides=[*common, "trainer.micro_batch_size=4"]
+    )
     for run in (four, one):
         assert_launched(launch(run, port_factory()), run)
 
@@ -41,7 +50,9 @@ def test_four_rank_fsdp2_equals_one_rank(tmp_path: Path, inputs, port_factory) -
         assert torch.allclose(w4[name], w1[name], rtol=1e-5, atol=1e-6), name
     state4 = four.state(2)
     assert state4["world_size"] == 4 and state4["step"] == 2 and state4["cursor"] == 16
-    assert four.state(2)["weights_sha256"] != one.state(2)["weights_sha256"] or torch.equal(w4["fc.weight"], w1["fc.weight"])
+    assert four.state(2)["weights_sha256"] != one.state(2)["weights_sha256"] or torch.equal(
+        w4["fc.weight"], w1["fc.weight"]
+    )
 
 
 def test_resume_equals_uninterrupted_then_warm_start_and_mismatches(tmp_path: Path, inputs, port_factory) -> None:
@@ -56,11 +67,21 @@ def test_resume_equals_uninterrupted_then_warm_start_and_mismatches(tmp_path: Pa
         "trainer.checkpoint.every_steps=2",
         "trainer.checkpoint.keep_last=1",
     ]
-    whole = make_run(tmp_path, "whole", world_size=2, target=target, samples=samples, overrides=[*schedule, "trainer.max_steps=4"])
+    whole = make_run(
+        tmp_path, "whole", world_size=2, target=target, samples=samples, overrides=[*schedule, "trainer.max_steps=4"]
+    )
     assert_launched(launch(whole, port_factory()), whole)
 
     shared = tmp_path / "shared-checkpoints"
-    first = make_run(tmp_path, "first", world_size=2, target=target, samples=samples, overrides=[*schedule, "trainer.max_steps=2"], checkpoint_dir=shared)
+    first = make_run(
+        tmp_path,
+        "first",
+        world_size=2,
+        target=target,
+        samples=samples,
+        overrides=[*schedule, "trainer.max_steps=2"],
+        checkpoint_dir=shared,
+    )
     assert_launched(launch(first, port_factory()), first)
     second = make_run(
         tmp_path,
@@ -91,7 +112,10 @@ def test_resume_equals_uninterrupted_then_warm_start_and_mismatches(tmp_path: Pa
     full_whole = whole.full_checkpoint(4, tmp_path)
     exp_avg_key = next(k for k in full_whole["optim"]["state"] if "fc.weight" in k)
     assert torch.allclose(
-        full_resumed["optim"]["state"][exp_avg_key]["exp_avg"], full_whole["optim"]["state"][exp_avg_key]["exp_avg"], rtol=1e-5, atol=1e-9
+        full_resumed["optim"]["state"][exp_avg_key]["exp_avg"],
+        full_whole["optim"]["state"][exp_avg_key]["exp_avg"],
+        rtol=1e-5,
+        atol=1e-9,
     )
     assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == ["step_00000004"]  # keep_last 1
 

@@ -52,7 +52,9 @@ def self_attributes(source: str, class_name: str) -> set[str]:
                         for stmt in ast.walk(item)
                         if isinstance(stmt, ast.Assign | ast.AnnAssign)
                         for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
-                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+                        if isinstance(target, ast.Attribute)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id == "self"
                     }
     raise AssertionError(f"class {class_name} not found in the wheel source")
 
@@ -61,7 +63,9 @@ def stacked_mapping(source: str) -> dict[str, list[str]]:
     """``stacked_params_mapping`` of DFlash's load_weights: fused param -> checkpoint names."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "stacked_params_mapping" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "stacked_params_mapping" for t in node.targets
+        ):
             mapping: dict[str, list[str]] = {}
             for entry in ast.literal_eval(node.value):
                 mapping.setdefault(entry[0], []).append(entry[1])
@@ -111,13 +115,25 @@ def sglang_checkpoint_names(sources: dict[str, str], num_layers: int, markov_typ
 def test_exported_names_equal_what_sglang_loads(wheel_sources: dict[str, str], markov_type: str) -> None:
     recipe = load_recipe(
         REPO_ROOT / "recipes" / "tiny.yaml",
-        overrides=[f"trainer.draft.markov_type={markov_type}", "trainer.draft.num_layers=2", "data.expected_sha256=" + "ab" * 32],
+        overrides=[
+            f"trainer.draft.markov_type={markov_type}",
+            "trainer.draft.num_layers=2",
+            "data.expected_sha256=" + "ab" * 32,
+        ],
     ).recipe
-    model = DSparkDraft(recipe.trainer.draft, vocab_size=recipe.capture.vocab_size, num_aux_layers=3, attention_backend="sdpa", max_length=64)
+    model = DSparkDraft(
+        recipe.trainer.draft,
+        vocab_size=recipe.capture.vocab_size,
+        num_aux_layers=3,
+        attention_backend="sdpa",
+        max_length=64,
+    )
     ours = set(model.state_dict())
     theirs = sglang_checkpoint_names(wheel_sources, 2, markov_type)
     assert ours == theirs, f"only ours: {sorted(ours - theirs)}; only SGLang's: {sorted(theirs - ours)}"
-    skipped = ast.literal_eval(wheel_sources["dspark"].split("_DSPARK_SKIPPED_WEIGHT_PREFIXES = ", 1)[1].split("\n", 1)[0])
+    skipped = ast.literal_eval(
+        wheel_sources["dspark"].split("_DSPARK_SKIPPED_WEIGHT_PREFIXES = ", 1)[1].split("\n", 1)[0]
+    )
     assert not any(name.startswith(tuple(skipped)) for name in ours)
 
 
@@ -150,7 +166,13 @@ def test_warm_start_reads_an_exported_draft_and_names_mismatches(tmp_path: Path)
     from safetensors.torch import save_file
 
     recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml", overrides=["data.expected_sha256=" + "ab" * 32]).recipe
-    model = DSparkDraft(recipe.trainer.draft, vocab_size=recipe.capture.vocab_size, num_aux_layers=3, attention_backend="sdpa", max_length=64)
+    model = DSparkDraft(
+        recipe.trainer.draft,
+        vocab_size=recipe.capture.vocab_size,
+        num_aux_layers=3,
+        attention_backend="sdpa",
+        max_length=64,
+    )
     state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}  # a "model." prefix is accepted
     state["model.embed_tokens.weight"] = torch.zeros(4, 4)  # frozen vocabulary tensors are ignored
     save_file(state, str(tmp_path / "model.safetensors"))

@@ -35,15 +35,29 @@ def build(backend: str, device: str) -> DSparkDraft:
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = DSparkDraft(cfg, vocab_size=VOCAB, num_aux_layers=N_AUX, attention_backend=backend, max_length=MAX_LENGTH)
+        model = DSparkDraft(
+            cfg, vocab_size=VOCAB, num_aux_layers=N_AUX, attention_backend=backend, max_length=MAX_LENGTH
+        )
     g = torch.Generator().manual_seed(1)
-    model.attach_frozen_vocab(torch.randn(VOCAB, HIDDEN, generator=g).to(device), (torch.randn(VOCAB, HIDDEN, generator=g) * 0.1).to(device))
+    model.attach_frozen_vocab(
+        torch.randn(VOCAB, HIDDEN, generator=g).to(device), (torch.randn(VOCAB, HIDDEN, generator=g) * 0.1).to(device)
+    )
     return model
 
 
 def sample_and_layout(num_anchors: int):
-    sample = synthetic_sample(5, num_tokens=T, vocab_size=VOCAB, hidden_size=HIDDEN, num_aux_layers=N_AUX, feature_dtype=torch.float32)
-    layout = build_layout(sample.ids, sample.mask, num_anchors=num_anchors, block_size=7, mask_token_id=3, loss_decay_gamma=4.0, generator=anchor_generator(0, 5))
+    sample = synthetic_sample(
+        5, num_tokens=T, vocab_size=VOCAB, hidden_size=HIDDEN, num_aux_layers=N_AUX, feature_dtype=torch.float32
+    )
+    layout = build_layout(
+        sample.ids,
+        sample.mask,
+        num_anchors=num_anchors,
+        block_size=7,
+        mask_token_id=3,
+        loss_decay_gamma=4.0,
+        generator=anchor_generator(0, 5),
+    )
     return sample, layout
 
 
@@ -66,10 +80,22 @@ def test_flex_loss_and_gradients_equal_sdpa_on_gpu() -> None:
     for backend in ("sdpa", "flex"):
         model = build(backend, "cuda")
         dev = layout.to(torch.device("cuda"))
-        coefficients = loss_coefficients(ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0, global_weight_sum=float(layout.weights.sum()), gradient_scale=1.0, chunk_rows=21)
+        coefficients = loss_coefficients(
+            ce_weight=0.1,
+            l1_weight=0.9,
+            confidence_weight=1.0,
+            global_weight_sum=float(layout.weights.sum()),
+            gradient_scale=1.0,
+            chunk_rows=21,
+        )
         terms = model(SampleInputs(hs=sample.hs.cuda(), lhs=sample.lhs.cuda(), layout=dev), coefficients)
         terms.loss.backward()
-        results[backend] = (float(terms.loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        results[backend] = (
+            float(terms.loss.detach()),
+            {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        )
     assert results["flex"][0] == pytest.approx(results["sdpa"][0], rel=1e-4)
     for name, grad in results["sdpa"][1].items():
-        assert torch.allclose(results["flex"][1][name], grad, rtol=1e-3, atol=1e-5 * (float(grad.abs().max()) + 1e-12)), name
+        assert torch.allclose(
+            results["flex"][1][name], grad, rtol=1e-3, atol=1e-5 * (float(grad.abs().max()) + 1e-12)
+        ), name

@@ -30,7 +30,15 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 
 def test_smoke_gate_passes_with_checkpoint_hash(tmp_path: Path, inputs, port_factory) -> None:
     target, samples, _ = inputs
-    run = make_run(tmp_path, "smoke", world_size=2, target=target, samples=samples, overrides=["trainer.global_batch_size=2"], smoke=True)
+    run = make_run(
+        tmp_path,
+        "smoke",
+        world_size=2,
+        target=target,
+        samples=samples,
+        overrides=["trainer.global_batch_size=2"],
+        smoke=True,
+    )
     result = launch(run, port_factory())
     assert result.ok, result.text()
     gate = json.loads((run.job_dir / "trainer_gate.json").read_text())
@@ -49,7 +57,15 @@ def test_smoke_gate_passes_with_checkpoint_hash(tmp_path: Path, inputs, port_fac
 
 def test_smoke_gate_aborts_on_injected_nan_naming_step_term_and_rank(tmp_path: Path, inputs, port_factory) -> None:
     target, _, poisoned = inputs
-    run = make_run(tmp_path, "nan", world_size=2, target=target, samples=poisoned, overrides=["trainer.global_batch_size=2"], smoke=True)
+    run = make_run(
+        tmp_path,
+        "nan",
+        world_size=2,
+        target=target,
+        samples=poisoned,
+        overrides=["trainer.global_batch_size=2"],
+        smoke=True,
+    )
     result = launch(run, port_factory())
     assert result.codes != [0, 0]
     gate = json.loads((run.job_dir / "trainer_gate.json").read_text())
@@ -63,8 +79,20 @@ def test_smoke_gate_aborts_on_injected_nan_naming_step_term_and_rank(tmp_path: P
 
 def test_full_run_skips_and_counts_then_aborts_after_consecutive_skips(tmp_path: Path, inputs, port_factory) -> None:
     target, _, poisoned = inputs
-    common = ["trainer.micro_batch_size=2", "trainer.gradient_accumulation_steps=1", "trainer.global_batch_size=2", "trainer.max_steps=3"]
-    skip = make_run(tmp_path, "skip", world_size=1, target=target, samples=poisoned, overrides=[*common, "trainer.max_consecutive_skips=2"])
+    common = [
+        "trainer.micro_batch_size=2",
+        "trainer.gradient_accumulation_steps=1",
+        "trainer.global_batch_size=2",
+        "trainer.max_steps=3",
+    ]
+    skip = make_run(
+        tmp_path,
+        "skip",
+        world_size=1,
+        target=target,
+        samples=poisoned,
+        overrides=[*common, "trainer.max_consecutive_skips=2"],
+    )
     result = launch(skip, port_factory())
     assert result.ok, result.text()
     metrics = skip.metrics()
@@ -74,7 +102,14 @@ def test_full_run_skips_and_counts_then_aborts_after_consecutive_skips(tmp_path:
     weights = skip.exported(3)
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
 
-    abort = make_run(tmp_path, "abort", world_size=1, target=target, samples=poisoned, overrides=[*common, "trainer.max_consecutive_skips=1"])
+    abort = make_run(
+        tmp_path,
+        "abort",
+        world_size=1,
+        target=target,
+        samples=poisoned,
+        overrides=[*common, "trainer.max_consecutive_skips=1"],
+    )
     result = launch(abort, port_factory())
     assert result.codes == [1]
     assert "1 skipped updates in a row (trainer.max_consecutive_skips 1): aborting" in result.logs[0]

@@ -62,7 +62,9 @@ def test_trainer_reads_samples_through_mooncake_and_resumes(tmp_path: Path, port
         assert [m["step"] for m in run.metrics()] == [1, 2]
         assert run.state(2)["cursor"] == 8
 
-        second = loopback_recipe(tmp_path / "second", ports, [*common, "trainer.max_steps=4", "trainer.checkpoint.resume_from=auto"])
+        second = loopback_recipe(
+            tmp_path / "second", ports, [*common, "trainer.max_steps=4", "trainer.checkpoint.resume_from=auto"]
+        )
         run2 = Run(second.job_dir, second.path, checkpoints, 2)
         result = launch(run2, port_factory(), env_extra=env)
         assert result.ok, result.text() + (tmp_path / "producer.log").read_text()[-3000:]

@@ -21,7 +21,9 @@ BLOCK, GAMMA, MASK_ID = 4, 4.0, 5
 CE_W, L1_W, CONF_W = 0.1, 0.9, 1.0
 
 
-def draft_config(markov_type: str = "vanilla", num_layers: int = 2, rope_scaling: RopeScaling | None = None) -> DraftConfig:
+def draft_config(
+    markov_type: str = "vanilla", num_layers: int = 2, rope_scaling: RopeScaling | None = None
+) -> DraftConfig:
     return DraftConfig(
         num_layers=num_layers,
         hidden_size=HIDDEN,
@@ -124,17 +126,23 @@ def reference_loss(model: DSparkDraft, ids, mask, hs, lhs, anchors, keep) -> tor
             visible_ctx = list(range(a)) if keep[i] else []
             keys, values = [], []
             for j in visible_ctx:
-                k = ref_rms(lin(context[j], pre + "self_attn.k_proj.weight").view(nkv, hd), P[pre + "self_attn.k_norm.weight"])
+                k = ref_rms(
+                    lin(context[j], pre + "self_attn.k_proj.weight").view(nkv, hd), P[pre + "self_attn.k_norm.weight"]
+                )
                 keys.append(ref_rope(k, j, inv_freq, scale))
                 values.append(lin(context[j], pre + "self_attn.v_proj.weight").view(nkv, hd))
             for s in range(S):
-                k = ref_rms(lin(xn[s], pre + "self_attn.k_proj.weight").view(nkv, hd), P[pre + "self_attn.k_norm.weight"])
+                k = ref_rms(
+                    lin(xn[s], pre + "self_attn.k_proj.weight").view(nkv, hd), P[pre + "self_attn.k_norm.weight"]
+                )
                 keys.append(ref_rope(k, a + s, inv_freq, scale))
                 values.append(lin(xn[s], pre + "self_attn.v_proj.weight").view(nkv, hd))
             keys_t, values_t = torch.stack(keys), torch.stack(values)
             outs = []
             for s in range(S):
-                q = ref_rms(lin(xn[s], pre + "self_attn.q_proj.weight").view(nh, hd), P[pre + "self_attn.q_norm.weight"])
+                q = ref_rms(
+                    lin(xn[s], pre + "self_attn.q_proj.weight").view(nh, hd), P[pre + "self_attn.q_norm.weight"]
+                )
                 q = ref_rope(q, a + s, inv_freq, scale)
                 heads = []
                 for h in range(nh):
@@ -169,9 +177,15 @@ def reference_loss(model: DSparkDraft, ids, mask, hs, lhs, anchors, keep) -> tor
                 latent = embedded
             elif cfg.markov_type == "gated":
                 gate_in = torch.cat([hidden[k], embedded])
-                latent = torch.sigmoid(gate_in @ P["markov_head.gate_proj.weight"].T + P["markov_head.gate_proj.bias"]) * embedded
+                latent = (
+                    torch.sigmoid(gate_in @ P["markov_head.gate_proj.weight"].T + P["markov_head.gate_proj.bias"])
+                    * embedded
+                )
             else:
-                z = torch.cat([state, embedded, hidden[k]]) @ P["markov_head.joint_proj.weight"].T + P["markov_head.joint_proj.bias"]
+                z = (
+                    torch.cat([state, embedded, hidden[k]]) @ P["markov_head.joint_proj.weight"].T
+                    + P["markov_head.joint_proj.bias"]
+                )
                 g_raw, c_raw, o_raw = z.chunk(3)
                 g = torch.sigmoid(g_raw)
                 state = g * state + (1 - g) * torch.tanh(c_raw)
@@ -184,8 +198,13 @@ def reference_loss(model: DSparkDraft, ids, mask, hs, lhs, anchors, keep) -> tor
             q = torch.softmax(lhs[label_index - 1].double() @ lm_head.T, 0)
             l1 = (p - q).abs().sum()
             accept = torch.clamp(1 - 0.5 * l1, 0, 1).detach()
-            conf = torch.cat([hidden[k], embedded]) @ P["confidence_head.proj.weight"][0] + P["confidence_head.proj.bias"][0]
-            bce = -(accept * torch.nn.functional.logsigmoid(conf) + (1 - accept) * torch.nn.functional.logsigmoid(-conf))
+            conf = (
+                torch.cat([hidden[k], embedded]) @ P["confidence_head.proj.weight"][0]
+                + P["confidence_head.proj.bias"][0]
+            )
+            bce = -(
+                accept * torch.nn.functional.logsigmoid(conf) + (1 - accept) * torch.nn.functional.logsigmoid(-conf)
+            )
             ce_sum = ce_sum + weight * ce
             l1_sum = l1_sum + weight * l1
             bce_sum = bce_sum + weight * bce
@@ -229,10 +248,17 @@ def test_sum_over_samples_normalises_by_global_weight() -> None:
     cfg = draft_config(num_layers=1)
     model = make_model(cfg).double()
     samples = [awkward_sample(seed) for seed in (2, 3)]
-    layouts = [layout_for(ids, mask, num_anchors=6, g=seed) for seed, (ids, mask, _, _) in zip((2, 3), samples, strict=True)]
+    layouts = [
+        layout_for(ids, mask, num_anchors=6, g=seed) for seed, (ids, mask, _, _) in zip((2, 3), samples, strict=True)
+    ]
     total_weight = float(sum(x.weights.sum() for x in layouts))
     coefficients = loss_coefficients(
-        ce_weight=CE_W, l1_weight=L1_W, confidence_weight=CONF_W, global_weight_sum=total_weight, gradient_scale=1.0, chunk_rows=7
+        ce_weight=CE_W,
+        l1_weight=L1_W,
+        confidence_weight=CONF_W,
+        global_weight_sum=total_weight,
+        gradient_scale=1.0,
+        chunk_rows=7,
     )
     joint = sum(
         model(SampleInputs(hs=hs.double(), lhs=lhs.double(), layout=lay), coefficients).loss
@@ -256,7 +282,9 @@ def test_vocab_objective_never_materialises_whole_fp32_vocab_tensor() -> None:
             from torch.utils._pytree import tree_flatten
 
             kwargs = kwargs or {}
-            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            inputs = {
+                t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            }
             out = func(*args, **kwargs)
             for t in tree_flatten(out)[0]:
                 # new storage only: views and in-place results share their input's storage
@@ -314,7 +342,13 @@ def test_anchor_eligibility_and_sampling() -> None:
     again = layout_for(ids, mask, num_anchors=5)
     assert torch.equal(again.anchors, some.anchors)  # a function of (seed, g) only
     other = build_layout(
-        ids, mask, num_anchors=5, block_size=BLOCK, mask_token_id=MASK_ID, loss_decay_gamma=GAMMA, generator=anchor_generator(3, 12)
+        ids,
+        mask,
+        num_anchors=5,
+        block_size=BLOCK,
+        mask_token_id=MASK_ID,
+        loss_decay_gamma=GAMMA,
+        generator=anchor_generator(3, 12),
     )
     assert not torch.equal(other.anchors, some.anchors)
 
@@ -350,7 +384,13 @@ def test_slots_labels_eval_mask_and_weights() -> None:
     gap_mask = torch.ones(12, dtype=torch.uint8)
     gap_mask[4] = 0
     gap = build_layout(
-        torch.arange(12), gap_mask, num_anchors=16, block_size=BLOCK, mask_token_id=MASK_ID, loss_decay_gamma=GAMMA, generator=anchor_generator(0, 0)
+        torch.arange(12),
+        gap_mask,
+        num_anchors=16,
+        block_size=BLOCK,
+        mask_token_id=MASK_ID,
+        loss_decay_gamma=GAMMA,
+        generator=anchor_generator(0, 0),
     )
     row = {int(a): i for i, a in enumerate(gap.anchors.tolist()) if gap.keep[i]}[1]
     assert gap.eval_mask[row].tolist() == [True, True, False, False]
@@ -375,10 +415,14 @@ def test_attention_mask_contents() -> None:
     from torch.nn.attention.flex_attention import create_mask
 
     padded_ctx = 16  # flex pads the context; padded keys are never visible
-    flex = create_mask(dspark_mask_mod(anchors, keep, padded_ctx, S), 1, 1, 4 * S, padded_ctx + 4 * S, device="cpu")[0, 0]
+    flex = create_mask(dspark_mask_mod(anchors, keep, padded_ctx, S), 1, 1, 4 * S, padded_ctx + 4 * S, device="cpu")[
+        0, 0
+    ]
     dense_padded = dense_block_mask(anchors, keep, padded_ctx, S)
     assert torch.equal(flex, dense_padded)
-    assert torch.equal(dense_padded[:, :ctx_len], mask[:, :ctx_len]) and not bool(dense_padded[:, ctx_len:padded_ctx].any())
+    assert torch.equal(dense_padded[:, :ctx_len], mask[:, :ctx_len]) and not bool(
+        dense_padded[:, ctx_len:padded_ctx].any()
+    )
 
 
 def test_int64_index_math_for_long_context() -> None:
@@ -387,8 +431,23 @@ def test_int64_index_math_for_long_context() -> None:
     ids = torch.randint(0, VOCAB, (T,))
     mask = torch.zeros(T, dtype=torch.uint8)
     mask[T - 6 :] = 1
-    layout = build_layout(ids, mask, num_anchors=4, block_size=BLOCK, mask_token_id=MASK_ID, loss_decay_gamma=GAMMA, generator=anchor_generator(0, 0))
-    for tensor in (layout.anchors, layout.positions, layout.labels, layout.teacher_index, layout.prev_tokens, layout.slot_token_ids):
+    layout = build_layout(
+        ids,
+        mask,
+        num_anchors=4,
+        block_size=BLOCK,
+        mask_token_id=MASK_ID,
+        loss_decay_gamma=GAMMA,
+        generator=anchor_generator(0, 0),
+    )
+    for tensor in (
+        layout.anchors,
+        layout.positions,
+        layout.labels,
+        layout.teacher_index,
+        layout.prev_tokens,
+        layout.slot_token_ids,
+    ):
         assert tensor.dtype == torch.int64
     # flattened offset of the last teacher row in a K3-wide [T, 5 * 7168] feature tensor
     offset = layout.teacher_index.max() * (5 * 7168)
@@ -406,7 +465,12 @@ def test_yarn_rope_matches_transformers() -> None:
         num_attention_heads=64,
         head_dim=64,
         max_position_embeddings=65536,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 4096},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 4096,
+        },
     )
     theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0)

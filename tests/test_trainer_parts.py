@@ -38,7 +38,9 @@ def tiny(*overrides: str):
 
 @pytest.mark.parametrize("sharded", [True, False])
 def test_frozen_tensors_are_read_by_name(tmp_path: Path, sharded: bool) -> None:
-    write_target_checkpoint(tmp_path, vocab_size=50, hidden_size=8, sharded=sharded, embed_name="language_model.model.embed_tokens.weight")
+    write_target_checkpoint(
+        tmp_path, vocab_size=50, hidden_size=8, sharded=sharded, embed_name="language_model.model.embed_tokens.weight"
+    )
     embed, head = load_frozen_vocab(
         tmp_path,
         embed_tensor_name="language_model.model.embed_tokens.weight",
@@ -90,7 +92,9 @@ def test_schedules() -> None:
     assert linear[:2] == [0.5, 1.0] and linear[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(linear[1:], linear[2:], strict=False))
     cosine = factors("cosine", warmup_steps=2, min_lr_ratio=0.1)
-    assert cosine[-1] == pytest.approx(0.1) and cosine[5] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    assert cosine[-1] == pytest.approx(0.1) and cosine[5] == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8))
+    )
     wsd = factors("wsd", warmup_steps=1, decay_steps=4, min_lr_ratio=0.0)
     assert wsd == pytest.approx([1.0] * 6 + [0.75, 0.5, 0.25, 0.0])
     assert build_schedule(ScheduleConfig(type="wsd"), base_lr=1.0, run_total_steps=30).decay_steps == 3
@@ -101,11 +105,26 @@ def test_schedules() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def save(checkpoint_dir: Path, step: int, model: torch.nn.Module, digest: str, keep_last: int = 2) -> checkpoints.SavedCheckpoint:
+def save(
+    checkpoint_dir: Path, step: int, model: torch.nn.Module, digest: str, keep_last: int = 2
+) -> checkpoints.SavedCheckpoint:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    state = {"step": step, "cursor": step * 4, "world_size": 1, "recipe_digest": digest, "schedule": {"type": "constant"}}
+    state = {
+        "step": step,
+        "cursor": step * 4,
+        "world_size": 1,
+        "recipe_digest": digest,
+        "schedule": {"type": "constant"},
+    }
     return checkpoints.save_checkpoint(
-        checkpoint_dir, step=step, model=model, optimizer=optimizer, state=state, rng_states=[checkpoints.rng_state()], keep_last=keep_last, is_main=True
+        checkpoint_dir,
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        rng_states=[checkpoints.rng_state()],
+        keep_last=keep_last,
+        is_main=True,
     )
 
 
@@ -152,7 +171,9 @@ def test_start_plans(tmp_path: Path) -> None:
         plan_start(recipe, ckpt_dir, "e" * 64)
     with pytest.raises(ValueError, match="exclude each other"):
         tiny(f"trainer.checkpoint.resume_from={ckpt_dir}", f"trainer.checkpoint.init_from={warm_dir}")
-    with pytest.raises(checkpoints.CheckpointError, match="trainer.checkpoint.resume_from is .*no complete checkpoint there"):
+    with pytest.raises(
+        checkpoints.CheckpointError, match="trainer.checkpoint.resume_from is .*no complete checkpoint there"
+    ):
         plan_start(tiny(f"trainer.checkpoint.resume_from={tmp_path / 'missing'}").recipe, ckpt_dir, digest)
 
 
@@ -169,9 +190,13 @@ def test_guard_decisions() -> None:
     assert guard.decide(inspect_update(1, bad, 1.0)) is False and guard.skipped_total == 1
     assert guard.decide(inspect_update(2, finite, 1.0)) is True and guard.consecutive == 0
     assert guard.decide(inspect_update(3, finite, float("inf"))) is False
-    with pytest.raises(NonFiniteUpdate, match="step 4 .*'l1' is not finite on rank\\(s\\) \\[1\\].*2 skipped updates in a row"):
+    with pytest.raises(
+        NonFiniteUpdate, match="step 4 .*'l1' is not finite on rank\\(s\\) \\[1\\].*2 skipped updates in a row"
+    ):
         guard.decide(inspect_update(4, bad, float("nan")))
-    with pytest.raises(NonFiniteUpdate, match="smoke gate: non-finite update at optimizer step 0 .*gradient norm is nan"):
+    with pytest.raises(
+        NonFiniteUpdate, match="smoke gate: non-finite update at optimizer step 0 .*gradient norm is nan"
+    ):
         FiniteGuard(smoke=True, max_consecutive_skips=3).decide(inspect_update(0, finite, float("nan")))
 
 
@@ -210,7 +235,9 @@ def test_wandb_needs_key_from_environment(tmp_path: Path) -> None:
     config = tiny("trainer.metrics.wandb_project=dspark").recipe.trainer.metrics
     with pytest.raises(MetricsSetupError, match="WANDB_API_KEY is not in the environment"):
         MetricsWriter(tmp_path, config, run_name="x", enabled=True, env={})
-    writer = MetricsWriter(tmp_path, tiny("trainer.metrics.tensorboard=true").recipe.trainer.metrics, run_name="x", enabled=True, env={})
+    writer = MetricsWriter(
+        tmp_path, tiny("trainer.metrics.tensorboard=true").recipe.trainer.metrics, run_name="x", enabled=True, env={}
+    )
     writer.write({"step": 1, "loss": 2.0, "note": "text is kept out of TensorBoard"})
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0

@@ -47,7 +47,13 @@ def make_inputs(root: Path, count: int = 48) -> tuple[Path, Path]:
     """A sharded target checkpoint and ``count`` samples (T between 40 and 96)."""
     target = write_target_checkpoint(root / "target", vocab_size=VOCAB, hidden_size=HIDDEN)
     samples = write_synthetic_samples(
-        root / "samples", count, min_tokens=40, max_tokens=96, vocab_size=VOCAB, hidden_size=HIDDEN, num_aux_layers=N_AUX
+        root / "samples",
+        count,
+        min_tokens=40,
+        max_tokens=96,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_aux_layers=N_AUX,
     )
     return target, samples
 
@@ -122,14 +128,20 @@ class Launch:
         return all(code == 0 for code in self.codes)
 
     def text(self) -> str:
-        return "\n".join(f"--- rank {r} (exit {c})\n{log}" for r, (c, log) in enumerate(zip(self.codes, self.logs, strict=True)))
+        return "\n".join(
+            f"--- rank {r} (exit {c})\n{log}" for r, (c, log) in enumerate(zip(self.codes, self.logs, strict=True))
+        )
 
 
 def start(run: Run, port: int, env_extra: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """Start every rank of ``run`` as ``python -m runtime.trainer`` (the launcher's env contract)."""
     processes = []
     for rank in range(run.world_size):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),

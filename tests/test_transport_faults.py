@@ -76,10 +76,27 @@ class Cluster:
         port = free_port()
         self.ranks = []
         for rank in range(2):
-            env = {**self.env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            args = ["train", "--state-dir", str(self.state_dir), "--steps", str(STEPS), "--checkpoint-every", "2",
-                    "--step-delay-s", "0.1", "--collective-timeout-s", "60"]
+            env = {
+                **self.env,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            args = [
+                "train",
+                "--state-dir",
+                str(self.state_dir),
+                "--steps",
+                str(STEPS),
+                "--checkpoint-every",
+                "2",
+                "--step-delay-s",
+                "0.1",
+                "--collective-timeout-s",
+                "60",
+            ]
             self.ranks.append(self._spawn(f"rank{rank}", args, env))
 
     def checkpoint(self) -> dict:

@@ -74,8 +74,10 @@ def _sample(g: int, tokens: int, hidden: int = 256, n_aux: int = 3) -> dict[str,
 def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "roundtrip")
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         for tokens in (37, 256):
             g = producer.next_to_capture()
             sent = _sample(g, tokens)
@@ -87,15 +89,19 @@ def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path:
                 assert received.dtype == tensor.dtype and received.shape == tensor.shape
                 assert torch.equal(received, tensor), name
                 assert received.data_ptr() != tensor.data_ptr()
-            assert written == got.meta["sample_bytes"] + len(json.dumps(got.meta, separators=(",", ":"), sort_keys=True))
+            assert written == got.meta["sample_bytes"] + len(
+                json.dumps(got.meta, separators=(",", ":"), sort_keys=True)
+            )
             assert got.meta["fields"]["hs"]["bytes"] == tokens * 3 * 256 * 2
 
 
 def test_recapture_is_an_idempotent_upsert(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "upsert")
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         first = _sample(0, 50)
         producer.commit(0, first, {})
         assert torch.equal(consumer.fetch(0).hs, first["hs"])
@@ -132,8 +138,9 @@ def _visibility_reader(recipe_path: str, count: int, out_path: str) -> None:
             partial_seen += any(flags[:-1])
         sample = consumer.fetch(g)  # checks sizes and CRC-32 of every field
         fetched.append([g, int(sample.ids.shape[0]), float(sample.hs.float().sum())])
-    Path(out_path).write_text(json.dumps({"polls": polls, "partial_seen": partial_seen, "violations": violations,
-                                          "fetched": fetched}))
+    Path(out_path).write_text(
+        json.dumps({"polls": polls, "partial_seen": partial_seen, "violations": violations, "fetched": fetched})
+    )
     client.close()
 
 
@@ -149,8 +156,10 @@ def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
         "from tests.test_transport_store import _visibility_reader; "
         f"_visibility_reader({str(resolved.path)!r}, {count}, {str(out)!r})"
     )
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0):
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0),
+    ):
         reader = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
         sent = {}
         for _ in range(count):
@@ -249,8 +258,10 @@ def _drain(producer, limit: int = 100) -> list[int]:
 def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "wm_samples")  # high 8, low 4, G 4
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         assert _drain(producer) == list(range(8))
         stats = producer.stats()
         assert stats["paused"] and stats["resident_samples"] == 8
@@ -272,12 +283,18 @@ def test_producer_pauses_at_byte_watermark_and_resumes_below_low_bytes(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:
     # about 528 KB per sample at T=256: pause at the 6th (>= 3.0 MB), resume below 2.0 MB
-    extra = ["transport.high_watermark_samples=32", "transport.low_watermark_samples=16",
-             "transport.high_watermark_bytes=3000000", "transport.low_watermark_bytes=2000000"]
+    extra = [
+        "transport.high_watermark_samples=32",
+        "transport.low_watermark_samples=16",
+        "transport.high_watermark_bytes=3000000",
+        "transport.low_watermark_bytes=2000000",
+    ]
     resolved = _plane(tmp_path, ports, "wm_bytes", extra)
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         assert _drain(producer) == list(range(6))
         stats = producer.stats()
         assert stats["paused"] and stats["resident_samples"] == 6 and stats["resident_bytes"] >= 3_000_000
@@ -297,11 +314,15 @@ def test_synthetic_samples_are_deterministic() -> None:
     assert not torch.equal(synthetic_sample(12, recipe)["hs"][:4], a["hs"][:4])
 
 
-def test_consumer_wait_logs_name_the_sample_and_the_producer(master: MasterProcess, tmp_path: Path, ports, caplog) -> None:
+def test_consumer_wait_logs_name_the_sample_and_the_producer(
+    master: MasterProcess, tmp_path: Path, ports, caplog
+) -> None:
     resolved = _plane(tmp_path, ports, "waitlog", ["transport.wait_log_interval_s=0.2", "transport.idle_timeout_s=5"])
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         timer = threading.Timer(1.0, lambda: producer.commit(producer.next_to_capture(), _sample(0, 20), {}))
         timer.start()
         with caplog.at_level("INFO", logger="dspark.transport.consumer"):
@@ -321,18 +342,32 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
 
     resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), [*FAST, *ONE_RANK])
     env = {**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO)}
-    master = subprocess.Popen([sys.executable, "-m", "runtime.transport", "master", "--recipe", str(resolved.path)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    master = subprocess.Popen(
+        [sys.executable, "-m", "runtime.transport", "master", "--recipe", str(resolved.path)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert "mooncake_master ready" in master.stdout.readline()
         endpoints = Endpoints.loopback(resolved.recipe)
-        with open_producer(resolved, endpoints=endpoints) as producer, \
-                open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0):
+        with (
+            open_producer(resolved, endpoints=endpoints) as producer,
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0),
+        ):
             for _ in range(3):
                 producer.commit(producer.next_to_capture(), _sample(0, 16), {})
             producer.heartbeat()
-            out = subprocess.run([sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
-                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         assert out.returncode == 0, out.stderr[-2000:]
         assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
         assert "window [0, 8): 3 committed, first missing g=3" in out.stdout
@@ -346,8 +381,10 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
 def test_round_trip_from_and_to_cuda_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "cuda")
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         for tokens in (64, 2048):
             g = producer.next_to_capture()
             sent = {k: v.cuda() for k, v in _sample(g, tokens).items()}  # D2H through pinned staging
@@ -363,8 +400,10 @@ def test_a_corrupt_field_is_detected_and_named(master: MasterProcess, tmp_path: 
 
     resolved = _plane(tmp_path, ports, "corrupt", ["transport.max_retries=1"])
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as producer, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
         sample = _sample(0, 64)
         producer.commit(producer.next_to_capture(), sample, {})
         bad = sample["lhs"].clone()
@@ -386,9 +425,11 @@ def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
 
     resolved = _plane(tmp_path, ports, "placement")
     endpoints = Endpoints.loopback(resolved.recipe)
-    with open_producer(resolved, endpoints=endpoints) as owner, \
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer, \
-            open_producer(resolved, endpoints=endpoints, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink:
+    with (
+        open_producer(resolved, endpoints=endpoints) as owner,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(resolved, endpoints=endpoints, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink,
+    ):
         owner.heartbeat()  # names the owner's segment
         for g in range(6):  # like the SGLang sink: a second process-like writer without a segment
             (sink if g % 2 else owner).commit(g, _sample(g, 32), {})

@@ -146,8 +146,13 @@ def test_k3_sizes_are_exact_int64_without_allocating() -> None:
     assert abs(size.feature_bytes / 2**30 - 5.25) < 1e-9  # "a 64K K3 sample is about 5.25 GiB"
     # and the meta a K3 sample would carry round-trips these numbers exactly
     layouts = [
-        describe_field(name, torch.empty(0, dtype=dtype), with_checksum=False) for name, dtype in
-        (("ids", torch.int64), ("mask", torch.uint8), ("hs", torch.bfloat16), ("lhs", torch.bfloat16))
+        describe_field(name, torch.empty(0, dtype=dtype), with_checksum=False)
+        for name, dtype in (
+            ("ids", torch.int64),
+            ("mask", torch.uint8),
+            ("hs", torch.bfloat16),
+            ("lhs", torch.bfloat16),
+        )
     ]
     shapes = {"ids": (tokens,), "mask": (tokens,), "hs": (tokens, n_aux * hidden), "lhs": (tokens, hidden)}
     layouts = [
@@ -181,7 +186,9 @@ def test_chunk_crcs_locate_a_corrupt_byte() -> None:
     verify_field(0, layout, data.clone())
     bad = data.clone()
     bad[5000] += 1  # byte 40,000: the second chunk
-    with pytest.raises(CorruptSampleError, match="field ids differs from what was committed in the chunk at byte 32768"):
+    with pytest.raises(
+        CorruptSampleError, match="field ids differs from what was committed in the chunk at byte 32768"
+    ):
         verify_field(0, layout, bad)
     assert CRC_CHUNK_BYTES == 64 * 2**20
 
@@ -201,7 +208,10 @@ def test_meta_carries_capture_metadata_and_field_layouts() -> None:
     decoded = decode_meta(3, "key", encode_meta(meta))
     assert decoded["format"] == SAMPLE_FORMAT and decoded["g"] == 3 and decoded["row_id"] == "r3"
     assert decoded["fields"]["hs"] == {
-        "dtype": "bfloat16", "shape": [5, 6], "bytes": 60, "crc32": list(_layouts(3)[2].crc32),
+        "dtype": "bfloat16",
+        "shape": [5, 6],
+        "bytes": 60,
+        "crc32": list(_layouts(3)[2].crc32),
         "crc32_chunk_bytes": CRC_CHUNK_BYTES,
     }
     assert field_layouts(decoded)[2] == _layouts(3)[2]
@@ -239,9 +249,22 @@ def test_cursor_and_heartbeat_round_trip_and_summary() -> None:
     with pytest.raises(ValueError, match="not a cursor"):
         Cursor.decode(b'{"value": -1}')
     beat = Heartbeat(
-        time=1000.0, sequence=3, pid=7, host="cap", cursor=128, window_end=256, resident_samples=5,
-        resident_bytes=500, in_flight=1, paused=True, committed_total=9, last_commit_time=990.0,
-        rate_samples_per_s=0.5, errors=1, last_error="boom", waiting_for="x",
+        time=1000.0,
+        sequence=3,
+        pid=7,
+        host="cap",
+        cursor=128,
+        window_end=256,
+        resident_samples=5,
+        resident_bytes=500,
+        in_flight=1,
+        paused=True,
+        committed_total=9,
+        last_commit_time=990.0,
+        rate_samples_per_s=0.5,
+        errors=1,
+        last_error="boom",
+        waiting_for="x",
     )
     assert Heartbeat.decode(beat.encode()) == beat
     text = beat.summary(now=1012.0)
@@ -304,7 +327,10 @@ def test_global_sample_index_covers_each_step_exactly_once() -> None:
     world, micro, accum = 4, 1, 32
     seen = sorted(
         global_sample_index(s, m, r, b, world, micro, accum)
-        for s in range(3) for m in range(accum) for r in range(world) for b in range(micro)
+        for s in range(3)
+        for m in range(accum)
+        for r in range(world)
+        for b in range(micro)
     )
     assert seen == list(range(3 * 128))
 

@@ -87,7 +87,9 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise DataFileError(f"{where}: not valid JSON ({exc.msg}); the line looks truncated or corrupted") from None
+                raise DataFileError(
+                    f"{where}: not valid JSON ({exc.msg}); the line looks truncated or corrupted"
+                ) from None
             if not isinstance(obj, dict) or "id" not in obj or "conversations" not in obj:
                 raise DataFileError(f"{where}: expected an object with 'id' and 'conversations'")
             where = f"{path}: line {number} (id {obj['id']!r})"
@@ -124,14 +126,18 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
     )
 
 
-def prepare(options: PrepareOptions, tokenizer: Any = None, regenerator: Regenerator | None = None, log: Any = print) -> PrepareResult:
+def prepare(
+    options: PrepareOptions, tokenizer: Any = None, regenerator: Regenerator | None = None, log: Any = print
+) -> PrepareResult:
     """Tokenize (optionally regenerate) ``options.input_path`` into ``options.output_path`` + manifest."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(options.tokenizer_path)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataFileError(f"{options.tokenizer_path}: the tokenizer has no chat template; fix: use the target's tokenizer")
+        raise DataFileError(
+            f"{options.tokenizer_path}: the tokenizer has no chat template; fix: use the target's tokenizer"
+        )
     vocab_size = options.vocab_size or len(tokenizer)
     if regenerator is None:
         regenerator = make_regenerator(options, tokenizer)
@@ -150,8 +156,10 @@ def prepare(options: PrepareOptions, tokenizer: Any = None, regenerator: Regener
             raise DataFileError(str(exc)) from None
         bad = next((t for t in chat.input_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise DataFileError(f"{row['_where']}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}; "
-                                "fix: pass the target's tokenizer (--tokenizer)")
+            raise DataFileError(
+                f"{row['_where']}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}; "
+                "fix: pass the target's tokenizer (--tokenizer)"
+            )
         truncated += int(chat.truncated)
         if not any(chat.loss_mask):
             dropped.append(row["id"])
@@ -162,11 +170,15 @@ def prepare(options: PrepareOptions, tokenizer: Any = None, regenerator: Regener
         now = time.monotonic()
         if now - last_report >= PROGRESS_EVERY_S:
             rate = done / (now - started)
-            log(f"[prepare_data] {done}/{len(chat_rows)} rows, {rate:.1f} rows/s, ETA {(len(chat_rows) - done) / rate:.0f} s")
+            log(
+                f"[prepare_data] {done}/{len(chat_rows)} rows, {rate:.1f} rows/s, ETA {(len(chat_rows) - done) / rate:.0f} s"
+            )
             last_report = now
     if not out_rows:
-        raise DataFileError(f"{options.input_path}: every row was dropped (no assistant tokens within --max-length "
-                            f"{options.max_length}); fix: raise --max-length")
+        raise DataFileError(
+            f"{options.input_path}: every row was dropped (no assistant tokens within --max-length "
+            f"{options.max_length}); fix: raise --max-length"
+        )
     write_rows(options.output_path, out_rows)
     sha = sha256_file(options.output_path)
     manifest = {
@@ -185,9 +197,13 @@ def prepare(options: PrepareOptions, tokenizer: Any = None, regenerator: Regener
             "name": Path(str(options.tokenizer_path)).name,
             "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
         },
-        "regenerate": None if options.regenerate == "none" else {
+        "regenerate": None
+        if options.regenerate == "none"
+        else {
             "mode": options.regenerate,
-            "model": options.server_model if options.regenerate == "openai" else Path(str(options.target_path or options.tokenizer_path)).name,
+            "model": options.server_model
+            if options.regenerate == "openai"
+            else Path(str(options.target_path or options.tokenizer_path)).name,
             "max_new_tokens": options.max_new_tokens,
             "temperature": options.temperature,
         },
@@ -216,8 +232,16 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
         target_path = target_path or tool.path(recipe.capture.target_path)
         max_length = max_length or recipe.data.max_length
         vocab_size = recipe.capture.vocab_size
-    missing = [name for name, value in (("--input", input_path), ("--output", output_path),
-                                        ("--tokenizer", tokenizer_path), ("--max-length", max_length)) if value is None]
+    missing = [
+        name
+        for name, value in (
+            ("--input", input_path),
+            ("--output", output_path),
+            ("--tokenizer", tokenizer_path),
+            ("--max-length", max_length),
+        )
+        if value is None
+    ]
     if missing:
         raise SystemExit(f"prepare_data: {', '.join(missing)} needed (or --recipe NAME to take them from a recipe)")
     return PrepareOptions(
@@ -239,16 +263,25 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="tools/prepare_data", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tools/prepare_data",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--recipe", help="take input, output, tokenizer and max length from this recipe (e.g. tiny)")
     parser.add_argument("--input", type=Path, help="chat JSONL ({id, conversations})")
     parser.add_argument("--output", type=Path, help="pre-tokenized JSONL to write")
     parser.add_argument("--tokenizer", type=Path, help="folder of the target tokenizer (with its chat template)")
     parser.add_argument("--max-length", type=int, help="truncate rows to this many tokens")
-    parser.add_argument("--regenerate", choices=("none", "embedded", "openai"), default="none",
-                        help="regenerate assistant turns with the target (default: none)")
-    parser.add_argument("--target", type=Path, help="target checkpoint for --regenerate embedded (default: --tokenizer)")
+    parser.add_argument(
+        "--regenerate",
+        choices=("none", "embedded", "openai"),
+        default="none",
+        help="regenerate assistant turns with the target (default: none)",
+    )
+    parser.add_argument(
+        "--target", type=Path, help="target checkpoint for --regenerate embedded (default: --tokenizer)"
+    )
     parser.add_argument("--server-url", help="OpenAI-compatible server for --regenerate openai, e.g. http://host:30000")
     parser.add_argument("--server-model", help="model name the server expects")
     parser.add_argument("--api-key-env", help="name of the environment variable holding the server's API key")

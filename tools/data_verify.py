@@ -20,16 +20,27 @@ from tools.recipe_args import load_tool_recipe
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="tools/verify_data", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", type=Path, help="pre-tokenized JSONL (default: the recipe's data.train_path)")
+    parser = argparse.ArgumentParser(
+        prog="tools/verify_data",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "path", nargs="?", type=Path, help="pre-tokenized JSONL (default: the recipe's data.train_path)"
+    )
     parser.add_argument("--recipe", help="take the path and every expectation from this recipe (e.g. tiny)")
     parser.add_argument("--expected-sha256", help="64 hex digits, or 'manifest' for the SHA-256 its manifest records")
     parser.add_argument("--vocab-size", type=int, help="every id must be below this")
     parser.add_argument("--max-length", type=int, help="no row may be longer")
     parser.add_argument("--rows", type=int, help="expected row count")
     args = parser.parse_args(argv)
-    path, expected, vocab, max_length, rows = args.path, args.expected_sha256, args.vocab_size, args.max_length, args.rows
+    path, expected, vocab, max_length, rows = (
+        args.path,
+        args.expected_sha256,
+        args.vocab_size,
+        args.max_length,
+        args.rows,
+    )
     if args.recipe:
         tool = load_tool_recipe(args.recipe)
         data = tool.recipe.data

@@ -34,7 +34,9 @@ class Regenerator(Protocol):
         """The content of the next assistant turn after ``messages``."""
 
 
-def regenerate_conversation(messages: Sequence[dict[str, str]], regenerator: Regenerator, where: str) -> list[dict[str, str]]:
+def regenerate_conversation(
+    messages: Sequence[dict[str, str]], regenerator: Regenerator, where: str
+) -> list[dict[str, str]]:
     """``messages`` with every assistant turn replaced, turn by turn (later turns see the new ones)."""
     out: list[dict[str, str]] = []
     for index, turn in enumerate(messages):

@@ -32,12 +32,60 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3
 
 FUNCTION_WORDS: tuple[str, ...] = (
-    ".", ",", ":", "?", "!",
-    "count", "from", "to", "reverse", "repeat", "times", "add", "and", "plus", "is", "sort", "say",
-    "what", "the", "color", "home", "friend", "of", "you", "are", "a", "helpful", "assistant",
-    "answer", "briefly", "sure", "here", "it", "numbers", "words", "in", "order", "then", "please",
-    "thanks", "welcome", "again", "done", "lives", "likes", "tell", "me", "about", "lists", "list",
-    "down", "recite", "poem", "number",
+    ".",
+    ",",
+    ":",
+    "?",
+    "!",
+    "count",
+    "from",
+    "to",
+    "reverse",
+    "repeat",
+    "times",
+    "add",
+    "and",
+    "plus",
+    "is",
+    "sort",
+    "say",
+    "what",
+    "the",
+    "color",
+    "home",
+    "friend",
+    "of",
+    "you",
+    "are",
+    "a",
+    "helpful",
+    "assistant",
+    "answer",
+    "briefly",
+    "sure",
+    "here",
+    "it",
+    "numbers",
+    "words",
+    "in",
+    "order",
+    "then",
+    "please",
+    "thanks",
+    "welcome",
+    "again",
+    "done",
+    "lives",
+    "likes",
+    "tell",
+    "me",
+    "about",
+    "lists",
+    "list",
+    "down",
+    "recite",
+    "poem",
+    "number",
 )
 MAX_NUMBER = 199
 """Numbers 0..199 are single tokens."""
@@ -162,10 +210,23 @@ def _task_about(draw: _Draw, world: TinyWorld) -> tuple[str, str]:
 TASKS: tuple[Callable[[_Draw, TinyWorld], tuple[str, str]], ...] = (
     # Listed with repeats to weight them: mostly answers a small model learns in a few hundred steps
     # (successor/predecessor, memorised poems and facts), some copying from the prompt.
-    _task_count, _task_count, _task_count_down, _task_recite, _task_recite, _task_recite,
-    _task_repeat, _task_add, _task_reverse, _task_say, _task_fact, _task_fact, _task_about,
+    _task_count,
+    _task_count,
+    _task_count_down,
+    _task_recite,
+    _task_recite,
+    _task_recite,
+    _task_repeat,
+    _task_add,
+    _task_reverse,
+    _task_say,
+    _task_fact,
+    _task_fact,
+    _task_about,
 )
 SYSTEM_PROMPTS: tuple[str | None, ...] = (None, "you are a helpful assistant .", "answer briefly .")
+
+
 def generate_conversations(
     vocabulary: Sequence[str], num_conversations: int, seed: int, id_prefix: str = "tiny"
 ) -> list[dict[str, Any]]:

@@ -80,7 +80,9 @@ class TinyTargetSpec:
             "spec": dataclasses.asdict(self),
             "vocabulary": vocabulary,
             "chat_template": CHAT_TEMPLATE,
-            "train": tiny_corpus.generate_conversations(vocabulary, self.train_conversations, self.train_corpus_seed, "train"),
+            "train": tiny_corpus.generate_conversations(
+                vocabulary, self.train_conversations, self.train_corpus_seed, "train"
+            ),
             "chat": tiny_corpus.generate_conversations(vocabulary, self.chat_rows, self.chat_seed, "tiny"),
         }
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
@@ -206,7 +208,9 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     started = time.monotonic()
-    for step, (ids, attention, labels) in enumerate(_batches(samples, spec.batch_size, spec.train_steps, spec.init_seed)):
+    for step, (ids, attention, labels) in enumerate(
+        _batches(samples, spec.batch_size, spec.train_steps, spec.init_seed)
+    ):
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -218,8 +222,10 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
             elapsed = time.monotonic() - started
             rate = done / elapsed
             eta = (spec.train_steps - done) / rate
-            log(f"[make_tiny_target] step {done}/{spec.train_steps} loss {loss.item():.3f} "
-                f"{rate:.2f} steps/s, ETA {eta:.0f} s")
+            log(
+                f"[make_tiny_target] step {done}/{spec.train_steps} loss {loss.item():.3f} "
+                f"{rate:.2f} steps/s, ETA {eta:.0f} s"
+            )
     model.eval()
     return model
 
@@ -336,9 +342,11 @@ def make_tiny_target(
         staging.rename(target_dir)
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
-        log(f"[make_tiny_target] done in {record['build_seconds']} s: assistant top-1 accuracy "
+        log(
+            f"[make_tiny_target] done in {record['build_seconds']} s: assistant top-1 accuracy "
             f"{quality['assistant_top1_accuracy']:.3f}, mean top-1 probability "
-            f"{quality['assistant_mean_top1_probability']:.3f}")
+            f"{quality['assistant_mean_top1_probability']:.3f}"
+        )
         return record
 
 

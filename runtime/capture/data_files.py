@@ -95,7 +95,9 @@ def read_manifest(data_path: str | Path) -> dict[str, Any]:
             "data.expected_sha256 instead of 'manifest'"
         ) from None
     except json.JSONDecodeError as exc:
-        raise DataFileError(f"{path}: manifest is not valid JSON ({exc}); fix: regenerate it with tools/prepare_data") from exc
+        raise DataFileError(
+            f"{path}: manifest is not valid JSON ({exc}); fix: regenerate it with tools/prepare_data"
+        ) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise DataFileError(
             f"{path}: field 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
@@ -120,9 +122,7 @@ def resolve_expected_sha256(data_path: str | Path, expected_sha256: str) -> str:
     if expected_sha256 == EXPECTED_FROM_MANIFEST:
         return str(read_manifest(data_path)["sha256"])
     if not _HEX64.match(expected_sha256):
-        raise DataFileError(
-            f"data.expected_sha256 is {expected_sha256!r}: write 64 lowercase hex digits or 'manifest'"
-        )
+        raise DataFileError(f"data.expected_sha256 is {expected_sha256!r}: write 64 lowercase hex digits or 'manifest'")
     return expected_sha256
 
 
@@ -147,7 +147,9 @@ def check_data_sha256(
     expected = resolve_expected_sha256(data_path, expected_sha256)
     actual = sha256_file(data_path)
     if actual != expected:
-        origin = f"the manifest {manifest_path(data_path).name}" if expected_sha256 == EXPECTED_FROM_MANIFEST else field_name
+        origin = (
+            f"the manifest {manifest_path(data_path).name}" if expected_sha256 == EXPECTED_FROM_MANIFEST else field_name
+        )
         raise DataFileError(
             f"{recipe_file}: {field_name}: {data_path} has SHA-256 {actual}, but {origin} expects "
             f"{expected}; fix: use the data file the recipe was written for, or, if this file is the "
@@ -173,12 +175,16 @@ def parse_row(line: bytes | str, index: int, path: str | Path) -> DataRow:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataFileError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); the row looks truncated or corrupted; fix: regenerate the file with tools/prepare_data") from None
+        raise DataFileError(
+            f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); the row looks truncated or corrupted; fix: regenerate the file with tools/prepare_data"
+        ) from None
     if not isinstance(obj, dict):
         raise DataFileError(f"{where}: expected a JSON object {{id, input_ids, loss_mask}}, got {type(obj).__name__}")
     missing = [k for k in ("id", "input_ids", "loss_mask") if k not in obj]
     if missing:
-        raise DataFileError(f"{where}: missing field(s) {', '.join(missing)}; fix: every row needs id, input_ids, loss_mask")
+        raise DataFileError(
+            f"{where}: missing field(s) {', '.join(missing)}; fix: every row needs id, input_ids, loss_mask"
+        )
     row_id = obj["id"]
     where = f"{path}: row {index + 1} (id {row_id!r})"
     ids, mask = obj["input_ids"], obj["loss_mask"]
@@ -312,5 +318,3 @@ def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
     text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(path), text)
-
-

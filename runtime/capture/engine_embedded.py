@@ -188,8 +188,11 @@ class EmbeddedEngine:
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="dspark-capture")
         log.info(
             "embedded engine ready: %d replica(s) on %s, %s, batch %d per replica, loaded in %.1f s",
-            len(self.replicas), ",".join(self.settings.devices), self.settings.compute_dtype,
-            self.settings.batch_size, time.monotonic() - started,
+            len(self.replicas),
+            ",".join(self.settings.devices),
+            self.settings.compute_dtype,
+            self.settings.batch_size,
+            time.monotonic() - started,
         )
 
     def check_health(self) -> None:
@@ -250,7 +253,9 @@ class EmbeddedEngine:
             tensors = sample_tensors(request, feature)
             meta = sample_meta(request, self.identity, device_type)
             written = self.sink.commit(request.g, tensors, meta)
-            refs.append(SampleRef(g=request.g, num_tokens=len(request.input_ids), bytes_written=int(written or 0), meta=meta))
+            refs.append(
+                SampleRef(g=request.g, num_tokens=len(request.input_ids), bytes_written=int(written or 0), meta=meta)
+            )
         return refs
 
     def close(self) -> None:

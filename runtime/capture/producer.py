@@ -95,8 +95,10 @@ class CaptureSource:
         row = self.rows.read(slot.row_index)
         where = f"{self.rows.path}: row {row.index + 1} (id {row.id!r}, sample g={g})"
         if row.num_tokens > self.max_length:
-            raise DataError(f"{where}: {row.num_tokens} tokens, above data.max_length {self.max_length}; fix: re-run "
-                            "tools/prepare_data with that --max-length")
+            raise DataError(
+                f"{where}: {row.num_tokens} tokens, above data.max_length {self.max_length}; fix: re-run "
+                "tools/prepare_data with that --max-length"
+            )
         if len(row.loss_mask) != row.num_tokens:
             raise DataError(f"{where}: loss_mask and input_ids differ in length; fix: tools/verify_data the file")
         if row.num_tokens == 0 or max(row.input_ids) >= self.vocab_size or min(row.input_ids) < 0:
@@ -140,8 +142,13 @@ class CaptureLoop:
 
     def run(self) -> str:
         """Loop until stopped or finished; returns why it ended (``stopped`` or ``finished``)."""
-        log.info("capturing samples g < %d (%d rows x %d epochs, prompt seed %d)", self.source.order.total_samples,
-                 self.source.order.num_rows, self.source.order.epochs, self.source.order.prompt_seed)
+        log.info(
+            "capturing samples g < %d (%d rows x %d epochs, prompt seed %d)",
+            self.source.order.total_samples,
+            self.source.order.num_rows,
+            self.source.order.epochs,
+            self.source.order.prompt_seed,
+        )
         while not self.stop.is_set():
             claimed = self.producer.wait_next(max_count=self.batch_size, timeout_s=POLL_S)
             # A g past the run's end is left claimed for good, so the window never offers it again.
@@ -162,7 +169,9 @@ class CaptureLoop:
             requests = [self.source.request(g) for g in work]
             refs = self.engine.capture(requests)
             committed = {ref.g for ref in refs}
-            self.progress.record([r.g for r in refs], sum(r.num_tokens for r in refs), sum(r.bytes_written for r in refs))
+            self.progress.record(
+                [r.g for r in refs], sum(r.num_tokens for r in refs), sum(r.bytes_written for r in refs)
+            )
         finally:
             for g in work:
                 if g not in committed:
@@ -240,9 +249,13 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
     engine_holder: list[CaptureEngine] = []
     gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke)
     with ExitStack() as stack:
-        stack.enter_context(stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")]))
+        stack.enter_context(
+            stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")])
+        )
         endpoints = endpoints or Endpoints.from_env(recipe)
-        with gate.stage("master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"):
+        with gate.stage(
+            "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
+        ):
             if recipe.capture.owns_master:
                 settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
                 master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
@@ -262,8 +275,9 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
         if stop.is_set():
             log.info("stop requested while the engine loaded; nothing was captured")
             return 0
-        loop = CaptureLoop(producer, engine, source, engine_batch(engine, resolved), recipe.capture.progress_interval_s,
-                           stop)
+        loop = CaptureLoop(
+            producer, engine, source, engine_batch(engine, resolved), recipe.capture.progress_interval_s, stop
+        )
         with gate.stage("capture", "capture loop ran"):
             outcome = loop.run()
         gate.record("capture", loop.progress.samples > 0, f"{loop.progress.samples} sample(s) committed ({outcome})")

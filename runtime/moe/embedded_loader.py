@@ -52,7 +52,9 @@ class ExpertParallelLoader:
             )
         self.expert_parallel = expert_parallel
         self.base_loader = base_loader
-        self.groups = [ThreadRendezvous(expert_parallel, rendezvous_timeout_s) for _ in range(num_replicas // expert_parallel)]
+        self.groups = [
+            ThreadRendezvous(expert_parallel, rendezvous_timeout_s) for _ in range(num_replicas // expert_parallel)
+        ]
         self.models: list[ExpertParallelModel] = []
 
     @classmethod
@@ -70,7 +72,9 @@ class ExpertParallelLoader:
         index = len(self.models)
         group, rank = divmod(index, self.expert_parallel)
         if group >= len(self.groups):
-            raise ValueError(f"replica {index} is beyond the {len(self.groups) * self.expert_parallel} this loader was built for")
+            raise ValueError(
+                f"replica {index} is beyond the {len(self.groups) * self.expert_parallel} this loader was built for"
+            )
         model = base_loader(dataclasses.replace(settings, expert_parallel=1), device)
         blocks = [m for m in model.modules() if is_hf_moe_block(m)]
         if not blocks:

@@ -38,7 +38,13 @@ class DeepEPExchange(LowLatencyExchange):
 
     def _kernel_dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         recv_x, recv_count, handle, _event, _hook = self.buffer.low_latency_dispatch(
-            x, expert_ids, self.max_tokens_per_rank, self.num_experts, use_fp8=False, async_finish=False, return_recv_hook=False
+            x,
+            expert_ids,
+            self.max_tokens_per_rank,
+            self.num_experts,
+            use_fp8=False,
+            async_finish=False,
+            return_recv_hook=False,
         )
         return recv_x, recv_count, handle
 

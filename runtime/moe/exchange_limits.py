@@ -41,7 +41,10 @@ STOCK_LIMITS = {
     "mooncake": KernelLimits(STOCK_HIDDEN_SIZES, STOCK_MAX_TOP_K, 1024, "stock Mooncake EP low-latency kernels"),
 }
 
-DISTRIBUTIONS = {"deepep": ("deep_ep", "deep-ep"), "mooncake": ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")}
+DISTRIBUTIONS = {
+    "deepep": ("deep_ep", "deep-ep"),
+    "mooncake": ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"),
+}
 
 
 @dataclass(frozen=True)
@@ -113,5 +116,7 @@ def shape_error(
         f"install a {backend} build compiled for hidden {shapes.hidden_size} and top-k {shapes.top_k} "
         "(Kimi K3 needs 3,584 and 16)"
     )
-    lines.append(f"  fix: {fix}, or use the default exchange: --k3-moe-exchange nccl (recipe: capture.moe_exchange: nccl)")
+    lines.append(
+        f"  fix: {fix}, or use the default exchange: --k3-moe-exchange nccl (recipe: capture.moe_exchange: nccl)"
+    )
     return ExchangeShapeError("\n".join(lines))

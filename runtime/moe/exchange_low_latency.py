@@ -84,7 +84,10 @@ class LowLatencyExchange:
         hard = hard_problems(self.shapes, limits)
         if hard:
             raise shape_error(
-                self.name, self.shapes, hard, fix="change the value named above (capture.expert_parallel, tokens per dispatch)"
+                self.name,
+                self.shapes,
+                hard,
+                fix="change the value named above (capture.expert_parallel, tokens per dispatch)",
             )
         self.experts_per_rank = experts_per_rank_for(num_experts, self.world_size)
         self.max_tokens_per_rank = max_tokens_per_rank

@@ -113,10 +113,16 @@ class AllToAllExchange:
         """See :meth:`runtime.moe.exchange.MoEExchange.combine`."""
         state: _AllToAllState = batch.state
         partial = gather_sum(
-            expert_output, state.order.slot_pair, state.recv_weights, out_dtype=state.dtype, chunk_rows=self.sum_chunk_rows
+            expert_output,
+            state.order.slot_pair,
+            state.recv_weights,
+            out_dtype=state.dtype,
+            chunk_rows=self.sum_chunk_rows,
         )
         returned = self._all_to_all(partial, state.recv_counts, state.plan.send_counts)
-        return gather_sum(returned, state.plan.token_rank_row, None, out_dtype=state.dtype, chunk_rows=self.sum_chunk_rows)
+        return gather_sum(
+            returned, state.plan.token_rank_row, None, out_dtype=state.dtype, chunk_rows=self.sum_chunk_rows
+        )
 
     def run(self, hidden: torch.Tensor, routing: TopKRouting, experts: LocalExperts) -> torch.Tensor:
         """See :meth:`runtime.moe.exchange.MoEExchange.run`: one dispatch for all tokens."""

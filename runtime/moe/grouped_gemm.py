@@ -25,7 +25,10 @@ def grouped_mm_usable(rows: torch.Tensor, weights: torch.Tensor) -> bool:
 
 
 def grouped_linear(
-    rows: torch.Tensor, weights: torch.Tensor, rows_per_group: torch.Tensor, rows_per_group_list: list[int] | None = None
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    rows_per_group: torch.Tensor,
+    rows_per_group_list: list[int] | None = None,
 ) -> torch.Tensor:
     """``out[r] = rows[r] @ weights[g(r)].T`` where rows are grouped by ``g`` in order.
 

@@ -169,7 +169,10 @@ def dequantize_reference(
 
 
 def dequantize_reference_chunked(
-    tensor: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None, rows_per_chunk: int = 4096
+    tensor: MXFP4Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    rows_per_chunk: int = 4096,
 ) -> torch.Tensor:
     """:func:`dequantize_reference` over the leading rows in chunks, bounding fp32 temporaries.
 

@@ -17,8 +17,10 @@ from runtime.recipe.units import ByteSize
 def _stringify_scalars(value: Any) -> Any:
     """Environment values are strings; let ``--set job.env.X=600`` mean ``"600"``."""
     if isinstance(value, dict):
-        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, int | float | bool) else v
-                for k, v in value.items()}
+        return {
+            k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, int | float | bool) else v
+            for k, v in value.items()
+        }
     return value
 
 

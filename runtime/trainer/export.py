@@ -102,9 +102,7 @@ def draft_config(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def export_draft(
-    model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype: torch.dtype, is_main: bool
-) -> Path:
+def export_draft(model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype: torch.dtype, is_main: bool) -> Path:
     """Write ``target/`` (collective: every rank calls it; rank 0 writes). Returns ``target``."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:

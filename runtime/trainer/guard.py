@@ -54,7 +54,9 @@ def inspect_update(step: int, rank_terms: list[dict[str, bool]], grad_norm: floa
 class FiniteGuard:
     """Decides, step by step, whether to apply, skip or abort."""
 
-    def __init__(self, *, smoke: bool, max_consecutive_skips: int, skipped_total: int = 0, consecutive: int = 0) -> None:
+    def __init__(
+        self, *, smoke: bool, max_consecutive_skips: int, skipped_total: int = 0, consecutive: int = 0
+    ) -> None:
         self.smoke = smoke
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_total = skipped_total

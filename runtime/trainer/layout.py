@@ -128,9 +128,7 @@ def build_layout(
 ) -> BlockLayout:
     """The block layout of one sample (see the module docstring for every convention)."""
     if ids.ndim != 1 or loss_mask.shape != ids.shape:
-        raise ValueError(
-            f"ids and mask must both be [T]; got ids {tuple(ids.shape)} and mask {tuple(loss_mask.shape)}"
-        )
+        raise ValueError(f"ids and mask must both be [T]; got ids {tuple(ids.shape)} and mask {tuple(loss_mask.shape)}")
     seq_len = int(ids.shape[0])
     if seq_len < 2:
         raise ValueError(f"a sample needs at least 2 tokens to have an anchor, got T={seq_len}")
@@ -172,4 +170,3 @@ def build_layout(
         num_eligible=num_eligible,
         seq_len=seq_len,
     )
-

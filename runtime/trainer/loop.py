@@ -103,7 +103,10 @@ class Trainer:
     def _install_stop_handler(self) -> None:
         def request_stop(signum: int, _frame: Any) -> None:
             self.stop_requested = True
-            print(f"[trainer rank {self.settings.rank}] {signal.Signals(signum).name}: checkpointing at the next step boundary", flush=True)
+            print(
+                f"[trainer rank {self.settings.rank}] {signal.Signals(signum).name}: checkpointing at the next step boundary",
+                flush=True,
+            )
 
         with contextlib.suppress(ValueError):  # not the main thread (tests)
             signal.signal(signal.SIGTERM, request_stop)
@@ -189,7 +192,9 @@ class Trainer:
             if s.smoke:
                 self._smoke_gate(done, outcome, model, last_saved)
             if stop:
-                writer.say(f"[trainer] stopped after step {done} on request; checkpoint {last_saved.path if last_saved else None}")
+                writer.say(
+                    f"[trainer] stopped after step {done} on request; checkpoint {last_saved.path if last_saved else None}"
+                )
                 return EXIT_STOPPED
         target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(s.total_steps)}"
         # also after a restart that found every step done but no export (a crash while exporting)
@@ -204,7 +209,9 @@ class Trainer:
         barrier()
         return 0
 
-    def _start(self, plan: StartPlan, model: DSparkDraft, optimizer: torch.optim.Optimizer, writer: MetricsWriter) -> tuple[int, FiniteGuard]:
+    def _start(
+        self, plan: StartPlan, model: DSparkDraft, optimizer: torch.optim.Optimizer, writer: MetricsWriter
+    ) -> tuple[int, FiniteGuard]:
         s = self.settings
         cfg = self.trainer_cfg
         guard = FiniteGuard(smoke=s.smoke, max_consecutive_skips=cfg.max_consecutive_skips)
@@ -288,7 +295,12 @@ class Trainer:
         )
 
     def _train_step(
-        self, step: int, model: DSparkDraft, optimizer: torch.optim.Optimizer, source: SampleConsumer, guard: FiniteGuard
+        self,
+        step: int,
+        model: DSparkDraft,
+        optimizer: torch.optim.Optimizer,
+        source: SampleConsumer,
+        guard: FiniteGuard,
     ) -> StepOutcome:
         s = self.settings
         cfg = self.trainer_cfg
@@ -301,7 +313,9 @@ class Trainer:
         ]
         device = s.device
         local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
-        local.update({name: torch.zeros(cfg.draft.block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
+        local.update(
+            {name: torch.zeros(cfg.draft.block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS}
+        )
         prefetch = StepPrefetcher(self._fetcher(source), gs)
         consumed: list[tuple[int, int | None]] = []
         try:
@@ -392,7 +406,9 @@ class Trainer:
         wait_sum = float(packed[offset])
         loss = cfg.loss
         sums["loss_total"] = (
-            loss.ce_weight * sums["loss_ce"] + loss.l1_weight * sums["loss_l1"] + loss.confidence_weight * sums["loss_confidence"]
+            loss.ce_weight * sums["loss_ce"]
+            + loss.l1_weight * sums["loss_l1"]
+            + loss.confidence_weight * sums["loss_confidence"]
         )
         everyone: list[Any] = [None] * s.world_size
         if s.world_size > 1:
@@ -439,7 +455,13 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints, gate
 
     def _save(
-        self, done: int, model: DSparkDraft, optimizer: torch.optim.Optimizer, schedule_state: dict[str, Any], guard: FiniteGuard, writer: MetricsWriter
+        self,
+        done: int,
+        model: DSparkDraft,
+        optimizer: torch.optim.Optimizer,
+        schedule_state: dict[str, Any],
+        guard: FiniteGuard,
+        writer: MetricsWriter,
     ) -> checkpoints.SavedCheckpoint:
         s = self.settings
         cfg = self.trainer_cfg
@@ -475,12 +497,19 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last,
             is_main=s.is_main,
         )
-        writer.say(f"[trainer] checkpoint {saved.path} ({time.monotonic() - started:.1f} s, weights sha256 {saved.weights_sha256[:16]}...)")
+        writer.say(
+            f"[trainer] checkpoint {saved.path} ({time.monotonic() - started:.1f} s, weights sha256 {saved.weights_sha256[:16]}...)"
+        )
         return saved
 
-    def _smoke_gate(self, done: int, outcome: StepOutcome, model: DSparkDraft, saved: checkpoints.SavedCheckpoint | None) -> None:
+    def _smoke_gate(
+        self, done: int, outcome: StepOutcome, model: DSparkDraft, saved: checkpoints.SavedCheckpoint | None
+    ) -> None:
         s = self.settings
-        finite_after = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
+        finite_after = all(
+            bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all())
+            for p in model.parameters()
+        )
         per_rank: list[Any] = [None] * s.world_size
         mine = {
             "rank": s.rank,
@@ -499,7 +528,10 @@ class Trainer:
         if not outcome.applied:
             problems.append("the update was not applied")
         if not all(r["params_finite_after_update"] for r in per_rank):
-            problems.append("parameters are not finite after the update on rank(s) " + str([r["rank"] for r in per_rank if not r["params_finite_after_update"]]))
+            problems.append(
+                "parameters are not finite after the update on rank(s) "
+                + str([r["rank"] for r in per_rank if not r["params_finite_after_update"]])
+            )
         if not matches:
             problems.append("the checkpoint read back does not hash to the saved weights")
         problems += [p for r in per_rank for p in r["sample_contract"]["problems"]]
@@ -510,7 +542,12 @@ class Trainer:
             "world_size": s.world_size,
             "update_finite": self._gate.get("update_finite", False),
             "grad_norm": outcome.grad_norm,
-            "loss": {"total": sums["loss_total"], "ce": sums["loss_ce"], "l1": sums["loss_l1"], "confidence": sums["loss_confidence"]},
+            "loss": {
+                "total": sums["loss_total"],
+                "ce": sums["loss_ce"],
+                "l1": sums["loss_l1"],
+                "confidence": sums["loss_confidence"],
+            },
             "ranks": per_rank,
             "problems": problems,
             "checkpoint": {

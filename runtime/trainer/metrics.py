@@ -78,7 +78,15 @@ def progress_line(record: Mapping[str, Any], total_steps: int, elapsed_s: float,
 class MetricsWriter:
     """Rank 0's metrics sinks."""
 
-    def __init__(self, job_dir: Path, config: MetricsConfig, *, run_name: str, enabled: bool, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        job_dir: Path,
+        config: MetricsConfig,
+        *,
+        run_name: str,
+        enabled: bool,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.enabled = enabled
         self.path = job_dir / "metrics.jsonl"
         self._tensorboard: Any = None
@@ -109,7 +117,9 @@ class MetricsWriter:
                 raise MetricsSetupError(
                     "trainer.metrics.wandb_project is set but the wandb package is missing; fix: pip install wandb"
                 ) from exc
-            self._wandb = wandb.init(project=config.wandb_project, entity=config.wandb_entity, name=run_name, resume="allow")
+            self._wandb = wandb.init(
+                project=config.wandb_project, entity=config.wandb_entity, name=run_name, resume="allow"
+            )
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one step's record to every sink."""

@@ -58,7 +58,11 @@ def plan_start(recipe: Recipe, checkpoint_dir: Path, recipe_digest: str) -> Star
             "set trainer.checkpoint.resume_from: auto to continue from it, or choose another trainer.checkpoint.dir"
         )
     if init:
-        path = resolve_checkpoint_path(init, checkpoint_dir, "trainer.checkpoint.init_from") if _looks_like_checkpoint(init) else Path(init)
+        path = (
+            resolve_checkpoint_path(init, checkpoint_dir, "trainer.checkpoint.init_from")
+            if _looks_like_checkpoint(init)
+            else Path(init)
+        )
         return StartPlan("init", path, f"trainer.checkpoint.init_from {init}")
     return StartPlan("fresh", None, "no checkpoint to start from")
 
@@ -83,17 +87,24 @@ def check_resume_compatible(state: dict[str, Any], current: dict[str, Any], path
         "global_batch_size": state.get("global_batch_size"),
     }
     fields = {
-        "schedule_type": ("trainer.schedule.type", "resume with the same schedule, or warm-start with trainer.checkpoint.init_from"),
-        "world_size": ("trainer ranks (job.trainer.nodes x tasks_per_node)", "resume with the same number of ranks, or warm-start with init_from"),
+        "schedule_type": (
+            "trainer.schedule.type",
+            "resume with the same schedule, or warm-start with trainer.checkpoint.init_from",
+        ),
+        "world_size": (
+            "trainer ranks (job.trainer.nodes x tasks_per_node)",
+            "resume with the same number of ranks, or warm-start with init_from",
+        ),
         "data_digest": ("data digest (data.expected_sha256)", "resume on the same data, or warm-start with init_from"),
         "prompt_seed": ("trainer.prompt_seed", "resume with the same prompt seed, or warm-start with init_from"),
-        "global_batch_size": ("trainer.global_batch_size", "resume with the same global batch, or warm-start with init_from"),
+        "global_batch_size": (
+            "trainer.global_batch_size",
+            "resume with the same global batch, or warm-start with init_from",
+        ),
     }
     problems = []
     for key, (label, fix) in fields.items():
         if recorded[key] != current[key]:
-            problems.append(
-                f"{label}: the checkpoint has {recorded[key]!r}, this run has {current[key]!r}; fix: {fix}"
-            )
+            problems.append(f"{label}: the checkpoint has {recorded[key]!r}, this run has {current[key]!r}; fix: {fix}")
     if problems:
         raise CheckpointError(f"cannot resume from {path}:\n  - " + "\n  - ".join(problems))

@@ -68,7 +68,9 @@ def inverse_frequencies(
     )
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., head_dim] for int64 ``positions`` (angles in fp32, cast to ``dtype``)."""
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)

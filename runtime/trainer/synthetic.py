@@ -36,7 +36,10 @@ def write_target_checkpoint(
     lm_head = torch.randn(vocab_size, hidden_size, generator=generator) * (1.0 / hidden_size**0.5)
     decoy = torch.randn(hidden_size, hidden_size, generator=generator)
     if not sharded:
-        save_file({embed_name: embed, lm_head_name: lm_head, "model.layers.0.mlp.weight": decoy}, str(folder / "model.safetensors"))
+        save_file(
+            {embed_name: embed, lm_head_name: lm_head, "model.layers.0.mlp.weight": decoy},
+            str(folder / "model.safetensors"),
+        )
         return folder
     shards = {
         "model-00001-of-00002.safetensors": {embed_name: embed, "model.layers.0.mlp.weight": decoy},
@@ -101,7 +104,12 @@ def write_synthetic_samples(
         write_sample_file(
             folder,
             synthetic_sample(
-                g, num_tokens=length, vocab_size=vocab_size, hidden_size=hidden_size, num_aux_layers=num_aux_layers, seed=seed
+                g,
+                num_tokens=length,
+                vocab_size=vocab_size,
+                hidden_size=hidden_size,
+                num_aux_layers=num_aux_layers,
+                seed=seed,
             ),
         )
     return folder

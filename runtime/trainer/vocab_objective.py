@@ -101,9 +101,10 @@ class _ChunkedVocabObjective(torch.autograd.Function):
                 grad_w2.addmm_(grad_z.t(), e)
             del grad_z
 
-        loss = ce_coef * (weights.to(torch.float32) * ce_rows).sum() + l1_coef * (
-            weights.to(torch.float32) * l1_rows
-        ).sum()
+        loss = (
+            ce_coef * (weights.to(torch.float32) * ce_rows).sum()
+            + l1_coef * (weights.to(torch.float32) * l1_rows).sum()
+        )
         # Intermediate results, not inputs: kept on ctx rather than through save_for_backward.
         ctx.grads = (grad_hidden, grad_latent, grad_w2)
         ctx.dtypes = (hidden.dtype, latent.dtype, markov_w2.dtype)
@@ -151,5 +152,14 @@ def chunked_vocab_objective(
     if labels.dtype != torch.int64:
         raise ValueError(f"labels must be int64, got {labels.dtype}")
     return _ChunkedVocabObjective.apply(
-        hidden, latent, markov_w2, lm_head, teacher_hidden, labels, weights, float(ce_coef), float(l1_coef), int(chunk_rows)
+        hidden,
+        latent,
+        markov_w2,
+        lm_head,
+        teacher_hidden,
+        labels,
+        weights,
+        float(ce_coef),
+        float(l1_coef),
+        int(chunk_rows),
     )

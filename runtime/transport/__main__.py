@@ -26,8 +26,10 @@ def run_master(args: argparse.Namespace) -> int:
 
     resolved = load_resolved(args.recipe)
     recipe = resolved.recipe
-    host = args.host or os.environ.get(ENV_BIND_ADDRESS) or (
-        recipe.transport.bind_address if recipe.transport.bind_address != "auto" else ""
+    host = (
+        args.host
+        or os.environ.get(ENV_BIND_ADDRESS)
+        or (recipe.transport.bind_address if recipe.transport.bind_address != "auto" else "")
     )
     if not host:
         print(f"error: pass --host or set {ENV_BIND_ADDRESS} (transport.bind_address is 'auto')", file=sys.stderr)
@@ -58,8 +60,10 @@ def run_status(args: argparse.Namespace) -> int:
         store_id = recipe.store_id
         raw = client.get_bytes(cursor_key(store_id))
         cursor = Cursor.decode(raw) if raw else None
-        print(f"store {store_id}: " + (f"cursor {cursor.value} (step {cursor.step}, by {cursor.publisher})"
-                                       if cursor else "no cursor"))
+        print(
+            f"store {store_id}: "
+            + (f"cursor {cursor.value} (step {cursor.step}, by {cursor.publisher})" if cursor else "no cursor")
+        )
         raw = client.get_bytes(heartbeat_key(store_id))
         print(Heartbeat.decode(raw).summary() if raw else "no producer heartbeat")
         if cursor is not None:
@@ -67,9 +71,14 @@ def run_status(args: argparse.Namespace) -> int:
             window = range(cursor.value, cursor.value + high)
             present = client.exist([sample_key(store_id, g, META_FIELD) for g in window])
             committed = [g for g, ok in zip(window, present, strict=True) if ok]
-            print(f"window [{window.start}, {window.stop}): {len(committed)} committed"
-                  + (f", first missing g={next(g for g, ok in zip(window, present, strict=True) if not ok)}"
-                     if len(committed) < high else ""))
+            print(
+                f"window [{window.start}, {window.stop}): {len(committed)} committed"
+                + (
+                    f", first missing g={next(g for g, ok in zip(window, present, strict=True) if not ok)}"
+                    if len(committed) < high
+                    else ""
+                )
+            )
     return 0
 
 

@@ -118,8 +118,9 @@ class Consumer:
                     corrupt += 1
                     if corrupt > self.max_corrupt_retries:
                         raise
-                    log.warning("rank %d: %s; reading g=%d again (%d/%d)", self.rank, exc, g, corrupt,
-                                self.max_corrupt_retries)
+                    log.warning(
+                        "rank %d: %s; reading g=%d again (%d/%d)", self.rank, exc, g, corrupt, self.max_corrupt_retries
+                    )
                     state = f"its last read was corrupt ({exc})"
                 except TransportError as exc:
                     state = f"reading it failed: {exc}"
@@ -138,8 +139,14 @@ class Consumer:
                 self.wait_s_total += waited
                 raise IdleTimeoutError(self._idle_message(g, meta_key, waited, state))
             if now - last_log >= self.wait_log_interval_s:
-                log.info("rank %d waiting %.0f s for sample g=%d (%s): %s", self.rank, waited, g, state,
-                         self._producer_status())
+                log.info(
+                    "rank %d waiting %.0f s for sample g=%d (%s): %s",
+                    self.rank,
+                    waited,
+                    g,
+                    state,
+                    self._producer_status(),
+                )
                 last_log = now
             time.sleep(self.poll_interval_s)
 
@@ -183,8 +190,9 @@ class Consumer:
                 self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
             except TransportError as exc:
                 # Not fatal: the producer removes what it finds below the cursor.
-                log.warning("rank %d: deleting %d consumed samples failed (%s); the producer will", self.rank,
-                            len(done), exc)
+                log.warning(
+                    "rank %d: deleting %d consumed samples failed (%s); the producer will", self.rank, len(done), exc
+                )
             self._consumed.difference_update(done)
         self._delete_below = None
 
@@ -246,8 +254,11 @@ class Consumer:
             return
         try:
             if self.client.get_bytes(cursor_key(self.store_id)) is None:
-                log.warning("rank %d: the cursor is gone from the store (master restarted?); republishing %d",
-                            self.rank, self._published)
+                log.warning(
+                    "rank %d: the cursor is gone from the store (master restarted?); republishing %d",
+                    self.rank,
+                    self._published,
+                )
                 self._write_cursor(self._published, self._published // self.global_batch_size)
         except TransportError as exc:
             log.debug("cursor check failed: %s", exc)

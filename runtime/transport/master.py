@@ -186,8 +186,14 @@ class MasterProcess:
         except BaseException:
             self.stop()
             raise
-        log.info("mooncake_master ready (pid %d) on %s rpc %d metadata %d metrics %d", self.process.pid, s.host,
-                 s.rpc_port, s.metadata_http_port, s.metrics_port)
+        log.info(
+            "mooncake_master ready (pid %d) on %s rpc %d metadata %d metrics %d",
+            self.process.pid,
+            s.host,
+            s.rpc_port,
+            s.metadata_http_port,
+            s.metrics_port,
+        )
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -240,7 +246,8 @@ class MasterProcess:
                 break
         return (
             f"mooncake_master exited with code {code} while starting.{culprit} Last output:\n{tail}"
-            if tail else f"mooncake_master exited with code {code} while starting.{culprit}"
+            if tail
+            else f"mooncake_master exited with code {code} while starting.{culprit}"
         )
 
     def log_tail(self, max_chars: int = 2000) -> str:
@@ -261,8 +268,9 @@ class MasterProcess:
                 try:
                     self.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    log.warning("mooncake_master (pid %d) ignored SIGTERM for %.0f s; killing it", self.process.pid,
-                                timeout_s)
+                    log.warning(
+                        "mooncake_master (pid %d) ignored SIGTERM for %.0f s; killing it", self.process.pid, timeout_s
+                    )
                     self.process.kill()
                     self.process.wait()
             code = self.process.returncode

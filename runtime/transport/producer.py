@@ -253,7 +253,9 @@ class Producer:
         if victims:
             log.warning(
                 "the next step's samples are missing while the store is at its watermark; dropping %d samples "
-                "from the far end of the window to make room: %s", len(victims), victims[:8]
+                "from the far end of the window to make room: %s",
+                len(victims),
+                victims[:8],
             )
             self.client.remove([k for g in victims for k in sample_keys(self.store_id, g)])
             with self._lock:
@@ -264,7 +266,8 @@ class Producer:
                     log.info("producer paused: %s", self.window.pause_reason())
                 else:
                     log.info(
-                        "producer resumed: %d samples / %d bytes resident", self.window.resident_samples,
+                        "producer resumed: %d samples / %d bytes resident",
+                        self.window.resident_samples,
                         self.window.resident_bytes,
                     )
             self._waiting_for = self.window.pause_reason()
@@ -438,8 +441,14 @@ class Producer:
         s = self.stats()
         log.info(
             "producer: %d samples committed (%.2f/s over the last minute), window [%s, %s), resident %d samples / "
-            "%d bytes, %s", s["committed_total"], s["rate_samples_per_s"], s["cursor"], s["window_end"],
-            s["resident_samples"], s["resident_bytes"], "PAUSED" if s["paused"] else "capturing",
+            "%d bytes, %s",
+            s["committed_total"],
+            s["rate_samples_per_s"],
+            s["cursor"],
+            s["window_end"],
+            s["resident_samples"],
+            s["resident_bytes"],
+            "PAUSED" if s["paused"] else "capturing",
         )
 
     # -- lifecycle --------------------------------------------------------------------------

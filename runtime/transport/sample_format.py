@@ -99,7 +99,9 @@ def checksum_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="dspark-crc")
+            _POOL = ThreadPoolExecutor(
+                max_workers=max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="dspark-crc"
+            )
         return _POOL
 
 
@@ -143,7 +145,10 @@ def verify_field(g: int, layout: FieldLayout, tensor: torch.Tensor) -> None:
         return
     got = crc32_chunks(tensor, layout.crc32_chunk_bytes)
     if got != layout.crc32:
-        bad = next((i for i, (a, b) in enumerate(zip(got, layout.crc32, strict=False)) if a != b), min(len(got), len(layout.crc32)))
+        bad = next(
+            (i for i, (a, b) in enumerate(zip(got, layout.crc32, strict=False)) if a != b),
+            min(len(got), len(layout.crc32)),
+        )
         raise CorruptSampleError(
             f"sample g={g}: field {layout.name} differs from what was committed in the chunk at byte "
             f"{bad * layout.crc32_chunk_bytes} (CRC-32 {got[bad] if bad < len(got) else None} vs "

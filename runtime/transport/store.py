@@ -195,8 +195,9 @@ class StoreClient:
         self.setup_s = time.monotonic() - start
         if rc != 0:
             hint = (
-                "the RDMA devices exist and are up (ibv_devinfo)" if s.protocol == "rdma" else
-                f"{s.endpoints.bind_address} is an address of this node (MC_TCP_BIND_ADDRESS / DSPARK_BIND_ADDRESS)"
+                "the RDMA devices exist and are up (ibv_devinfo)"
+                if s.protocol == "rdma"
+                else f"{s.endpoints.bind_address} is an address of this node (MC_TCP_BIND_ADDRESS / DSPARK_BIND_ADDRESS)"
             )
             raise StoreSetupError(
                 f"{self.name}: Mooncake client setup failed with code {rc} ({s.describe()}, segment "
@@ -455,7 +456,13 @@ class StoreClient:
         first_key, first_code = failures[0]
         log.warning(
             "%s: %s of %d object(s) failed (%s: %s); retry %d/%d in %.1f s",
-            self.name, op, len(failures), first_key, code_name(first_code), attempt + 1,
-            self.settings.max_retries, delay,
+            self.name,
+            op,
+            len(failures),
+            first_key,
+            code_name(first_code),
+            attempt + 1,
+            self.settings.max_retries,
+            delay,
         )
         time.sleep(delay)

@@ -72,8 +72,12 @@ def run_producer(args: argparse.Namespace) -> int:
                     continue
                 tensors = synthetic_sample(g, recipe, args.min_tokens, args.max_tokens)
                 time.sleep(args.capture_delay_s)  # stands in for the target's forward pass
-                meta = {"epoch": 0, "row_id": f"synthetic-{g}", "T": int(tensors["ids"].shape[0]),
-                        "engine": "synthetic"}
+                meta = {
+                    "epoch": 0,
+                    "row_id": f"synthetic-{g}",
+                    "T": int(tensors["ids"].shape[0]),
+                    "engine": "synthetic",
+                }
                 try:
                     producer.commit(g, tensors, meta)
                 except TransportError as exc:

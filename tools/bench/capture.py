@@ -77,11 +77,19 @@ def random_decoder(preset: Preset, device: str) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeModel
 
     config = Qwen3MoeConfig(
-        vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=2 * preset.hidden,
-        moe_intermediate_size=preset.expert_width, num_hidden_layers=preset.layers,
-        num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads, head_dim=preset.hidden // preset.heads,
-        num_experts=preset.experts, num_experts_per_tok=preset.top_k, norm_topk_prob=True,
-        max_position_embeddings=max(preset.max_len, 512), tie_word_embeddings=False,
+        vocab_size=preset.vocab,
+        hidden_size=preset.hidden,
+        intermediate_size=2 * preset.hidden,
+        moe_intermediate_size=preset.expert_width,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        head_dim=preset.hidden // preset.heads,
+        num_experts=preset.experts,
+        num_experts_per_tok=preset.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=max(preset.max_len, 512),
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -125,7 +133,9 @@ def make_batches(preset: Preset, vocab: int, seed: int = 0) -> list[list[Capture
         for _ in range(preset.batch_size):
             length = int(torch.randint(preset.min_len, preset.max_len + 1, (1,), generator=gen))
             ids = tuple(torch.randint(4, vocab, (length,), generator=gen).tolist())
-            batch.append(CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"b{g}", input_ids=ids, loss_mask=(1,) * length))
+            batch.append(
+                CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"b{g}", input_ids=ids, loss_mask=(1,) * length)
+            )
             g += 1
         batches.append(batch)
     return batches
@@ -146,7 +156,9 @@ def timed(fn: Callable[[], Any], device: str) -> float:
     return time.perf_counter() - start
 
 
-def run(preset: Preset, target: Path | None, sink_name: str, repeats: int, log: Callable[[str], None] = print) -> dict[str, float]:
+def run(
+    preset: Preset, target: Path | None, sink_name: str, repeats: int, log: Callable[[str], None] = print
+) -> dict[str, float]:
     """Time both sides on every batch ``repeats`` times (interleaved); returns the summary numbers."""
     device = "cuda:0" if preset.device == "cuda" else "cpu"
     if target is not None:
@@ -167,8 +179,13 @@ def run(preset: Preset, target: Path | None, sink_name: str, repeats: int, log: 
     del loaded
     params = sum(p.numel() for p in baseline_model.parameters())
     settings = EmbeddedSettings(
-        target_path=target or Path("random"), aux_layer_ids=preset.aux, hidden_size=hidden, pad_id=0,
-        compute_dtype=preset.dtype, devices=(device,), batch_size=preset.batch_size,
+        target_path=target or Path("random"),
+        aux_layer_ids=preset.aux,
+        hidden_size=hidden,
+        pad_id=0,
+        compute_dtype=preset.dtype,
+        devices=(device,),
+        batch_size=preset.batch_size,
     )
     sink = {"host": HostSink(), "null": NullSink()}.get(sink_name)
     store_context = None
@@ -179,9 +196,11 @@ def run(preset: Preset, target: Path | None, sink_name: str, repeats: int, log: 
     batches = make_batches(preset, vocab)
     replica = engine.replicas[0]
     tokens = sum(len(r.input_ids) for batch in batches for r in batch)
-    log(f"capture bench: {source}, {params / 1e6:.1f}M parameters, {preset.dtype} on {device}, {len(batches)} batches "
+    log(
+        f"capture bench: {source}, {params / 1e6:.1f}M parameters, {preset.dtype} on {device}, {len(batches)} batches "
         f"x {preset.batch_size} samples ({tokens} tokens, lengths {preset.min_len}..{preset.max_len}), aux {preset.aux}, "
-        f"sink {sink_name}, {repeats} repeats")
+        f"sink {sink_name}, {repeats} repeats"
+    )
 
     def forward(batch: list[CaptureRequest]) -> None:
         ids, attention = replica.pad([r.input_ids for r in batch])
@@ -211,8 +230,10 @@ def run(preset: Preset, target: Path | None, sink_name: str, repeats: int, log: 
             forward_s.append(f_total)
             capture_s.append(c_total)
             inside_s.append(inside)
-            log(f"  repeat {repeat + 1}/{repeats}: forward {tokens / f_total:,.0f} tok/s, capture {tokens / c_total:,.0f} tok/s "
-                f"({time.monotonic() - started:.0f} s)")
+            log(
+                f"  repeat {repeat + 1}/{repeats}: forward {tokens / f_total:,.0f} tok/s, capture {tokens / c_total:,.0f} tok/s "
+                f"({time.monotonic() - started:.0f} s)"
+            )
     finally:
         engine.close()
         if store_context is not None:
@@ -228,8 +249,10 @@ def run(preset: Preset, target: Path | None, sink_name: str, repeats: int, log: 
     overhead = (result["capture_over_forward"] - 1) * 100
     log(f"forward  (baseline, plain transformers): {result['forward_tokens_per_s']:,.0f} tokens/s")
     log(f"capture  (embedded engine, sink {sink_name}): {result['capture_tokens_per_s']:,.0f} tokens/s")
-    log(f"ratio capture time / forward time: {result['capture_over_forward']:.3f} (overhead {overhead:+.1f}%, target <= +10%: "
-        f"{'met' if overhead <= 10 else 'NOT met'})")
+    log(
+        f"ratio capture time / forward time: {result['capture_over_forward']:.3f} (overhead {overhead:+.1f}%, target <= +10%: "
+        f"{'met' if overhead <= 10 else 'NOT met'})"
+    )
     log(f"share of capture time outside the forward: {result['outside_forward_share'] * 100:.1f}%")
     return result
 
@@ -245,14 +268,24 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
 
     total = preset.batches * preset.batch_size * 64
     job = Path(tempfile.mkdtemp(prefix="bench-capture-"))
-    resolved = loopback_recipe(job, (free_port(), free_port(), free_port()), [
-        f"capture.hidden_size={hidden}", f"trainer.draft.hidden_size={hidden}",
-        f"capture.aux_layer_ids={list(preset.aux)}", f"capture.num_target_layers={preset.layers}",
-        f"data.max_length={preset.max_len}", "trainer.draft.max_position_embeddings=65536",
-        "transport.global_segment_bytes=8GiB", "transport.store_cap_bytes=7GiB",
-        "transport.high_watermark_bytes=6GiB", "transport.low_watermark_bytes=5GiB",
-        f"transport.high_watermark_samples={total}", f"transport.low_watermark_samples={total}",
-    ])
+    resolved = loopback_recipe(
+        job,
+        (free_port(), free_port(), free_port()),
+        [
+            f"capture.hidden_size={hidden}",
+            f"trainer.draft.hidden_size={hidden}",
+            f"capture.aux_layer_ids={list(preset.aux)}",
+            f"capture.num_target_layers={preset.layers}",
+            f"data.max_length={preset.max_len}",
+            "trainer.draft.max_position_embeddings=65536",
+            "transport.global_segment_bytes=8GiB",
+            "transport.store_cap_bytes=7GiB",
+            "transport.high_watermark_bytes=6GiB",
+            "transport.low_watermark_bytes=5GiB",
+            f"transport.high_watermark_samples={total}",
+            f"transport.low_watermark_samples={total}",
+        ],
+    )
     context = loopback_master(resolved)
     context.__enter__()
     producer = open_producer(resolved, endpoints=Endpoints.loopback(resolved.recipe))
@@ -271,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--quick", action="store_true", help="same as --preset quick --repeats 1")
     parser.add_argument("--target", type=Path, help="HF checkpoint to benchmark (cpu preset default: the tiny target)")
-    parser.add_argument("--random", action="store_true", help="random weights of the preset's shape, even if a target exists")
+    parser.add_argument(
+        "--random", action="store_true", help="random weights of the preset's shape, even if a target exists"
+    )
     parser.add_argument("--sink", choices=("host", "null", "store"), default="host")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, help="override the preset's batch count")
@@ -282,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches or args.batch_size:
         import dataclasses
 
-        preset = dataclasses.replace(preset, batches=args.batches or preset.batches, batch_size=args.batch_size or preset.batch_size)
+        preset = dataclasses.replace(
+            preset, batches=args.batches or preset.batches, batch_size=args.batch_size or preset.batch_size
+        )
     if preset.device == "cuda" and not torch.cuda.is_available():
         print(f"capture bench: preset {preset_name} needs a CUDA GPU; none is visible here (skipped)")
         return 0

@@ -153,17 +153,26 @@ class Config:
 
 def configs_for(names: Sequence[str], device_kind: str, gpus: int, ep: int) -> list[Config]:
     """The named configurations on this machine (``epN``/``dpN`` with N = ``ep``)."""
+
     def devices(count: int) -> tuple[str, ...]:
         return tuple("cpu" for _ in range(count)) if device_kind == "cpu" else tuple(f"cuda:{i}" for i in range(count))
 
-    known = {"hf1": Config("hf1", devices(1), 0), "ep1": Config("ep1", devices(1), 1),
-             f"ep{ep}": Config(f"ep{ep}", devices(ep), ep), f"dp{ep}": Config(f"dp{ep}", devices(ep), 0)}
+    known = {
+        "hf1": Config("hf1", devices(1), 0),
+        "ep1": Config("ep1", devices(1), 1),
+        f"ep{ep}": Config(f"ep{ep}", devices(ep), ep),
+        f"dp{ep}": Config(f"dp{ep}", devices(ep), 0),
+    }
     out = []
     for name in names:
         if name not in known:
-            raise SystemExit(f"--configs: unknown configuration {name!r}; known here: {', '.join(known)} (N = --ep {ep})")
+            raise SystemExit(
+                f"--configs: unknown configuration {name!r}; known here: {', '.join(known)} (N = --ep {ep})"
+            )
         if device_kind == "cuda" and len(known[name].devices) > gpus:
-            raise SystemExit(f"--configs {name} needs {len(known[name].devices)} GPUs but {gpus} are visible; fix: --ep {gpus}")
+            raise SystemExit(
+                f"--configs {name} needs {len(known[name].devices)} GPUs but {gpus} are visible; fix: --ep {gpus}"
+            )
         out.append(known[name])
     return out
 
@@ -186,7 +195,9 @@ def first_call_features(engine: EmbeddedEngine, call: list[CaptureRequest]) -> l
     return [f.lhs.float().cpu() for f in engine.features(call)]
 
 
-def timed_pass(engine: EmbeddedEngine, calls: list[list[CaptureRequest]], name: str, label: str, log: Callable[[str], None]) -> float:
+def timed_pass(
+    engine: EmbeddedEngine, calls: list[list[CaptureRequest]], name: str, label: str, log: Callable[[str], None]
+) -> float:
     """Wall seconds of capturing every call once (devices synchronised around each call)."""
     cuda_devices = sorted({d for d in engine.settings.devices if d.startswith("cuda")})
     wall = 0.0
@@ -201,12 +212,16 @@ def timed_pass(engine: EmbeddedEngine, calls: list[list[CaptureRequest]], name: 
         wall += time.perf_counter() - t0
         done += sum(len(r.input_ids) for r in call)
         if index == 0 or index + 1 == len(calls) or (index + 1) % 4 == 0:
-            log(f"[{name}]   {label}: call {index + 1}/{len(calls)}, {done / wall:,.0f} tokens/s, "
-                f"ETA {wall / (index + 1) * (len(calls) - index - 1):.0f} s")
+            log(
+                f"[{name}]   {label}: call {index + 1}/{len(calls)}, {done / wall:,.0f} tokens/s, "
+                f"ETA {wall / (index + 1) * (len(calls) - index - 1):.0f} s"
+            )
     return wall
 
 
-def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log: Callable[[str], None]) -> dict[str, Any]:
+def measure(
+    config: Config, preset: Preset, requests: list[CaptureRequest], log: Callable[[str], None]
+) -> dict[str, Any]:
     """Load, warm up, time a plain pass and an instrumented pass; returns the numbers."""
     cuda_devices = sorted({d for d in config.devices if d.startswith("cuda")})
     gc.collect()
@@ -214,8 +229,13 @@ def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     settings = EmbeddedSettings(
-        target_path=Path("random"), aux_layer_ids=preset.aux, hidden_size=preset.hidden, pad_id=0,
-        compute_dtype=preset.dtype, devices=config.devices, batch_size=preset.batch_size,
+        target_path=Path("random"),
+        aux_layer_ids=preset.aux,
+        hidden_size=preset.hidden,
+        pad_id=0,
+        compute_dtype=preset.dtype,
+        devices=config.devices,
+        batch_size=preset.batch_size,
         expert_parallel=max(config.expert_parallel, 1),
     )
 
@@ -240,18 +260,27 @@ def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log:
             torch.cuda.reset_peak_memory_stats(device)
         calls = request_calls(requests, engine.max_batch)
         tokens = sum(len(r.input_ids) for r in requests)
-        log(f"[{config.name}] {len(config.devices)} replica(s) on {','.join(config.devices)}, EP {config.expert_parallel or 1}"
+        log(
+            f"[{config.name}] {len(config.devices)} replica(s) on {','.join(config.devices)}, EP {config.expert_parallel or 1}"
             f"{' (plain HF model)' if not config.expert_parallel else ''}: loaded in {load_s:.1f} s, "
-            f"{max(resident) / GIB:.2f} GiB resident per replica; {len(calls)} calls of up to {engine.max_batch} samples")
+            f"{max(resident) / GIB:.2f} GiB resident per replica; {len(calls)} calls of up to {engine.max_batch} samples"
+        )
         engine.capture(calls[0])  # warm-up: kernels, allocator, routing buffers
         reference = first_call_features(engine, calls[0])
 
         wall_s = timed_pass(engine, calls, config.name, "timed pass", log)
         result: dict[str, Any] = {
-            "config": config.name, "devices": list(config.devices), "replicas": len(config.devices),
-            "expert_parallel": config.expert_parallel or 1, "plain_hf_model": not config.expert_parallel,
-            "load_s": load_s, "resident_gib_per_replica": [b / GIB for b in resident], "tokens": tokens,
-            "wall_s": wall_s, "tokens_per_s": tokens / wall_s, "tokens_per_s_per_device": tokens / wall_s / len(config.devices),
+            "config": config.name,
+            "devices": list(config.devices),
+            "replicas": len(config.devices),
+            "expert_parallel": config.expert_parallel or 1,
+            "plain_hf_model": not config.expert_parallel,
+            "load_s": load_s,
+            "resident_gib_per_replica": [b / GIB for b in resident],
+            "tokens": tokens,
+            "wall_s": wall_s,
+            "tokens_per_s": tokens / wall_s,
+            "tokens_per_s_per_device": tokens / wall_s / len(config.devices),
         }
         if config.expert_parallel:
             models = loader.models
@@ -266,7 +295,9 @@ def measure(config: Config, preset: Preset, requests: list[CaptureRequest], log:
             result.update(
                 instrumented_wall_s=instrumented_s,
                 instrumentation_overhead=instrumented_s / wall_s - 1,
-                instrumented_features_identical=all(torch.equal(a, b) for a, b in zip(reference, features, strict=True)),
+                instrumented_features_identical=all(
+                    torch.equal(a, b) for a, b in zip(reference, features, strict=True)
+                ),
                 per_replica=shares,
                 exchange_share=statistics.mean(s["exchange_share"] for s in shares),
                 exchange_share_max=max(s["exchange_share"] for s in shares),
@@ -303,27 +334,40 @@ def report(everything: list[dict[str, Any]], log: Callable[[str], None]) -> None
             log(f"[{r['config']}] FAILED: {r['error']}")
         return
     base = results[0]
-    log(f"{'config':>6} {'devices':>7} {'EP':>3} {'tokens/s':>10} {'tok/s/dev':>10} {'vs ' + base['config']:>7} "
-        f"{'exchange':>8} {'(max)':>6} {'rendezv.':>8} {'local':>6} {'experts':>7} {'peak GiB':>9}")
+    log(
+        f"{'config':>6} {'devices':>7} {'EP':>3} {'tokens/s':>10} {'tok/s/dev':>10} {'vs ' + base['config']:>7} "
+        f"{'exchange':>8} {'(max)':>6} {'rendezv.':>8} {'local':>6} {'experts':>7} {'peak GiB':>9}"
+    )
+
     def share(r: dict[str, Any], key: str) -> str:
         return f"{100 * r[key]:.1f}%" if key in r else "-"
 
     for r in results:
         peaks = list(r["peak_gib_per_device"].values())
-        log(f"{r['config']:>6} {r['replicas']:>7} {r['expert_parallel']:>3} {r['tokens_per_s']:>10,.0f} "
+        log(
+            f"{r['config']:>6} {r['replicas']:>7} {r['expert_parallel']:>3} {r['tokens_per_s']:>10,.0f} "
             f"{r['tokens_per_s_per_device']:>10,.0f} {r['tokens_per_s'] / base['tokens_per_s']:>7.2f} "
             f"{share(r, 'exchange_share'):>8} {share(r, 'exchange_share_max'):>6} {share(r, 'rendezvous_share'):>8} "
-            f"{share(r, 'local_share'):>6} {share(r, 'experts_share'):>7} {(f'{max(peaks):.1f}' if peaks else 'n/a'):>9}")
-    log("peak GiB = the largest peak allocated on one device while capturing (after loading; the load peak is in the JSON)")
-    log("exchange = dispatch + combine per replica / wall (mean over replicas; max shown); rendezvous = device-to-device "
-        "copies + waiting for the peer; local = planning, permutation, weighted sums; experts = grouped GEMMs")
+            f"{share(r, 'local_share'):>6} {share(r, 'experts_share'):>7} {(f'{max(peaks):.1f}' if peaks else 'n/a'):>9}"
+        )
+    log(
+        "peak GiB = the largest peak allocated on one device while capturing (after loading; the load peak is in the JSON)"
+    )
+    log(
+        "exchange = dispatch + combine per replica / wall (mean over replicas; max shown); rendezvous = device-to-device "
+        "copies + waiting for the peer; local = planning, permutation, weighted sums; experts = grouped GEMMs"
+    )
     for r in results:
         if "instrumented_features_identical" in r:
-            log(f"[{r['config']}] instrumented pass: {100 * r['instrumentation_overhead']:+.1f}% wall time, features "
-                f"{'bitwise identical' if r['instrumented_features_identical'] else 'DIFFERENT'} to the plain pass")
+            log(
+                f"[{r['config']}] instrumented pass: {100 * r['instrumentation_overhead']:+.1f}% wall time, features "
+                f"{'bitwise identical' if r['instrumented_features_identical'] else 'DIFFERENT'} to the plain pass"
+            )
         if r is not base:
-            log(f"[{r['config']}] lhs of the first call vs {base['config']}: max |diff| / max |{base['config']}| = "
-                f"{r['lhs_rel_diff_vs_base']:.2e}")
+            log(
+                f"[{r['config']}] lhs of the first call vs {base['config']}: max |diff| / max |{base['config']}| = "
+                f"{r['lhs_rel_diff_vs_base']:.2e}"
+            )
     for r in failed:
         log(f"[{r['config']}] FAILED: {r['error']}")
 
@@ -335,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the quick preset on CPU: EP = 2 over two CPU replicas")
     parser.add_argument("--ep", type=int, help="N of epN/dpN (default: the GPU count; 2 with --quick)")
     parser.add_argument("--configs", help="comma-separated, first is the baseline (default hf1,ep1,epN)")
-    parser.add_argument("--batches", type=int, help="override the preset's batch count (requests = batches x batch size)")
+    parser.add_argument(
+        "--batches", type=int, help="override the preset's batch count (requests = batches x batch size)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     preset = PRESETS["quick" if args.quick else args.preset]
@@ -350,18 +396,22 @@ def main(argv: list[str] | None = None) -> int:
     configs = configs_for(names, preset.device, gpus, ep)
     total, experts = parameter_counts(preset)
     if preset.hidden // preset.heads * preset.heads != preset.hidden or preset.experts % ep:
-        raise SystemExit(f"preset: {preset.experts} experts must split over EP {ep} and heads must divide the hidden size")
+        raise SystemExit(
+            f"preset: {preset.experts} experts must split over EP {ep} and heads must divide the hidden size"
+        )
 
     def log(line: str) -> None:
         print(line, flush=True)
 
     device_name = torch.cuda.get_device_name(0) if preset.device == "cuda" else platform.processor() or "CPU"
     requests = [r for batch in make_batches(preset, preset.vocab) for r in batch]
-    log(f"capture_ep bench: {device_name} x {gpus or 1}, torch {torch.__version__}; random Qwen3-MoE {total / 1e9:.2f}B parameters "
+    log(
+        f"capture_ep bench: {device_name} x {gpus or 1}, torch {torch.__version__}; random Qwen3-MoE {total / 1e9:.2f}B parameters "
         f"({100 * experts / total:.1f}% routed experts: {preset.layers} layers x {preset.experts} experts, top-{preset.top_k}, "
         f"hidden {preset.hidden}, width {preset.expert_width}), {preset.dtype}; {len(requests)} requests "
         f"({sum(len(r.input_ids) for r in requests):,} tokens, {preset.min_len}..{preset.max_len}), "
-        f"{preset.batch_size} per replica forward; configs {', '.join(c.name for c in configs)}")
+        f"{preset.batch_size} per replica forward; configs {', '.join(c.name for c in configs)}"
+    )
     torch.set_grad_enabled(False)
     started = time.monotonic()
     results: list[dict[str, Any]] = []
@@ -373,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"config": config.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]})
             log(f"[{config.name}] FAILED ({time.monotonic() - started:.0f} s since start): {results[-1]['error']}")
             continue
-        log(f"[{config.name}] done: {results[-1]['tokens_per_s']:,.0f} tokens/s ({time.monotonic() - started:.0f} s since start)")
+        log(
+            f"[{config.name}] done: {results[-1]['tokens_per_s']:,.0f} tokens/s ({time.monotonic() - started:.0f} s since start)"
+        )
     ran = [r for r in results if "error" not in r]
     for r in ran:
         r["lhs_rel_diff_vs_base"] = relative_difference(r["reference_lhs"], ran[0]["reference_lhs"])
@@ -382,10 +434,18 @@ def main(argv: list[str] | None = None) -> int:
     report(results, log)
     if args.json:
         payload = {
-            "format": JSON_FORMAT, "device": device_name, "gpus": gpus, "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "preset": dataclasses.asdict(preset), "parameters": total, "expert_parameters": experts,
-            "requests": len(requests), "results": results, "wall_s": time.monotonic() - started,
+            "format": JSON_FORMAT,
+            "device": device_name,
+            "gpus": gpus,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "preset": dataclasses.asdict(preset),
+            "parameters": total,
+            "expert_parameters": experts,
+            "requests": len(requests),
+            "results": results,
+            "wall_s": time.monotonic() - started,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_name(f".{args.json.name}.tmp{os.getpid()}")

@@ -96,7 +96,9 @@ def local_pair_counts(tokens: int, shapes: Shapes, seed: int = 0) -> torch.Tenso
     return torch.bincount(owner, minlength=shapes.local_experts)
 
 
-def bench_experts(shapes: Shapes, token_counts: list[int], device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+def bench_experts(
+    shapes: Shapes, token_counts: list[int], device: torch.device, dtype: torch.dtype, repeats: int
+) -> None:
     """MXFP4 dequant + grouped GEMM vs the same GEMM on resident dense weights (bf16 on GPU), per
     tokens-per-rank."""
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -122,7 +124,9 @@ def bench_experts(shapes: Shapes, token_counts: list[int], device: torch.device,
     )
     dequant_s = timed(lambda: mxfp4.dense_weights(), device, repeats)
     weight_elems = e * 3 * h * i
-    print(f"  dequantize all {e} experts: {dequant_s * 1e3:.2f} ms ({weight_elems * 2.53 / dequant_s / 1e9:.0f} GB/s moved)")
+    print(
+        f"  dequantize all {e} experts: {dequant_s * 1e3:.2f} ms ({weight_elems * 2.53 / dequant_s / 1e9:.0f} GB/s moved)"
+    )
     print(
         f"  {'tokens/rank':>11} {'pairs':>9} {'dense ms':>9} {'dense TF/s':>10} {'mxfp4 ms':>9} {'mxfp4 TF/s':>10} "
         f"{'dense/mxfp4':>11}  (time ratio: below 1 means MXFP4 is slower)"
@@ -154,9 +158,13 @@ def exchange_local_step(hidden: torch.Tensor, routing: TopKRouting, shapes: Shap
     return gather_sum(partial, plan.token_rank_row, None, out_dtype=hidden.dtype)
 
 
-def bench_exchange_local(shapes: Shapes, token_counts: list[int], device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+def bench_exchange_local(
+    shapes: Shapes, token_counts: list[int], device: torch.device, dtype: torch.dtype, repeats: int
+) -> None:
     """Per-token cost of the exchange's local work vs one copy of the same token bytes."""
-    print(f"exchange-local: EP{shapes.ep}, top-{shapes.top_k} of {shapes.num_experts}, hidden {shapes.hidden}, {dtype}, {device}")
+    print(
+        f"exchange-local: EP{shapes.ep}, top-{shapes.top_k} of {shapes.num_experts}, hidden {shapes.hidden}, {dtype}, {device}"
+    )
     print(f"  {'tokens':>8} {'rows sent':>10} {'exchange ms':>11} {'ns/token':>9} {'copy ms':>8} {'exchange/copy':>13}")
     for tokens in token_counts:
         hidden = torch.randn(tokens, shapes.hidden, device=device, dtype=dtype)
@@ -181,7 +189,9 @@ def bench_exchange_multi(shapes: Shapes, token_counts: list[int], repeats: int, 
         torch.cuda.set_device(device)  # before the NCCL group, so it binds this rank's GPU
         dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    multi = Shapes(shapes.hidden, shapes.intermediate, shapes.num_experts // world, shapes.num_experts, shapes.top_k, world)
+    multi = Shapes(
+        shapes.hidden, shapes.intermediate, shapes.num_experts // world, shapes.num_experts, shapes.top_k, world
+    )
     exchange = AllToAllExchange(dist.group.WORLD, multi.num_experts)
     if rank == 0:
         print(
@@ -209,7 +219,9 @@ def bench_exchange_multi(shapes: Shapes, token_counts: list[int], repeats: int, 
         flat = torch.randn(per_peer * world, multi.hidden, device=device, dtype=dtype)
         out = torch.empty_like(flat)
         a2a_s = timed(lambda o=out, f=flat: dist.all_to_all_single(o, f), device, repeats, warmup=2)
-        stats = torch.tensor([dispatch_s, combine_s, a2a_s, float(payload), float(rows_sent)], dtype=torch.float64, device=device)
+        stats = torch.tensor(
+            [dispatch_s, combine_s, a2a_s, float(payload), float(rows_sent)], dtype=torch.float64, device=device
+        )
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the layer's pace
         d, c, a, nbytes, rows = stats.tolist()
         if rank == 0:

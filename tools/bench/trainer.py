@@ -94,7 +94,16 @@ def quick_shapes() -> Shapes:
             markov_rank=16,
         )
     )
-    return Shapes(draft=draft, vocab=4096, num_aux=3, tokens=1024, num_anchors=64, chunk_blocks=8, matmul_n=512, dtype=torch.float32)
+    return Shapes(
+        draft=draft,
+        vocab=4096,
+        num_aux=3,
+        tokens=1024,
+        num_anchors=64,
+        chunk_blocks=8,
+        matmul_n=512,
+        dtype=torch.float32,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +182,9 @@ def matmul_tflops(shapes: Shapes, device: torch.device) -> float:
     b = torch.randn(n, n, device=device, dtype=shapes.dtype)
     seconds = timed(lambda: a @ b, device, repeats=10 if device.type == "cuda" else 3, warmup=3)
     tflops = 2 * n**3 / seconds / 1e12
-    print(f"[matmul] {str(shapes.dtype).removeprefix('torch.')} {n}^3: {seconds * 1e3:.3f} ms, {tflops:.2f} TFLOP/s (baseline)")
+    print(
+        f"[matmul] {str(shapes.dtype).removeprefix('torch.')} {n}^3: {seconds * 1e3:.3f} ms, {tflops:.2f} TFLOP/s (baseline)"
+    )
     return tflops
 
 
@@ -221,7 +232,9 @@ def init_single_rank(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
-def synthetic_sample(shapes: Shapes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthetic_sample(
+    shapes: Shapes, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids, an assistant-heavy mask (every block of a long sample gets all slots), hs, lhs (host)."""
     T, H = shapes.tokens, shapes.draft.hidden_size
     g = torch.Generator().manual_seed(0)
@@ -243,7 +256,13 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     backend = "flex" if device.type == "cuda" else "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        model = DSparkDraft(shapes.draft, vocab_size=shapes.vocab, num_aux_layers=shapes.num_aux, attention_backend=backend, max_length=shapes.tokens)
+        model = DSparkDraft(
+            shapes.draft,
+            vocab_size=shapes.vocab,
+            num_aux_layers=shapes.num_aux,
+            attention_backend=backend,
+            max_length=shapes.tokens,
+        )
     embed = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
     head = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
     model.attach_frozen_vocab(embed, head)
@@ -263,12 +282,23 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     ids, mask, hs_host, lhs_host = synthetic_sample(shapes, device)
     layout_started = time.perf_counter()
     layout = build_layout(
-        ids, mask, num_anchors=shapes.num_anchors, block_size=shapes.draft.block_size, mask_token_id=shapes.draft.mask_token_id, loss_decay_gamma=4.0, generator=anchor_generator(0, 0)
+        ids,
+        mask,
+        num_anchors=shapes.num_anchors,
+        block_size=shapes.draft.block_size,
+        mask_token_id=shapes.draft.mask_token_id,
+        loss_decay_gamma=4.0,
+        generator=anchor_generator(0, 0),
     )
     layout_s = time.perf_counter() - layout_started
     dev_layout = layout.to(device)
     coefficients = loss_coefficients(
-        ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0, global_weight_sum=float(layout.weights.sum()), gradient_scale=1.0, chunk_rows=shapes.chunk_blocks * shapes.draft.block_size
+        ce_weight=0.1,
+        l1_weight=0.9,
+        confidence_weight=1.0,
+        global_weight_sum=float(layout.weights.sum()),
+        gradient_scale=1.0,
+        chunk_rows=shapes.chunk_blocks * shapes.draft.block_size,
     )
     clock_ref: list[PhaseClock] = []
 
@@ -304,7 +334,9 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     started = time.perf_counter()
     step()  # warmup: compiles flex_attention
     sync(device)
-    print(f"[microstep] warmup (compile) {time.perf_counter() - started:.1f} s; {params:,} parameters; attention {backend}; fsdp {use_fsdp}")
+    print(
+        f"[microstep] warmup (compile) {time.perf_counter() - started:.1f} s; {params:,} parameters; attention {backend}; fsdp {use_fsdp}"
+    )
     resident = reset_peak(device)
     seconds = timed(step, device, repeats=repeats, warmup=0)
     peak = peak_gib(device)
@@ -331,7 +363,9 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory / GIB
         print(f"[microstep] fits one GPU: {peak <= capacity} ({peak:.1f} of {capacity:.1f} GiB)")
-    print(f"[microstep] model FLOPs {total / 1e12:.3f} TFLOP -> {achieved:.2f} TFLOP/s; MFU vs the matmul baseline = {achieved / matmul:.3f} (target >= 0.45)")
+    print(
+        f"[microstep] model FLOPs {total / 1e12:.3f} TFLOP -> {achieved:.2f} TFLOP/s; MFU vs the matmul baseline = {achieved / matmul:.3f} (target >= 0.45)"
+    )
     prefetched = total / prefetched_seconds / 1e12
     print(
         f"[microstep] with the sample already on the GPU (the trainer's side-stream prefetch): {prefetched_seconds:.3f} s, "
@@ -374,7 +408,9 @@ def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
     chunk_rows = shapes.chunk_blocks * shapes.draft.block_size
 
     def chunked() -> None:
-        loss, *_ = chunked_vocab_objective(h, latent, w2, lm_head, teacher, labels, weights, ce_coef=0.1, l1_coef=0.9, chunk_rows=chunk_rows)
+        loss, *_ = chunked_vocab_objective(
+            h, latent, w2, lm_head, teacher, labels, weights, ce_coef=0.1, l1_coef=0.9, chunk_rows=chunk_rows
+        )
         loss.backward()
         h.grad = latent.grad = w2.grad = None
 
@@ -390,20 +426,30 @@ def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
         peak = peak_gib(device)
         above = None if peak is None or base is None else peak - base
         results[name] = (seconds, above)
-        print(f"[loss] {name}: {seconds * 1e3:.1f} ms, peak above inputs {fmt_gib(above)} ({slots:,} slots x {V:,} vocab, chunk {chunk_rows} slots)")
+        print(
+            f"[loss] {name}: {seconds * 1e3:.1f} ms, peak above inputs {fmt_gib(above)} ({slots:,} slots x {V:,} vocab, chunk {chunk_rows} slots)"
+        )
     (t_base, m_base), (t_chunk, m_chunk) = results["unchunked (baseline)"], results["chunked"]
     ratio = "n/a" if m_base is None or m_chunk is None else f"{m_chunk / m_base:.3f}"
     print(f"[loss] chunked / unchunked: peak memory {ratio} (target <= 0.15), time {t_chunk / t_base:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, to prove the tool runs")
-    parser.add_argument("--section", action="append", choices=["microstep", "loss"], help="run only these (default: both)")
+    parser.add_argument(
+        "--section", action="append", choices=["microstep", "loss"], help="run only these (default: both)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 2)")
-    parser.add_argument("--no-fsdp", action="store_true", help="plain module in the compute dtype instead of single-rank FSDP2")
+    parser.add_argument(
+        "--no-fsdp", action="store_true", help="plain module in the compute dtype instead of single-rank FSDP2"
+    )
     parser.add_argument("--tokens", type=int, default=None, help="override T (default: the recipe's max_length)")
-    parser.add_argument("--chunk-blocks", type=int, default=None, help="override objective_chunk_blocks (default: the recipe's)")
+    parser.add_argument(
+        "--chunk-blocks", type=int, default=None, help="override objective_chunk_blocks (default: the recipe's)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         device, shapes = torch.device("cpu"), quick_shapes()
@@ -420,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     sections = args.section or ["microstep", "loss"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"[bench] {name}, torch {torch.__version__}, shapes: {shapes.draft.num_layers} layers x hidden {shapes.draft.hidden_size}, vocab {shapes.vocab:,}, T {shapes.tokens:,}")
+    print(
+        f"[bench] {name}, torch {torch.__version__}, shapes: {shapes.draft.num_layers} layers x hidden {shapes.draft.hidden_size}, vocab {shapes.vocab:,}, T {shapes.tokens:,}"
+    )
     matmul = matmul_tflops(shapes, device)
     if "microstep" in sections:
         run_microstep(shapes, device, matmul, repeats, use_fsdp=not args.no_fsdp)

@@ -87,7 +87,9 @@ def rank_setup() -> RankSetup:
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+            raise SystemExit(
+                f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible"
+            )
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
@@ -106,7 +108,9 @@ def bench_recipe(shapes_name: str, world_size: int, accumulation: int, tokens: i
     path = REPO_ROOT / "recipes" / f"{RECIPES[shapes_name]}.yaml"
     if tokens is not None:
         overrides.append(f"data.max_length={tokens}")
-        if tokens > load_recipe(path).recipe.trainer.draft.max_position_embeddings:  # else RoPE stays as the recipe has it
+        if (
+            tokens > load_recipe(path).recipe.trainer.draft.max_position_embeddings
+        ):  # else RoPE stays as the recipe has it
             overrides.append(f"trainer.draft.max_position_embeddings={tokens}")
     return load_recipe(path, overrides).recipe
 
@@ -204,7 +208,9 @@ def gather(value: Any, world_size: int) -> list[Any]:
     return out
 
 
-def rank_flops(trainer: Trainer, source: SyntheticSource, shapes: Shapes, steps: range, setup: RankSetup, accumulation: int) -> float:
+def rank_flops(
+    trainer: Trainer, source: SyntheticSource, shapes: Shapes, steps: range, setup: RankSetup, accumulation: int
+) -> float:
     """Model FLOPs this rank computes over ``steps`` (each sample's own layout: anchors depend on g)."""
     total = 0.0
     for step in steps:
@@ -219,14 +225,18 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     setup = rank_setup()
     say = print if setup.rank == 0 else (lambda *_a, **_k: None)
     if args.shapes == "k3" and setup.device.type != "cuda":
-        raise SystemExit("--shapes k3 needs a CUDA GPU per rank (H200-class: tens of GiB each); on CPU use --shapes tiny")
+        raise SystemExit(
+            "--shapes k3 needs a CUDA GPU per rank (H200-class: tens of GiB each); on CPU use --shapes tiny"
+        )
     recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens)
     total_steps = args.warmup + args.steps
     settings = run_settings(recipe, setup, total_steps)
     init_process_group(settings, COLLECTIVE_TIMEOUT_S)
     started = time.monotonic()
     shapes = recipe_shapes(recipe, setup.device)
-    device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else platform.processor() or "CPU"
+    device_name = (
+        torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else platform.processor() or "CPU"
+    )
     say(
         f"[scaling] {setup.world_size} rank(s) ({dist.get_backend()}) on {device_name}, torch {torch.__version__}; "
         f"shapes {args.shapes}: {shapes.draft.num_layers} layers x hidden {shapes.draft.hidden_size}, vocab {shapes.vocab:,}, "
@@ -238,22 +248,36 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     with contextlib.redirect_stdout(io.StringIO()):  # every rank times its own GPU; rank 0 prints them all
         matmul = matmul_tflops(shapes, setup.device)
     matmuls = gather(matmul, setup.world_size)
-    say(f"[scaling] baseline {str(shapes.dtype).removeprefix('torch.')} {shapes.matmul_n}^3 matmul per rank: "
-        + ", ".join(f"{t:.4g}" for t in matmuls) + " TFLOP/s", flush=True)
+    say(
+        f"[scaling] baseline {str(shapes.dtype).removeprefix('torch.')} {shapes.matmul_n}^3 matmul per rank: "
+        + ", ".join(f"{t:.4g}" for t in matmuls)
+        + " TFLOP/s",
+        flush=True,
+    )
 
     resolved = ResolvedRecipe(
-        recipe=recipe, digest="bench", path=REPO_ROOT / "recipes" / f"{RECIPES[args.shapes]}.yaml",
-        repo_root=REPO_ROOT, source=f"tools.bench.trainer_scaling --shapes {args.shapes}", smoke=False, overrides=[],
+        recipe=recipe,
+        digest="bench",
+        path=REPO_ROOT / "recipes" / f"{RECIPES[args.shapes]}.yaml",
+        repo_root=REPO_ROOT,
+        source=f"tools.bench.trainer_scaling --shapes {args.shapes}",
+        smoke=False,
+        overrides=[],
     )
     trainer = Trainer(resolved, settings)
     model = build_model(recipe, settings)
     opt = recipe.trainer.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
     guard = FiniteGuard(smoke=False, max_consecutive_skips=recipe.trainer.max_consecutive_skips)
     parameters = sum(p.numel() for p in model.parameters())  # sharded DTensors report their global size
     source = SyntheticSource(*synthetic_sample(shapes, setup.device))
-    say(f"[scaling] model {parameters:,} trainable parameters, fp32 master weights, compute {str(settings.param_dtype).removeprefix('torch.')}, "
-        f"attention {settings.attention_backend}; setup {time.monotonic() - started:.1f} s", flush=True)
+    say(
+        f"[scaling] model {parameters:,} trainable parameters, fp32 master weights, compute {str(settings.param_dtype).removeprefix('torch.')}, "
+        f"attention {settings.attention_backend}; setup {time.monotonic() - started:.1f} s",
+        flush=True,
+    )
 
     step_s: list[float] = []
     losses: list[float] = []
@@ -275,13 +299,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         sync(setup.device)
         seconds = time.perf_counter() - t0
         if not outcome.applied:
-            raise SystemExit(f"step {step}: the update was skipped as non-finite ({outcome.rank_terms}); the benchmark needs finite steps")
+            raise SystemExit(
+                f"step {step}: the update was skipped as non-finite ({outcome.rank_terms}); the benchmark needs finite steps"
+            )
         if not warm:
             step_s.append(seconds)
             losses.append(outcome.sums["loss_total"])
             grad_norms.append(outcome.grad_norm)
         done_timed = len(step_s)
-        eta = (time.monotonic() - timed_started) / done_timed * (args.steps - done_timed) if done_timed else float("nan")
+        eta = (
+            (time.monotonic() - timed_started) / done_timed * (args.steps - done_timed) if done_timed else float("nan")
+        )
         say(
             f"[scaling] step {step + 1}/{total_steps} ({'warm-up' if warm else 'timed'}): {seconds:.3f} s on rank 0, "
             f"loss {outcome.sums['loss_total']:.4f}, grad norm {outcome.grad_norm:.3f}"
@@ -291,10 +319,19 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     peak = torch.cuda.max_memory_allocated(setup.device) / GIB if setup.device.type == "cuda" else None
     reserved = torch.cuda.max_memory_reserved(setup.device) / GIB if setup.device.type == "cuda" else None
-    capacity = torch.cuda.get_device_properties(setup.device).total_memory / GIB if setup.device.type == "cuda" else None
+    capacity = (
+        torch.cuda.get_device_properties(setup.device).total_memory / GIB if setup.device.type == "cuda" else None
+    )
     flops = rank_flops(trainer, source, shapes, range(args.warmup, total_steps), setup, args.accumulation)
     per_rank = gather(
-        {"step_s": step_s, "flops": flops, "peak": peak, "reserved": reserved, "capacity": capacity, "warmup_peak": warmup_peak},
+        {
+            "step_s": step_s,
+            "flops": flops,
+            "peak": peak,
+            "reserved": reserved,
+            "capacity": capacity,
+            "warmup_peak": warmup_peak,
+        },
         setup.world_size,
     )
     dist.barrier()
@@ -352,21 +389,36 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 def print_report(result: dict[str, Any]) -> None:
     """The human summary of one run."""
     r = result
-    print(f"[scaling] {r['world_size']} rank(s), {r['shapes']} shapes, T={r['tokens_per_sample']:,}, {r['accumulation']} micro-step(s) per step:")
+    print(
+        f"[scaling] {r['world_size']} rank(s), {r['shapes']} shapes, T={r['tokens_per_sample']:,}, {r['accumulation']} micro-step(s) per step:"
+    )
     print(f"    step time            {r['step_time_s']:.3f} s (median of {r['timed_steps']}; slowest rank each step)")
     print(f"    tokens/s             {r['tokens_per_s']:,.0f} total, {r['tokens_per_s_per_rank']:,.0f} per rank")
-    print(f"    model FLOPs          {r['model_tflop_per_step']:.4g} TFLOP per step; per rank "
-          + ", ".join(f"{t:.4g}" for t in r["model_tflops_per_rank"]) + " TFLOP/s")
-    print("    MFU vs the matmul    " + ", ".join(f"{m:.3f}" for m in r["mfu_per_rank"])
-          + f" (mean {r['mfu']:.3f}; target >= {MFU_TARGET}: {'met' if r['mfu'] >= MFU_TARGET else 'NOT met'})")
+    print(
+        f"    model FLOPs          {r['model_tflop_per_step']:.4g} TFLOP per step; per rank "
+        + ", ".join(f"{t:.4g}" for t in r["model_tflops_per_rank"])
+        + " TFLOP/s"
+    )
+    print(
+        "    MFU vs the matmul    "
+        + ", ".join(f"{m:.3f}" for m in r["mfu_per_rank"])
+        + f" (mean {r['mfu']:.3f}; target >= {MFU_TARGET}: {'met' if r['mfu'] >= MFU_TARGET else 'NOT met'})"
+    )
     if r["peak_allocated_gib_per_rank"][0] is not None:
-        print("    peak memory          " + ", ".join(
-            f"{p:.1f} GiB (reserved {q:.1f} of {c:.1f}; warm-up {w:.1f})"
-            for p, q, c, w in zip(
-                r["peak_allocated_gib_per_rank"], r["peak_reserved_gib_per_rank"], r["device_memory_gib_per_rank"],
-                r["warmup_peak_allocated_gib_per_rank"], strict=True,
+        print(
+            "    peak memory          "
+            + ", ".join(
+                f"{p:.1f} GiB (reserved {q:.1f} of {c:.1f}; warm-up {w:.1f})"
+                for p, q, c, w in zip(
+                    r["peak_allocated_gib_per_rank"],
+                    r["peak_reserved_gib_per_rank"],
+                    r["device_memory_gib_per_rank"],
+                    r["warmup_peak_allocated_gib_per_rank"],
+                    strict=True,
+                )
             )
-        ) + " per rank")
+            + " per rank"
+        )
     else:
         print("    peak memory          n/a (CUDA only)")
 
@@ -388,7 +440,15 @@ class CompareError(ValueError):
     """Two result files that cannot be compared; the message names the file, the field and the fix."""
 
 
-MUST_MATCH = ("shapes", "tokens_per_sample", "accumulation", "micro_batch", "param_dtype", "attention_backend", "backend")
+MUST_MATCH = (
+    "shapes",
+    "tokens_per_sample",
+    "accumulation",
+    "micro_batch",
+    "param_dtype",
+    "attention_backend",
+    "backend",
+)
 
 
 def read_result(path: Path) -> dict[str, Any]:
@@ -401,16 +461,22 @@ def read_result(path: Path) -> dict[str, Any]:
         raise CompareError(f"{path}: not JSON ({exc}); fix: run the benchmark again with --json {path}") from None
     if not isinstance(data, dict) or data.get("format") != JSON_FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CompareError(f"{path}: field 'format' is {found!r}, expected {JSON_FORMAT!r}; fix: pass files written by this benchmark's --json")
+        raise CompareError(
+            f"{path}: field 'format' is {found!r}, expected {JSON_FORMAT!r}; fix: pass files written by this benchmark's --json"
+        )
     return data
 
 
 def scaling_efficiency(one: dict[str, Any], many: dict[str, Any], one_path: Path, many_path: Path) -> float:
     """``many.tokens_per_s / (many.world_size x one.tokens_per_s)`` after checking they compare."""
     if one["world_size"] != 1:
-        raise CompareError(f"{one_path}: field 'world_size' is {one['world_size']}, expected 1; fix: pass the 1-rank run first")
+        raise CompareError(
+            f"{one_path}: field 'world_size' is {one['world_size']}, expected 1; fix: pass the 1-rank run first"
+        )
     if many["world_size"] < 2:
-        raise CompareError(f"{many_path}: field 'world_size' is {many['world_size']}; fix: pass a run with 2 or more ranks second")
+        raise CompareError(
+            f"{many_path}: field 'world_size' is {many['world_size']}; fix: pass a run with 2 or more ranks second"
+        )
     for key in MUST_MATCH:
         if one[key] != many[key]:
             raise CompareError(
@@ -425,27 +491,52 @@ def compare(one_path: Path, many_path: Path) -> float:
     one, many = read_result(one_path), read_result(many_path)
     efficiency = scaling_efficiency(one, many, one_path, many_path)
     n = many["world_size"]
-    print(f"[scaling] {one['shapes']} shapes, T={one['tokens_per_sample']:,}, {one['accumulation']} micro-step(s) per rank per step, {one['device']}")
+    print(
+        f"[scaling] {one['shapes']} shapes, T={one['tokens_per_sample']:,}, {one['accumulation']} micro-step(s) per rank per step, {one['device']}"
+    )
     print(f"    {'ranks':>5} {'step s':>8} {'tokens/s':>12} {'tok/s/rank':>11} {'MFU':>6} {'peak GiB (max rank)':>20}")
     for r in (one, many):
         peaks = [p for p in r["peak_allocated_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):.1f}" if peaks else "n/a"
-        print(f"    {r['world_size']:>5} {r['step_time_s']:>8.3f} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_rank']:>11,.0f} {r['mfu']:>6.3f} {peak:>20}")
+        print(
+            f"    {r['world_size']:>5} {r['step_time_s']:>8.3f} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_rank']:>11,.0f} {r['mfu']:>6.3f} {peak:>20}"
+        )
     verdict = "met" if efficiency >= EFFICIENCY_TARGET else "NOT met"
-    print(f"    scaling efficiency = {n}-rank tokens/s / ({n} x 1-rank tokens/s) = {efficiency:.3f} (target >= {EFFICIENCY_TARGET}: {verdict})")
+    print(
+        f"    scaling efficiency = {n}-rank tokens/s / ({n} x 1-rank tokens/s) = {efficiency:.3f} (target >= {EFFICIENCY_TARGET}: {verdict})"
+    )
     return efficiency
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.trainer_scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", choices=sorted(RECIPES), default="tiny", help="recipe the shapes come from (default tiny)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.trainer_scaling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--shapes", choices=sorted(RECIPES), default="tiny", help="recipe the shapes come from (default tiny)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1: compiles flex_attention)")
-    parser.add_argument("--accumulation", type=int, default=2, help="micro-steps (1 sample each) per rank per optimizer step (default 2)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps first (default 1: compiles flex_attention)"
+    )
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=2,
+        help="micro-steps (1 sample each) per rank per optimizer step (default 2)",
+    )
     parser.add_argument("--tokens", type=int, help="tokens per sample T (default: the recipe's data.max_length)")
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
-    parser.add_argument("--compare", type=Path, nargs=2, metavar=("ONE.json", "N.json"), help="print the scaling efficiency of two results")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("ONE.json", "N.json"),
+        help="print the scaling efficiency of two results",
+    )
     args = parser.parse_args(argv)
     if args.compare:
         try:

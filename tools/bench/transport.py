@@ -90,8 +90,15 @@ def nbytes(t: torch.Tensor) -> int:
 
 def client_settings(endpoints: Endpoints, segment_bytes: int, local_buffer_bytes: int) -> ClientSettings:
     """Bench clients: the recipe defaults that matter, explicit."""
-    return ClientSettings(endpoints=endpoints, segment_bytes=segment_bytes, local_buffer_bytes=local_buffer_bytes,
-                          transfer_timeout_s=300, max_retries=2, retry_backoff_s=0.2, connect_timeout_s=30)
+    return ClientSettings(
+        endpoints=endpoints,
+        segment_bytes=segment_bytes,
+        local_buffer_bytes=local_buffer_bytes,
+        transfer_timeout_s=300,
+        max_retries=2,
+        retry_backoff_s=0.2,
+        connect_timeout_s=30,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,14 +126,19 @@ def reader_command(client: StoreClient, cmd: dict[str, Any], device: str, reused
     """Time one get variant (or a remote put) and return the medians."""
     keys, shapes, dtypes, reps = cmd["keys"], cmd["shapes"], cmd["dtypes"], cmd["reps"]
     torch_dtypes = [getattr(torch, d) for d in dtypes]
-    sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, torch_dtypes, strict=True)]
+    sizes = [
+        int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
+        for s, d in zip(shapes, torch_dtypes, strict=True)
+    ]
     store = client.raw
     if cmd["op"] == "put_remote":
         src = [torch.ones(s, dtype=d) for s, d in zip(shapes, torch_dtypes, strict=True)]
         with client.registered([byte_view(t) for t in src]):
+
             def put() -> None:
                 codes = store.batch_upsert_from(keys, [t.data_ptr() for t in src], sizes)
                 assert all(c == 0 for c in codes), codes
+
             put()  # the first put pays for fresh allocations in the owner's segment; time warm ones
             return {"put_s": median_time(put, reps)}
     phases: dict[str, list[float]] = {k: [] for k in ("alloc_s", "get_s", "verify_s", "h2d_s", "total_s")}
@@ -221,9 +233,24 @@ def raw_tcp_bandwidth(num_bytes: int, reps: int) -> float:
 def reader_process(endpoints: Endpoints, device: str) -> Iterator[Callable[[dict], dict]]:
     """A reader subprocess and a function that sends it one command and returns its answer."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.bench.transport", "--role", "reader", "--master", endpoints.master_address,
-         "--metadata", endpoints.metadata_url, "--device", device],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tools.bench.transport",
+            "--role",
+            "reader",
+            "--master",
+            endpoints.master_address,
+            "--metadata",
+            endpoints.metadata_url,
+            "--device",
+            device,
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
     )
     hello = json.loads(proc.stdout.readline())
@@ -306,8 +333,13 @@ def bench_size(tokens: int, args: argparse.Namespace, producer: StoreClient, ask
     row["put_s"] = median_time(lambda: producer.put_tensors(keys, host, what=f"T={tokens}"), reps, before=memcpy)
 
     # reader side (the other process, over TCP)
-    cmd = {"keys": keys, "shapes": [list(t.shape) for t in host], "dtypes": [str(t.dtype).split(".")[1] for t in host],
-           "crcs": [list(la.crc32) for la in layouts], "reps": reps}
+    cmd = {
+        "keys": keys,
+        "shapes": [list(t.shape) for t in host],
+        "dtypes": [str(t.dtype).split(".")[1] for t in host],
+        "crcs": [list(la.crc32) for la in layouts],
+        "reps": reps,
+    }
     for op in ("get_fresh", "get_reused", "get_single"):
         memcpy()
         row[op] = ask({**cmd, "op": op})
@@ -324,6 +356,7 @@ def bench_size(tokens: int, args: argparse.Namespace, producer: StoreClient, ask
 
 def report(rows: list[dict], setup: dict, tcp_bps: float, args: argparse.Namespace) -> str:
     """The tables (markdown)."""
+
     def gbps(num_bytes: int, seconds: float) -> str:
         return f"{num_bytes / seconds / GB:.2f}"
 
@@ -415,8 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(tokens) * per_token
     # two sample sets (owner's and the remote put) plus the meta and headroom
     segment = max(64 * MIB, int(2.2 * largest) + 64 * MIB)
-    settings = MasterSettings(host="127.0.0.1", rpc_port=free_port(), metadata_http_port=free_port(),
-                              metrics_port=free_port(), kv_lease_ttl_s=300, eviction_high_watermark_ratio=0.95)
+    settings = MasterSettings(
+        host="127.0.0.1",
+        rpc_port=free_port(),
+        metadata_http_port=free_port(),
+        metrics_port=free_port(),
+        kv_lease_ttl_s=300,
+        eviction_high_watermark_ratio=0.95,
+    )
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     with MasterProcess(settings, log_dir / f"bench_transport_master_{os.getpid()}.log") as master:
         endpoints = master.settings.endpoints_for_clients
