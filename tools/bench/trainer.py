@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runtime.recipe import load_recipe
+from runtime.recipe import Recipe, load_recipe
 from runtime.recipe.schema import DraftConfig
 from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
 from runtime.trainer.model import DSparkDraft, SampleInputs
@@ -64,9 +64,10 @@ class Shapes:
     dtype: torch.dtype
 
 
-def k3_shapes() -> Shapes:
-    """K3 draft shapes, read from the recipe so the benchmark follows it."""
-    recipe = load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml").recipe
+def recipe_shapes(recipe: Recipe, device: torch.device) -> Shapes:
+    """The micro-step shapes of ``recipe`` (what :func:`tools.bench.trainer.microstep_flops` reads).
+    The matmul baseline is bf16 8192^3 on GPU, a small fp32 one on CPU."""
+    on_gpu = device.type == "cuda"
     return Shapes(
         draft=recipe.trainer.draft,
         vocab=recipe.capture.vocab_size,
@@ -74,9 +75,14 @@ def k3_shapes() -> Shapes:
         tokens=recipe.data.max_length,
         num_anchors=recipe.trainer.loss.num_anchors,
         chunk_blocks=recipe.trainer.loss.objective_chunk_blocks,
-        matmul_n=8192,
-        dtype=torch.bfloat16,
+        matmul_n=8192 if on_gpu else 512,
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
     )
+
+
+def k3_shapes() -> Shapes:
+    """K3 draft shapes, read from the recipe so the benchmark follows it."""
+    return recipe_shapes(load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml").recipe, torch.device("cuda"))
 
 
 def quick_shapes() -> Shapes:

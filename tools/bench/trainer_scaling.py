@@ -50,7 +50,16 @@ from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
 from runtime.transport.contract import CapturedSample, global_sample_index
-from tools.bench.trainer import GIB, Shapes, free_port, matmul_tflops, microstep_flops, sync, synthetic_sample
+from tools.bench.trainer import (
+    GIB,
+    Shapes,
+    free_port,
+    matmul_tflops,
+    microstep_flops,
+    recipe_shapes,
+    sync,
+    synthetic_sample,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"k3": "kimi_k3_v1c", "tiny": "tiny"}
@@ -113,22 +122,6 @@ def bench_recipe(shapes_name: str, world_size: int, accumulation: int, tokens: i
         ):  # else RoPE stays as the recipe has it
             overrides.append(f"trainer.draft.max_position_embeddings={tokens}")
     return load_recipe(path, overrides).recipe
-
-
-def recipe_shapes(recipe: Recipe, device: torch.device) -> Shapes:
-    """The micro-step shapes of ``recipe`` (what :func:`tools.bench.trainer.microstep_flops` reads).
-    The matmul baseline is bf16 8192^3 on GPU, a small fp32 one on CPU."""
-    on_gpu = device.type == "cuda"
-    return Shapes(
-        draft=recipe.trainer.draft,
-        vocab=recipe.capture.vocab_size,
-        num_aux=recipe.num_aux_layers,
-        tokens=recipe.data.max_length,
-        num_anchors=recipe.trainer.loss.num_anchors,
-        chunk_blocks=recipe.trainer.loss.objective_chunk_blocks,
-        matmul_n=8192 if on_gpu else 512,
-        dtype=torch.bfloat16 if on_gpu else torch.float32,
-    )
 
 
 def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSettings:
