@@ -4,6 +4,7 @@ components on different nodes, the environment contract, status, cancel, failure
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from launcher.hetjob import HetJob
 from launcher.jobs import find_record
 
 pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
 
 JOB_TIMEOUT_S = 240.0
 
@@ -135,3 +138,34 @@ def test_usr2_requeues_once_through_task_zero(slurm_cluster, tmp_path: Path) -> 
     assert payload.function.requeue_count == 1
     capture_log = record.log_path("capture", 0).read_text(errors="replace")
     assert "Not checkpointing nor requeuing" in capture_log, "only task 0 (trainer rank 0) acts on the signal"
+
+
+def test_manual_sbatch_of_the_checked_in_script(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
+    """`sbatch sbatch/tiny.sbatch` (no launcher): the script resolves the recipe in the allocation,
+    writes the job's payload and record, and runs both components to completion."""
+    runs, job_dir = tmp_path / "runs", tmp_path / "job"
+    env = {
+        **os.environ,
+        "DSPARK_REPO": str(REPO),
+        "DSPARK_JOB_DIR": str(job_dir),
+        "DSPARK_RESOLVE_ARGS": f"--set trainer.max_steps=2 --set job.runs_dir={runs}",
+    }
+    done = subprocess.run(
+        ["sbatch", str(REPO / "sbatch" / "tiny.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = done.stdout.split()[-1]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (job_dir / "job.json").exists():
+        assert time.monotonic() < deadline, "the script never resolved the recipe"
+        time.sleep(1)
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED"
+    record = find_record(job_id, runs)
+    assert Path(record.job_dir) == job_dir and record.components == {"capture": 1, "trainer": 4}
+    steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (tmp_path / f"slurm-tiny-{job_id}.out").exists(), "the batch log lands in the submit directory"
