@@ -24,10 +24,10 @@ STOP_GRACE_S = 30.0
 """Seconds a child gets between SIGTERM and SIGKILL."""
 
 
-def component_command(component: str, recipe_path: Path, probe: bool, python: str | None = None) -> list[str]:
-    """The command line of one component task."""
+def component_command(component: str, recipe_path: Path, probe: bool) -> list[str]:
+    """The command line of one component task (the worker's own interpreter runs it)."""
     module = PROBE_MODULE if probe else RUNTIME_MODULES[component]
-    args = [python or sys.executable, "-u", "-m", module, "--recipe", str(recipe_path)]
+    args = [sys.executable, "-u", "-m", module, "--recipe", str(recipe_path)]
     if probe:
         args += ["--component", component]
     return args

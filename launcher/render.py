@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.environment import COMPONENTS
@@ -44,7 +44,6 @@ class RenderOptions:
     """Run the environment probe instead of the runtime in each component."""
     repo_dir: str | None = None
     """Absolute repository folder (launcher submission); None uses the submit directory."""
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def environment_references(recipe: Recipe) -> dict[str, list[str]]:
@@ -152,8 +151,6 @@ def _site_settings(recipe: Recipe, options: RenderOptions) -> list[str]:
         f'DSPARK_JOB_DIR="${{DSPARK_JOB_DIR:-{job_dir_default}}}"',
         f'DSPARK_RESOLVE_ARGS="${{DSPARK_RESOLVE_ARGS:-{_resolve_args(options)}}}"',
     ]
-    for key, value in sorted(options.extra_env.items()):
-        lines.append(f"export {key}={shlex.quote(value)}")
     references = environment_references(recipe)
     if references:
         lines.append("# Site paths the recipe reads from the environment:")
