@@ -3,8 +3,11 @@ through transformers, prefill only, one model replica per GPU (data parallel) or
 
 A batch from the producer is dealt out to the replicas in contiguous chunks of up to
 ``capture.batch_size`` samples; each replica runs one right-padded forward per chunk (its own
-thread: the forward releases the GIL), and every sample is committed through the sink, meta last,
-before :meth:`EmbeddedEngine.capture` returns.
+thread: the forward releases the GIL). Every sample is committed through the sink, meta last:
+with ``commit_staging_slots`` 0 before :meth:`EmbeddedEngine.capture` returns; otherwise through a
+:class:`runtime.capture.commit_pipeline.CommitPipeline`, so the commits of one batch run while the
+next batch's forward does (``capture`` returns the samples whose commits finished, :meth:`pending`
+names those still running, :meth:`flush` waits for them).
 
 Expert parallelism (``capture.expert_parallel > 1``) is not built here: the expert-sharding loader
 of :mod:`runtime.moe.embedded_loader` plugs in through the ``model_loader`` argument (see
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.capture.commit_pipeline import CommitPipeline, CommitResult
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.hidden_states import HiddenStateCapture, SampleFeatures
 from runtime.capture.sample_meta import CaptureIdentity, sample_meta, sample_tensors
@@ -63,28 +67,43 @@ class EmbeddedSettings:
     target_revision: str | None = None
     expert_parallel: int = 1
     moe_exchange: str = "nccl"
+    commit_staging_slots: int = 0
+    """Samples staged or being committed at once while the next forward runs; 0: commit every
+    sample before :meth:`EmbeddedEngine.capture` returns (no pipeline)."""
+    staging_slot_bytes: int = 0
+    """Size each staging slot is pinned at on first use (the largest sample of the recipe), so
+    the slots are not re-pinned as longer samples come; 0: grow to the largest sample seen."""
 
     @classmethod
     def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
         """Settings of the resolved recipe's ``capture`` section (devices picked here)."""
         c = resolved.recipe.capture
+        devices = tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype))
         return cls(
             target_path=resolved.resolve_path(c.target_path),
             aux_layer_ids=tuple(c.aux_layer_ids),
             hidden_size=c.hidden_size,
             pad_id=c.special_tokens.pad_id,
             compute_dtype=c.compute_dtype,
-            devices=tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype)),
+            devices=devices,
             batch_size=c.batch_size,
             target_revision=c.target_revision,
             expert_parallel=c.expert_parallel,
             moe_exchange=c.moe_exchange,
+            commit_staging_slots=c.effective_commit_staging_slots(len(devices)),
+            staging_slot_bytes=max_sample_feature_bytes(resolved),
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The forward's dtype."""
         return COMPUTE_DTYPES[self.compute_dtype]
+
+
+def max_sample_feature_bytes(resolved: ResolvedRecipe) -> int:
+    """Bytes of the ``hs`` + ``lhs`` fields of the recipe's longest sample (bf16)."""
+    c = resolved.recipe.capture
+    return resolved.recipe.data.max_length * (len(c.aux_layer_ids) + 1) * c.hidden_size * 2 + 2 * 64
 
 
 def pick_devices(device: str, engines_per_node: int | None, compute_dtype: str = "bfloat16") -> list[str]:
@@ -167,6 +186,8 @@ class EmbeddedEngine:
         )
         self.forward_seconds = 0.0
         """Wall time spent in forwards (for the benchmark's share-outside-the-forward figure)."""
+        self._pipeline: CommitPipeline | None = None
+        self._submitted: dict[int, SampleRef] = {}
 
     @property
     def max_batch(self) -> int:
@@ -186,6 +207,10 @@ class EmbeddedEngine:
                 )
             self.replicas.append(replica)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="dspark-capture")
+        if self.settings.commit_staging_slots > 0 and self.sink is not None:
+            self._pipeline = CommitPipeline(
+                self.sink, self.settings.commit_staging_slots, self.settings.staging_slot_bytes, name="embedded"
+            )
         log.info(
             "embedded engine ready: %d replica(s) on %s, %s, batch %d per replica, loaded in %.1f s",
             len(self.replicas),
@@ -235,15 +260,20 @@ class EmbeddedEngine:
         for future in idle:
             future.result()
         for device in {d for d in self.settings.devices if d.startswith("cuda")}:
-            torch.cuda.synchronize(device)
+            # The forward's stream only: the staging copies of earlier samples run on a side stream.
+            torch.cuda.current_stream(device).synchronize()
         self.forward_seconds += time.monotonic() - started
         return results
 
     def capture(self, batch: list[CaptureRequest]) -> list[SampleRef]:
         """Capture and commit every request (never mixing samples); after :meth:`request_stop`,
-        stop before the next sample and return the ones committed so far."""
+        stop before the next sample. Without a pipeline: returns the samples of ``batch``, all
+        committed. With one: hands them to it and returns the samples whose commits finished
+        meanwhile (this batch's or earlier ones'); raises when a commit failed."""
         if self.sink is None:
             raise EngineError("the embedded engine has no sink to commit to")
+        if self._pipeline is not None:
+            self._pipeline.raise_if_failed()
         features = self.features(batch)
         device_type = self.settings.devices[0].split(":")[0]
         refs: list[SampleRef] = []
@@ -252,14 +282,52 @@ class EmbeddedEngine:
                 break
             tensors = sample_tensors(request, feature)
             meta = sample_meta(request, self.identity, device_type)
+            if self._pipeline is not None:
+                self._submitted[request.g] = SampleRef(
+                    g=request.g, num_tokens=len(request.input_ids), bytes_written=0, meta=meta
+                )
+                self._pipeline.submit(request.g, tensors, meta)
+                continue
             written = self.sink.commit(request.g, tensors, meta)
             refs.append(
                 SampleRef(g=request.g, num_tokens=len(request.input_ids), bytes_written=int(written or 0), meta=meta)
             )
+        if self._pipeline is not None:
+            return self._finished(self._pipeline.completed())
+        return refs
+
+    def pending(self) -> set[int]:
+        """The g handed to the commit pipeline whose commits have not finished."""
+        return self._pipeline.pending() if self._pipeline is not None else set()
+
+    def flush(self) -> list[SampleRef]:
+        """Wait for every pipelined commit; returns the samples committed since the last report."""
+        if self._pipeline is None:
+            return []
+        return self._finished(self._pipeline.drain())
+
+    def _finished(self, results: list[CommitResult]) -> list[SampleRef]:
+        refs = []
+        for result in results:
+            submitted = self._submitted.pop(result.g, None)
+            if result.error is None and submitted is not None:
+                refs.append(
+                    SampleRef(
+                        g=result.g,
+                        num_tokens=submitted.num_tokens,
+                        bytes_written=result.bytes_written,
+                        meta=submitted.meta,
+                    )
+                )
+        if self._pipeline is not None:
+            self._pipeline.raise_if_failed()
         return refs
 
     def close(self) -> None:
-        """Drop the replicas and free their memory."""
+        """Finish the pipelined commits, drop the replicas and free their memory."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

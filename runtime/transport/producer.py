@@ -139,11 +139,23 @@ class Producer:
             time.sleep(self.poll_interval_s)
         return []
 
-    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+    accepts_checksums = True
+    """:meth:`commit` takes ``sum16`` checksums computed by the caller (see CommitPipeline)."""
+
+    def commit(
+        self,
+        g: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        checksums: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> int:
         """Write every tensor field of sample g, then ``meta`` last (idempotent upsert).
 
+        ``checksums``: the ``sum16`` values of some fields, computed where the tensors were made
+        (on the capture GPU, before the device-to-host copy); the other fields get CRC-32s here.
         Returns the bytes written (0 when ``g`` is already below the cursor: nobody needs it).
         """
+        checksums = checksums or {}
         try:
             missing = [name for name in TENSOR_FIELDS if name not in tensors]
             if missing:
@@ -158,7 +170,9 @@ class Producer:
                 self._follow_owner_segment()
             host = [self._to_host(g, name, tensors[name]) for name in TENSOR_FIELDS]
             # The checksums run on their own threads while the fields are put; meta waits for both.
-            crc_futures = [submit_crc32_chunks(t) for t in host]
+            crc_futures = [
+                [] if name in checksums else submit_crc32_chunks(t) for name, t in zip(TENSOR_FIELDS, host, strict=True)
+            ]
             keys = [sample_key(self.store_id, g, name) for name in TENSOR_FIELDS]
             meta_key = sample_key(self.store_id, g, META_FIELD)
             if self.client.exist([meta_key])[0]:
@@ -167,7 +181,9 @@ class Producer:
                 self.client.remove([meta_key])
             self.client.put_tensors(keys, host, what=f"sample g={g}")
             layouts = [
-                describe_field(name, t, crc32=tuple(f.result() for f in futures))
+                describe_field(name, t, sum16=tuple(checksums[name]))
+                if name in checksums
+                else describe_field(name, t, crc32=tuple(f.result() for f in futures))
                 for name, t, futures in zip(TENSOR_FIELDS, host, crc_futures, strict=True)
             ]
             full_meta = build_meta(g, layouts, meta)
