@@ -68,6 +68,8 @@ class CommitResult:
     g: int
     bytes_written: int
     error: BaseException | None = None
+    skipped: bool = False
+    """Not committed because :meth:`CommitPipeline.request_stop` came first (not an error)."""
 
 
 @dataclass
@@ -105,6 +107,7 @@ class CommitPipeline:
         self._results: list[CommitResult] = []
         self._error: CommitResult | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._stopping = threading.Event()
         self.submit_wait_s = 0.0
         """Time :meth:`submit` spent waiting for a free slot (the commit is the bottleneck)."""
         self.commit_s = 0.0
@@ -121,6 +124,7 @@ class CommitPipeline:
         slot = self._take_slot()
         self.submit_wait_s += time.monotonic() - start
         try:
+            self.raise_if_failed()  # the slot may have come free from the commit that failed
             job = self._stage(g, tensors, meta, slot)
         except BaseException:
             self._free.put(slot)
@@ -201,6 +205,10 @@ class CommitPipeline:
             if job is None:
                 return
             start = time.monotonic()
+            if self._stopping.is_set():
+                result = CommitResult(job.g, 0, skipped=True)
+                self._finish(job, result, start)
+                continue
             try:
                 if job.copied is not None:
                     job.copied.synchronize()
@@ -217,15 +225,24 @@ class CommitPipeline:
             except BaseException as exc:  # reported to the capture thread, which stops the capture
                 log.error("%s: commit of sample g=%d failed: %s", self.name, job.g, exc)
                 result = CommitResult(job.g, 0, exc)
-            self.commit_s += time.monotonic() - start
-            job.tensors = {}
-            self._free.put(job.slot)
-            with self._lock:
-                self._pending.discard(job.g)
-                self._results.append(result)
-                if result.error is not None and self._error is None:
-                    self._error = result
-                self._idle.notify_all()
+            self._finish(job, result, start)
+
+    def _finish(self, job: _Job, result: CommitResult, start: float) -> None:
+        if job.copied is not None:
+            job.copied.synchronize()  # the slot is reused only after its copy is complete
+        self.commit_s += time.monotonic() - start
+        job.tensors = {}
+        self._free.put(job.slot)
+        with self._lock:
+            self._pending.discard(job.g)
+            self._results.append(result)
+            if result.error is not None and self._error is None:
+                self._error = result
+            self._idle.notify_all()
+
+    def request_stop(self) -> None:
+        """Let the commit in progress finish; skip the queued ones (their g stay uncommitted)."""
+        self._stopping.set()
 
     # -- results ----------------------------------------------------------------------------
 

@@ -230,8 +230,11 @@ class EmbeddedEngine:
                 raise EngineError(f"the target on {device} produced non-finite hidden states on a probe input")
 
     def request_stop(self) -> None:
-        """Stop committing: a running :meth:`capture` returns after the sample it is writing."""
+        """Stop committing: a running :meth:`capture` returns after the sample it is writing (a
+        pipeline finishes the commit in progress and skips the queued ones)."""
         self._stop.set()
+        if self._pipeline is not None:
+            self._pipeline.request_stop()
 
     def features(self, batch: Sequence[CaptureRequest]) -> list[SampleFeatures]:
         """Features of every request in the forward's dtype (fp32 on CPU gives the exact tests),
@@ -310,7 +313,7 @@ class EmbeddedEngine:
         refs = []
         for result in results:
             submitted = self._submitted.pop(result.g, None)
-            if result.error is None and submitted is not None:
+            if result.error is None and not result.skipped and submitted is not None:
                 refs.append(
                     SampleRef(
                         g=result.g,
