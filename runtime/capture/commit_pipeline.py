@@ -86,15 +86,21 @@ class _Job:
 class CommitPipeline:
     """Stages samples to host on a side stream and commits them on a worker thread."""
 
-    def __init__(self, sink: Any, slots: int, slot_bytes: int = 0, name: str = "capture") -> None:
+    def __init__(
+        self, sink: Any, slots: int, slot_bytes: int = 0, name: str = "capture", source_reused: bool = False
+    ) -> None:
         """``sink.commit(g, tensors, meta[, checksums=...])`` is called on the worker thread;
-        ``slots`` staging buffers of at least ``slot_bytes`` each (they grow to the largest sample)."""
+        ``slots`` staging buffers of at least ``slot_bytes`` each (they grow to the largest sample).
+        ``source_reused``: the producer may overwrite the submitted device tensors in place with its
+        next work (a server's preallocated output buffers), so its stream waits for the copies
+        (milliseconds at 55 GB/s); the commits still overlap that next work."""
         if slots < 1:
             raise ValueError(f"a commit pipeline needs at least one staging slot, got {slots}")
         self.sink = sink
         self.slots = slots
         self.slot_bytes = int(slot_bytes)
         self.name = name
+        self.source_reused = source_reused
         self.device_checksums = bool(getattr(sink, "accepts_checksums", False))
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._free: queue.Queue[int] = queue.Queue()
@@ -178,6 +184,8 @@ class CommitPipeline:
                 host_sums.copy_(packed, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
+        if self.source_reused:
+            torch.cuda.current_stream(device).wait_event(copied)
         return _Job(g, {name: host[name] for name in tensors}, meta, slot, copied, host_sums, sum_chunks)
 
     def _buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
