@@ -4,12 +4,14 @@ Without it the capture loop is ``forward, copy to host, checksum, put, forward, 
 the part after the forward took 40-50% of the time (pageable device-to-host copies and CRC-32 on
 one CPU core). :class:`CommitPipeline` takes a finished sample and returns at once:
 
-1. on a side CUDA stream (waiting for an event on the producing stream, so it reads finished rows
-   and does not queue behind the next forward) the device fields are copied into one of a FIXED
-   number of page-locked staging slots, and their ``sum16`` checksums are computed on the GPU
-   (:mod:`runtime.transport.checksum`: the host never passes over the bytes to checksum them);
-2. a worker thread waits for that copy, then commits through the sink (the producer: Mooncake puts,
-   ``meta`` last) and frees the slot.
+1. a stager thread queues, on a side CUDA stream (waiting for an event recorded on the producing
+   stream at submit, so it reads finished rows and does not queue behind the next forward), the
+   copies of the device fields into one of a FIXED number of page-locked staging slots and their
+   ``sum16`` checksums on the GPU (:mod:`runtime.transport.checksum`: the host never passes over
+   the bytes to checksum them). Its own thread, so these launches do not hold up the launches of
+   the next forward;
+2. a commit thread waits for that copy, then commits through the sink (the producer: Mooncake
+   puts, ``meta`` last) and frees the slot.
 
 Memory is bounded: a sample waits in :meth:`CommitPipeline.submit` for a free slot, so at most
 ``slots`` samples are staged or being committed. Commits happen in submission order (one worker).
@@ -106,6 +108,7 @@ class CommitPipeline:
         self._free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             self._free.put(slot)
+        self._to_stage: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -120,6 +123,8 @@ class CommitPipeline:
         """Time the worker spent committing (overlapped with the engine's work)."""
         self._worker = threading.Thread(target=self._run, name=f"dspark-{name}-commit", daemon=True)
         self._worker.start()
+        self._stager = threading.Thread(target=self._stage_loop, name=f"dspark-{name}-stage", daemon=True)
+        self._stager.start()
 
     # -- producer side ----------------------------------------------------------------------
 
@@ -131,13 +136,39 @@ class CommitPipeline:
         self.submit_wait_s += time.monotonic() - start
         try:
             self.raise_if_failed()  # the slot may have come free from the commit that failed
-            job = self._stage(g, tensors, meta, slot)
+            if not self.source_reused:
+                # Every sample goes through the stager, so commits keep the order of submits.
+                devices = [t.device for t in tensors.values() if t.device.type != "cpu"]
+                ready = None
+                if devices:
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(devices[0]))
+                with self._lock:
+                    self._pending.add(g)
+                self._to_stage.put((g, dict(tensors), meta, slot, ready))
+                return
+            job = self._stage(g, tensors, meta, slot, None)
         except BaseException:
             self._free.put(slot)
             raise
         with self._lock:
             self._pending.add(g)
         self._jobs.put(job)
+
+    def _stage_loop(self) -> None:
+        while True:
+            item = self._to_stage.get()
+            if item is None:
+                self._jobs.put(None)
+                return
+            g, tensors, meta, slot, ready = item
+            try:
+                job = self._stage(g, tensors, meta, slot, ready)
+            except BaseException as exc:  # reported like a failed commit
+                log.error("%s: staging of sample g=%d failed: %s", self.name, g, exc)
+                self._finish(_Job(g, {}, meta, slot, None, None, {}), CommitResult(g, 0, exc), time.monotonic())
+                continue
+            self._jobs.put(job)
 
     def _take_slot(self) -> int:
         while True:
@@ -150,7 +181,11 @@ class CommitPipeline:
                         f"{self.name}: the commit worker is gone; no staging slot will come free"
                     ) from None
 
-    def _stage(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], slot: int) -> _Job:
+    def _stage(
+        self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], slot: int, ready: Any
+    ) -> _Job:
+        """Queue the copies (and checksums) of the device fields; ``ready``: the event after which
+        the fields are complete (None: the current stream's work so far)."""
         host = {name: t.contiguous() for name, t in tensors.items() if t.device.type == "cpu"}
         on_device = {name: t for name, t in tensors.items() if t.device.type != "cpu"}
         if not on_device:
@@ -159,8 +194,9 @@ class CommitPipeline:
         buffer = self._buffer(slot, total)
         device = next(iter(on_device.values())).device
         stream = self._stream(device)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
+        if ready is None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         sums: list[torch.Tensor] = []
         sum_chunks: dict[str, int] = {}
         with torch.cuda.stream(stream):
@@ -286,7 +322,8 @@ class CommitPipeline:
         return self.completed()
 
     def close(self) -> None:
-        """Finish the queued commits, stop the worker, unpin the staging slots."""
-        self._jobs.put(None)
+        """Finish the queued commits, stop the threads, unpin the staging slots."""
+        self._to_stage.put(None)  # the stager passes it on to the commit thread after its last job
+        self._stager.join()
         self._worker.join()
         self._buffers = [None] * self.slots

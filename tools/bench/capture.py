@@ -247,10 +247,10 @@ def run(
         engine.flush()  # the last batch's commits belong to this side's time
 
     try:
-        for batch in batches[:2]:  # warm-up: allocator, kernels, first-touch pages, staging slots
-            forward(batch)
-            engine.capture(batch)
-        engine.flush()
+        # Warm-up, one whole pass of each side: every batch length is a new shape (kernel choice,
+        # allocator growth), and the staging slots are pinned on first use.
+        forward_all()
+        capture_all()
         forward_s: list[float] = []
         capture_s: list[float] = []
         inside_s: list[float] = []
