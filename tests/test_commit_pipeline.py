@@ -263,3 +263,16 @@ def test_request_stop_finishes_the_commit_in_progress_and_skips_the_queued_ones(
         pipeline.close()
     assert committed == [0]
     assert [(r.g, r.skipped, r.error) for r in results] == [(0, False, None), (1, True, None), (2, True, None)]
+
+
+@pytest.mark.parametrize("sink", ["host", "host-sync"])
+def test_capture_bench_quick_runs_both_commit_paths_on_cpu(sink: str) -> None:
+    from tools.bench.capture import PRESETS, run
+
+    lines: list[str] = []
+    result = run(PRESETS["quick"], None, sink, 1, log=lines.append)
+    slots = PRESETS["quick"].batch_size if sink == "host" else 0
+    assert f"sink {sink}, {slots} commit staging slots" in lines[0]
+    assert result["capture_tokens_per_s"] > 0 and result["forward_tokens_per_s"] > 0
+    assert 0.0 <= result["outside_forward_share"] < 1.0
+    assert any(line.startswith("ratio capture time / forward time") for line in lines)
