@@ -87,6 +87,7 @@ class Trainer:
                 num_aux_layers=self.recipe.num_aux_layers,
                 attention_backend=self.settings.attention_backend,
                 max_length=self.recipe.data.max_length,
+                compile_regions=self.settings.compile_regions,
             )
         embed, lm_head = load_frozen_vocab(
             self.resolved.resolve_path(self.recipe.capture.target_path),
