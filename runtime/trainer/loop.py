@@ -74,6 +74,8 @@ class Trainer:
         self._copy_stream: Any = None
         self._contract: dict[str, Any] = {"samples": [], "fields": None, "problems": []}
         """Smoke mode: the capture contract checked on every sample this rank received."""
+        self._prepared_layouts: dict[int, BlockLayout] = {}
+        """Layouts the prefetch thread built, by g (see :meth:`_fetcher`)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -256,7 +258,12 @@ class Trainer:
         def fetch(g: int) -> Any:
             torch.cuda.set_device(device)  # the current device is per thread
             with torch.cuda.stream(self._copy_stream):
-                return source.fetch(g, device)  # type: ignore[call-arg]
+                sample = source.fetch(g, device)  # type: ignore[call-arg]
+                # The layout (anchor sampling, tens of ms on the host at 64K tokens) is built here,
+                # beside the previous sample's compute, not between two micro-steps while the GPU
+                # idles; its device-to-host read of ids waits for the copy stream only.
+                self._prepared_layouts[g] = self._layout(sample)
+                return sample
 
         return fetch
 
@@ -332,7 +339,7 @@ class Trainer:
                         hidden_size=self.recipe.capture.hidden_size,
                         vocab_size=self.recipe.capture.vocab_size,
                     )
-                layouts = [self._layout(sample) for sample in samples]
+                layouts = [self._prepared_layouts.pop(sample.g, None) or self._layout(sample) for sample in samples]
                 weight = torch.tensor(sum(float(x.weights.sum()) for x in layouts), dtype=torch.float64, device=device)
                 global_weight = float(all_reduce_sum(weight))
                 coefficients = loss_coefficients(
