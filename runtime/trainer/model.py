@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from runtime.recipe.schema import DraftConfig
 from runtime.trainer.attention_mask import dense_block_mask, flex_block_mask, padded_context_length
+from runtime.trainer.compiled import compiled
 from runtime.trainer.layout import BlockLayout
 from runtime.trainer.objective import LossCoefficients, SampleTerms, sample_objective
 from runtime.trainer.rope import apply_rotary, cos_sin, inverse_frequencies
@@ -122,19 +123,6 @@ def _flex_attention() -> Any:
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def compiled(fn: Any) -> Any:
-    """``fn`` compiled once per process and shared by every module that calls it. The module is an
-    argument, so the five decoder layers reuse one compiled graph (their guards are alike) and the
-    FSDP2 hooks stay outside it, on the modules' ``__call__``."""
-    key = f"{fn.__module__}.{fn.__qualname__}"
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn)
-    return _COMPILED[key]
 
 
 class DraftMLP(nn.Module):

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from runtime.trainer.compiled import compiled
+
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise dot product of two [rows, n] tensors without an [rows, n] temporary."""
@@ -55,8 +57,8 @@ def chunk_terms(
     the logits in ``grad_dtype`` (None unless ``want_grads``).
 
     Eager on CPU it performs the very operations, in the very order, of the in-place loop it
-    replaced (fp32 results are bitwise unchanged); on CUDA it runs compiled (:func:`_compiled_chunk_terms`),
-    which fuses the ~20 passes over the [rows, V] fp32 buffers into a few kernels.
+    replaced (fp32 results are bitwise unchanged); on CUDA it runs compiled, which fuses the ~20
+    passes over the [rows, V] fp32 buffers into a few kernels.
     """
     z = logits.to(torch.float32)
     if bias is not None:
@@ -76,18 +78,6 @@ def chunk_terms(
     grad_z = grad_z + p * ce_weights[:, None]
     grad_z = grad_z.scatter_add(1, labels[:, None], -ce_weights[:, None])
     return ce, l1, correct, grad_z.to(grad_dtype)
-
-
-_COMPILED_CHUNK_TERMS: Any = None
-
-
-def _compiled_chunk_terms() -> Any:
-    """:func:`chunk_terms` compiled once per process (rows vary per chunk and sample: dynamic after
-    the first recompile)."""
-    global _COMPILED_CHUNK_TERMS
-    if _COMPILED_CHUNK_TERMS is None:
-        _COMPILED_CHUNK_TERMS = torch.compile(chunk_terms)
-    return _COMPILED_CHUNK_TERMS
 
 
 _MM_FP32_OUT: bool | None = None
@@ -134,7 +124,7 @@ class _ChunkedVocabObjective(torch.autograd.Function):
         # used - differ from the fp32 matmuls that ran without tensor cores).
         tensor_cores = fused and markov_w2.dtype in (torch.bfloat16, torch.float16) and hidden.is_cuda
         w2_f32 = None if tensor_cores else markov_w2.to(torch.float32)
-        terms = _compiled_chunk_terms() if fused else chunk_terms
+        terms = compiled(chunk_terms) if fused else chunk_terms  # rows vary: dynamic after one recompile
         grad_dtype = lm_head.dtype if tensor_cores else torch.float32
         ce_rows = torch.zeros(rows, dtype=torch.float32, device=device)
         l1_rows = torch.zeros(rows, dtype=torch.float32, device=device)
