@@ -276,3 +276,25 @@ def test_capture_bench_quick_runs_both_commit_paths_on_cpu(sink: str) -> None:
     assert result["capture_tokens_per_s"] > 0 and result["forward_tokens_per_s"] > 0
     assert 0.0 <= result["outside_forward_share"] < 1.0
     assert any(line.startswith("ratio capture time / forward time") for line in lines)
+
+
+def test_the_smoke_nan_injection_drops_the_device_checksums_of_the_poisoned_sample() -> None:
+    from runtime.capture.gate import NanInjectingSink
+
+    seen: dict[int, tuple[torch.Tensor, dict | None]] = {}
+
+    class Producer:
+        accepts_checksums = True
+
+        def commit(self, g, tensors, meta, checksums=None):
+            seen[g] = (tensors["hs"], checksums)
+            return 1
+
+    sink = NanInjectingSink(Producer(), g=1)
+    assert sink.accepts_checksums  # the pipeline still computes device checksums for the others
+    sample = _sample(4)
+    sums = {"hs": sum16_values(sample["hs"]), "lhs": sum16_values(sample["lhs"])}
+    for g in (0, 1):
+        sink.commit(g, sample, {}, checksums=sums)
+    assert seen[0][1] == sums and torch.equal(seen[0][0], sample["hs"])
+    assert seen[1][1] is None and bool(seen[1][0].isnan().all())  # CRC-32s of the NaN bytes, not stale sums
