@@ -83,6 +83,8 @@ class Producer:
         self._bytes: dict[int, int] = {}
         self._lock = threading.RLock()
         self._staging: dict[str, torch.Tensor] = {}
+        self._committed_during_scan: dict[int, int] | None = None
+        """Commits that finished while :meth:`refresh` scanned (a commit thread runs beside it)."""
         self._started = time.time()
         self._sequence = 0
         self._committed_total = 0
@@ -201,6 +203,8 @@ class Producer:
         with self._lock:
             self._bytes[g] = total
             self.window.committed(g, total)
+            if self._committed_during_scan is not None:
+                self._committed_during_scan[g] = total
             self._committed_total += 1
             self._last_commit_time = now
             self._commit_times = [t for t in self._commit_times if now - t < 60.0] + [now]
@@ -244,6 +248,12 @@ class Producer:
             with self._lock:
                 self._waiting_for = "the trainer to publish the cursor"
             return
+        with self._lock:
+            # A pipelined commit (another thread) may finish while the store is scanned: its sample
+            # is then complete but missing from the scan, or looks half-written. Neither may be
+            # dropped from the picture or removed from the store.
+            in_flight_before = set(self.window.in_flight)
+            self._committed_during_scan = {}
         for _ in range(3):
             present, partial = self._scan(cursor)
             again = self._current_cursor()
@@ -251,11 +261,18 @@ class Producer:
                 break
             cursor = again  # a rank committed a step while we scanned; its deletions are not holes
             if cursor is None:
+                with self._lock:
+                    self._committed_during_scan = None
                 return
         with self._lock:
+            late = self._committed_during_scan or {}
+            self._committed_during_scan = None
+            present.update(late)
             was_paused = self.window.paused
             self.window.observe(cursor, present)
-            partial = [g for g in partial if g not in self.window.in_flight]
+            partial = [
+                g for g in partial if g not in self.window.in_flight and g not in in_flight_before and g not in late
+            ]
             garbage = self.window.garbage()
         if partial:
             log.info("removing %d half-written samples (fields without meta): %s", len(partial), partial[:8])
