@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from runtime.capture.data_files import sha256_file, write_manifest, write_rows
 from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
 from runtime.capture.producer import CaptureLoop, CaptureSource
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.transport.contract import META_FIELD, sample_key
+from runtime.shared.contracts import META_FIELD, sample_key
+from runtime.shared.data_files import sha256_file, write_manifest, write_rows
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.capture.data_files import DataFileError, iter_rows, read_manifest, sha256_file, write_rows
+from runtime.shared.data_files import DataFileError, iter_rows, read_manifest, sha256_file, write_rows
 from tests.conftest import REPO_ROOT
 from tools import tiny_corpus
 from tools.data_prepare import PrepareOptions, prepare

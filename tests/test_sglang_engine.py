@@ -113,7 +113,7 @@ def _parser_python() -> str | None:
 
 def _patched_full_tree() -> Path:
     """The whole 0.5.23 ``sglang/`` tree with the patch applied, built once per patch version."""
-    from tools import patch_check as pc
+    from runtime.shared import sglang_patch as pc
 
     target = pc.load_manifest().resolve(None)[0]
     final = REPO / ".cache" / "sglang" / f"patched-{target.patch_sha256[:12]}"

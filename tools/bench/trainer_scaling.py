@@ -44,12 +44,12 @@ import torch.distributed as dist
 from runtime.recipe import load_recipe
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
+from runtime.shared.contracts import CapturedSample, global_sample_index
 from runtime.trainer.distributed import init_process_group, shard_model
 from runtime.trainer.guard import FiniteGuard
 from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
-from runtime.transport.contract import CapturedSample, global_sample_index
 from tools.bench.trainer import (
     GIB,
     Shapes,
@@ -170,7 +170,7 @@ def build_model(recipe: Recipe, settings: RunSettings) -> DSparkDraft:
 
 
 class SyntheticSource:
-    """A :class:`~runtime.transport.contract.SampleConsumer` that serves one synthetic sample held
+    """A :class:`~runtime.shared.contracts.SampleConsumer` that serves one synthetic sample held
     in (pinned) host memory under every g; ``fetch(g, device)`` copies it to the GPU like the
     Mooncake consumer does."""
 
