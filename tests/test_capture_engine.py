@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from runtime.capture.embedded_settings import EmbeddedSettings, EngineError, pick_devices
 from runtime.capture.engine import CaptureRequest
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings, EngineError, load_hf_decoder, pick_devices
+from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.hidden_states import HiddenStateCapture
+from runtime.capture.model_loading import load_hf_decoder
 from runtime.capture.sample_meta import sample_tensors
 
 VOCAB, HIDDEN, LAYERS = 300, 64, 4

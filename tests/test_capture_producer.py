@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+from runtime.capture.embedded_settings import EmbeddedSettings
+from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.producer import CaptureLoop, CaptureSource
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe

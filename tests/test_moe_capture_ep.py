@@ -12,7 +12,7 @@ engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from runtime.capture.engine import CaptureRequest  # noqa: E402
-from runtime.moe.embedded_loader import ExpertParallelLoader  # noqa: E402
+from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
 from runtime.moe.exchange import ExchangeUnavailableError  # noqa: E402
 from runtime.moe.exchange_threads import ExchangeTimeoutError  # noqa: E402
 

@@ -215,7 +215,8 @@ def make_engine(resolved: ResolvedRecipe, sink: Any, moe_exchange: str | None = 
     engine = resolved.recipe.capture.engine
     inject_g = resolved.recipe.capture.inject_nan_at_g
     if engine == "embedded":
-        from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+        from runtime.capture.embedded_settings import EmbeddedSettings
+        from runtime.capture.engine_embedded import EmbeddedEngine
 
         settings = EmbeddedSettings.from_recipe(resolved)
         if moe_exchange:

@@ -11,6 +11,7 @@ context manager away::
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,13 @@ from runtime.transport.endpoints import Endpoints
 from runtime.transport.master import MasterProcess, MasterSettings
 
 LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (the one helper tests and benchmarks use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
 
 
 def loopback_recipe(

@@ -50,10 +50,10 @@ from runtime.trainer.guard import FiniteGuard
 from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
+from runtime.transport.loopback import free_port
 from tools.bench.trainer import (
     GIB,
     Shapes,
-    free_port,
     matmul_tflops,
     microstep_flops,
     recipe_shapes,
