@@ -34,7 +34,7 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
-from runtime.transport.loopback import free_port  # noqa: E402  (re-exported for the tests)
+from runtime.transport.loopback import free_port  # noqa: E402
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from runtime.capture.engine_sglang import (
 )
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
-from tests.conftest import free_port
+from runtime.transport.loopback import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PARSER_DEPS = ("msgspec", "psutil", "pybase64", "starlette", "zmq")
