@@ -31,13 +31,7 @@ from runtime.shared import contracts
 
 CONTRACT_VARIABLES = (
     *contracts.CONTRACT_ENV_NAMES,
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    *contracts.TRAINER_ENV_NAMES,
     "SLURM_JOB_ID",
     "SLURM_PROCID",
     "SLURMD_NODENAME",

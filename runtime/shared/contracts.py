@@ -54,6 +54,17 @@ ENV_MC_TCP_BIND_ADDRESS = "MC_TCP_BIND_ADDRESS"
 """Mooncake's own variable: the address its TCP transport binds to."""
 ENV_MC_TRANSFER_TIMEOUT = "MC_TRANSFER_TIMEOUT"
 """Mooncake's own variable: seconds a transfer may take."""
+TRAINER_ENV_NAMES: tuple[str, ...] = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"""torch.distributed's rendezvous variables, which only trainer ranks receive (from their own het
+group's Slurm variables or the local launcher)."""
 ENV_SLURM_JOB_ID = "DSPARK_SLURM_JOB_ID"
 """The het job's leader id, exported by the batch script (every srun task sees the same one)."""
 CONTRACT_ENV_NAMES: tuple[str, ...] = (

@@ -7,22 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.shared.contracts import CONTRACT_ENV_NAMES
+from runtime.shared.contracts import CONTRACT_ENV_NAMES, TRAINER_ENV_NAMES
 from runtime.transport.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 # The variables every component gets, whatever runs it (Slurm or --local).
 CONTRACT = set(CONTRACT_ENV_NAMES)
-TRAINER_CONTRACT = CONTRACT | {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-}
+TRAINER_CONTRACT = CONTRACT | set(TRAINER_ENV_NAMES)
 
 
 def read_probes(job_dir: Path) -> dict[tuple[str, int], dict]:
