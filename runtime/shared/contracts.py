@@ -400,8 +400,11 @@ def read_record(path: Path, kind: type[RecordT]) -> RecordT | None:
         return None
     try:
         return kind.model_validate(json.loads(text))
-    except (json.JSONDecodeError, ValidationError) as exc:
-        raise ValueError(
-            f"{path}: not a valid {kind.__name__} ({exc}); fix: delete it and rerun the smoke job, or check that "
-            "the job ran this version of the code"
-        ) from exc
+    except json.JSONDecodeError as exc:
+        reason = f"not JSON: {exc}"
+    except ValidationError as exc:
+        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    raise ValueError(
+        f"{path}: not a valid {kind.__name__} ({reason}); fix: delete it and rerun the smoke job, or check that "
+        "the job ran this version of the code"
+    )
