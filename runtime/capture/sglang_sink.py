@@ -37,7 +37,7 @@ import torch
 
 from runtime.capture.commit_pipeline import CommitPipeline, staging_layout
 from runtime.capture.sglang_wire import CaptureTicket
-from runtime.transport.contract import SampleProducer
+from runtime.shared.contracts import SampleProducer
 from runtime.transport.sample_format import sample_keys
 
 log = logging.getLogger("dspark.capture.sglang_sink")
