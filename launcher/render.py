@@ -72,8 +72,8 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
     lines = [
         "#!/bin/bash",
         f"# DSpark job '{job.name}': one heterogeneous Slurm job, two components.",
-        f"# Rendered by `python -m launcher render` from {options.recipe_file}. Do not edit by hand:",
-        "# change the recipe and render again (tests/test_launcher_golden.py keeps sbatch/ equal).",
+        f"# Rendered by `python3 -m launcher render` from {options.recipe_file}. Do not edit by hand:",
+        "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
     ]
     if manual:
         lines += [

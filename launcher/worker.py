@@ -1,4 +1,4 @@
-"""``python -m launcher.worker --component NAME --job-dir DIR``: one srun task of a hetjob.
+"""``python3 -m launcher.worker --component NAME --job-dir DIR``: one srun task of a hetjob.
 
 Loads the submitit payload, derives the task's environment from its own het group's Slurm
 variables, runs the component's runtime entry point as a child, and writes a submitit result file
@@ -80,7 +80,7 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"waited {SUBMISSION_WAIT_S:.0f} s for the job payload {path}; it is written by "
-                "`python -m launcher` after sbatch returns, or by `launcher resolve` in a manual sbatch"
+                "`python3 -m launcher` after sbatch returns, or by `launcher resolve` in a manual sbatch"
             )
         time.sleep(1)
     return utils.DelayedSubmission.load(path)
@@ -88,7 +88,7 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one component task; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m launcher.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m launcher.worker", description=__doc__)
     parser.add_argument("--component", required=True, choices=COMPONENTS)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--probe", action="store_true", help="run the environment probe instead of the runtime")

@@ -124,7 +124,7 @@ def test_golden_sbatch_scripts_match_the_renderer() -> None:
         loaded = load_recipe(path, display_name=f"recipes/{path.name}")
         expected = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
         checked_in = (REPO / "sbatch" / f"{loaded.recipe.job.name}.sbatch").read_text()
-        assert checked_in == expected, f"sbatch/{loaded.recipe.job.name}.sbatch is stale: python -m launcher render"
+        assert checked_in == expected, f"sbatch/{loaded.recipe.job.name}.sbatch is stale: python3 -m launcher render"
 
 
 def test_hetjob_script_shape() -> None:

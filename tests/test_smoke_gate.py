@@ -28,7 +28,7 @@ CHECKS = [
 
 
 def run_gate(runs: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
-    """``python -m launcher tiny --local --smoke``; returns (exit code, gate.json, stdout)."""
+    """``python3 -m launcher tiny --local --smoke``; returns (exit code, gate.json, stdout)."""
     args = ["tiny", "--local", "--smoke", *probe_overrides(runs)]
     for item in overrides:
         args += ["--set", item]

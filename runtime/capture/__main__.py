@@ -1,4 +1,4 @@
-"""``python -m runtime.capture --recipe RESOLVED``: the capture component (see runtime/capture/producer.py)."""
+"""``python3 -m runtime.capture --recipe RESOLVED``: the capture component (see runtime/capture/producer.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from runtime.recipe.loader import load_resolved
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, read the resolved recipe, run the capture loop."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.capture", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.capture", description=__doc__)
     parser.add_argument(
         "--recipe",
         default=os.environ.get("DSPARK_RECIPE"),
