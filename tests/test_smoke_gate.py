@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from test_launcher_local import launch, probe_overrides
 
+from runtime.recipe import load_recipe
+
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,3 +98,18 @@ def test_nan_on_one_rank_fails_the_update_check_naming_the_rank(tmp_path: Path, 
     assert code != 0 and failure["name"] == "finite update on every rank", output
     assert "loss term 'ce' is not finite on rank(s) [1]" in failure["detail"]
     assert statuses(gate)["captured sample contract"] == "PASS"
+
+
+def test_allowed_blockers_need_no_sglang_on_the_login_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--allow-blockers on a login node without SGLang: the patch is checked against the pinned wheel."""
+    from launcher import gate
+    from tools import patch_check
+
+    if not sorted((REPO / ".cache" / "sglang").glob("sglang-0.5.23-*.whl")):
+        pytest.skip("the pinned SGLang wheel is not cached (tools/bootstrap caches it)")
+    monkeypatch.setattr(patch_check, "installed_sglang_root", lambda: None)
+    loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml")
+    checks = {c.name: c for c in gate.preflight_checks(loaded, REPO, allow_blockers=True)}
+    assert checks["plan"].status == gate.PASS and "--allow-blockers" in checks["plan"].detail
+    assert checks["sglang patch"].status == gate.PASS, checks["sglang patch"]
+    assert "pinned wheel" in checks["sglang patch"].detail
