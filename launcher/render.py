@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.environment import COMPONENTS
+from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import Recipe
 from runtime.recipe.schema import ComponentResources
 
 PREEMPT_SIGNAL = "USR2"
+CAPTURE_STOP_WAIT_S = 60
+"""How long the batch script waits for the capture workers to stop after the trainer ended."""
 """Signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default)."""
 
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -181,6 +184,7 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
     lines += [
         'export DSPARK_SLURM_JOB_ID="$SLURM_JOB_ID"',
         'mkdir -p "$DSPARK_JOB_DIR/logs"',
+        f'rm -f "$DSPARK_JOB_DIR/{CAPTURE_STOP_FILENAME}"',
         "# The launcher resolves the recipe before submitting; a manual sbatch resolves it here.",
         'if [ ! -f "$DSPARK_JOB_DIR/recipe.resolved.json" ]; then',
         f'  {python} -m launcher resolve "$DSPARK_RECIPE_FILE" --job-dir "$DSPARK_JOB_DIR" '
@@ -230,6 +234,10 @@ def _supervision() -> list[str]:
         '  if ! kill -0 "$TRAINER_PID" 2>/dev/null; then',
         '    wait "$TRAINER_PID"; rc=$?',
         '    echo "[dspark] trainer finished with exit code $rc; stopping capture"',
+        "    # The capture workers see the stop file, stop their component and end with success; a",
+        "    # signal to srun would end the step CANCELLED. Signal only if they do not end in time.",
+        f'    touch "$DSPARK_JOB_DIR/{CAPTURE_STOP_FILENAME}"',
+        f'    for _ in $(seq {CAPTURE_STOP_WAIT_S // 2}); do kill -0 "$CAPTURE_PID" 2>/dev/null || break; sleep 2; done',
         '    kill -TERM "$CAPTURE_PID" 2>/dev/null; wait "$CAPTURE_PID" 2>/dev/null',
         "    exit $rc",
         "  fi",

@@ -23,8 +23,11 @@ from submitit.slurm.slurm import SlurmJobEnvironment
 from launcher.component import signal_group, start_component, stop_process
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
+from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 
+STOP_POLL_S = 1.0
+"""How often a capture task looks for the batch script's stop file."""
 SUBMISSION_WAIT_S = 120.0
 """How long a task waits for the payload pickle (submitit writes it just after sbatch returns)."""
 
@@ -129,7 +132,17 @@ def main(argv: list[str] | None = None) -> int:
             requeue_count=max(payload.requeue_count, int(env.get("SLURM_RESTART_COUNT") or 0)),
         )
         handler.child = child
-        code = child.wait()
+        stopped_on_request = False
+        stop_file = job_dir / CAPTURE_STOP_FILENAME
+        while (code := child.poll()) is None:
+            if args.component == "capture" and not stopped_on_request and stop_file.exists():
+                # The trainer is done; the capture component has nothing left to serve.
+                print(f"{log} the trainer has ended ({stop_file.name}); stopping the capture component", flush=True)
+                stopped_on_request = True
+                stop_process(child)
+            time.sleep(STOP_POLL_S)
+        if stopped_on_request:
+            code = 0
         if handler.stopped_by_signal:
             print(f"{log} stopped by a signal (exit {code}); no result file", flush=True)
             return 128 + signal.SIGTERM

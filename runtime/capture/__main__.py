@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
 
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.recipe:
         parser.error("no resolved recipe: pass --recipe PATH or set DSPARK_RECIPE")
+    route_native_output()
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s [%(name)s] %(message)s",

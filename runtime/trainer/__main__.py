@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from runtime.native_log import route_native_output
 from runtime.recipe import load_resolved
 from runtime.trainer.settings import derive_settings
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m runtime.trainer", description=__doc__)
     parser.add_argument("--recipe", required=True, help="resolved recipe JSON written by the launcher")
     args = parser.parse_args(argv)
+    route_native_output()
     resolved = load_resolved(args.recipe)
     settings = derive_settings(resolved)
 
