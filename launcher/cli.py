@@ -5,6 +5,7 @@
     python3 -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
     python3 -m launcher cancel JOB
     python3 -m launcher gate JOB              (the smoke gate's table for a --smoke job)
+    python3 -m launcher plots JOB             (plots/ of a job's metrics: losses, per-slot accuracy, tau, ...)
     python3 -m launcher render [RECIPE ...] [--check]
     python3 -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ from launcher import control, gate, jobs
 from launcher.environment import COMPONENTS
 from launcher.inputs import InputPreparationError, prepare_missing_inputs
 from launcher.plan import make_plan
+from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
@@ -31,7 +32,7 @@ from runtime.recipe.loader import atomic_write_text, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
-SUBCOMMANDS = ("status", "logs", "cancel", "gate", "render", "resolve")
+SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "render", "resolve")
 
 
 class LaunchError(RuntimeError):
@@ -68,7 +69,7 @@ def _submit_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python3 -m launcher",
         description="Submit a DSpark recipe as one heterogeneous Slurm job (capture + trainer).",
-        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | render [RECIPE...] | resolve RECIPE",
+        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | plots JOB | render [RECIPE...] | resolve RECIPE",
     )
     _add_recipe_arguments(parser)
     mode = parser.add_mutually_exclusive_group()
@@ -250,17 +251,9 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
 
 def _plot_metrics(job_dir: Path) -> None:
     """Plots of the run's metrics into ``plots/`` (tools/compare_runs with one run)."""
-    if not (job_dir / "metrics.jsonl").exists():
-        return
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / "plots")],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        print(f"  (plots failed: {done.stderr.strip()[-300:]})")
+    ok, message = plot_metrics(job_dir, REPO_ROOT)
+    if not ok and (job_dir / "metrics.jsonl").exists():
+        print(f"  ({message})")
 
 
 def _print_outputs(job_dir: Path) -> None:
@@ -394,6 +387,13 @@ def job_command(command: str, argv: list[str]) -> int:
         return 0
     if command == "gate":
         return _finish_gate(record)
+    if command == "plots":
+        ok, message = plot_metrics(Path(record.job_dir), REPO_ROOT)
+        print(message if ok else f"error: {message}", file=sys.stdout if ok else sys.stderr)
+        if ok:
+            for png in sorted((Path(record.job_dir) / "plots").glob("*.png")):
+                print(f"  {_display_path(png)}")
+        return 0 if ok else 1
     control.print_logs(record, args.component, args.rank, args.follow)
     return 0
 

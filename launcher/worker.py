@@ -24,6 +24,7 @@ from launcher.component import signal_group, start_component, stop_process
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
+from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 
 STOP_POLL_S = 1.0
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)
         print(f"{log} finished in {result['elapsed_s']} s", flush=True)
+        if args.component == "trainer" and placement.rank == 0:
+            ok, message = plot_metrics(job_dir, resolved.repo_root)
+            print(f"{log} {message}", flush=True)
         return 0
     except Exception:
         trace = traceback.format_exc()
