@@ -8,7 +8,9 @@ missing (the commands are idempotent, but importing torch alone costs seconds on
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +48,9 @@ def prepare_missing_inputs(recipe: Recipe, repo_root: Path, source: str, log: Ca
         started = time.monotonic()
         log(f"[prepare] $ {command}", flush=True)
         # Output goes straight to this terminal: the commands print their own progress lines.
-        done = subprocess.run(["bash", "-c", command], cwd=repo_root, check=False)
+        # The tools/* wrappers run under this interpreter (the venv the launcher runs in).
+        env = {**os.environ, "DSPARK_PYTHON": sys.executable}
+        done = subprocess.run(["bash", "-c", command], cwd=repo_root, env=env, check=False)
         if done.returncode != 0:
             raise InputPreparationError(
                 f"data.prepare_commands of {source}: `{command}` failed with exit code {done.returncode}; "

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import copy_repository
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 
@@ -45,18 +45,9 @@ def runs_state(repo: Path) -> tuple[list[str], str | None]:
     return folders, (os.readlink(latest) if latest.is_symlink() else None)
 
 
-def repository_copy(destination: Path) -> Path:
-    """A copy of the checkout (sources only) whose .cache is the checkout's: the runbook's jobs write
-    their runs/ there, never into the user's."""
-    ignored = shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "__pycache__", "*.egg-info", ".*_cache")
-    shutil.copytree(REPO, destination, ignore=ignored, symlinks=True)
-    (destination / ".cache").symlink_to(REPO / ".cache")
-    return destination
-
-
 def test_runbook_runbook_blocks_run_as_written(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
     before = runs_state(REPO)
-    copy = repository_copy(tmp_path / "repo")
+    copy = copy_repository(tmp_path / "repo", share_cache=True)
     script = "set -euo pipefail\n" + "\n".join(runbook_blocks())
     # The interpreter running the tests (the project venv) is the runbook's python3, as after
     # `source .venv/bin/activate`.
