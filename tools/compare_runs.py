@@ -45,7 +45,7 @@ PLOTS: dict[str, PlotSpec] = {
 }
 TIMING_METRICS = ("tokens", "tokens_per_s", "samples_per_s", "step_time_s", "data_wait_s", "data_wait_fraction")
 """Metrics that measure the machine, not the learning: listed last when two runs are compared."""
-SMOOTHING_POINTS = 20
+SMOOTHING_POINTS = 10
 """Curves are smoothed over about len(steps) / SMOOTHING_POINTS steps; the raw curve stays, faint."""
 
 
