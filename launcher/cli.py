@@ -167,7 +167,8 @@ def submit(args: argparse.Namespace) -> int:
             print(f"# plan blocker: {finding.message}")
         return 0
     _check_environment_references(loaded)
-    prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
+    if not args.probe:  # the probe reads neither the target nor the data
+        prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
         return run_smoke_gate(loaded, args)
     _refuse_on_preflight_failure(loaded, args.allow_blockers)
