@@ -332,10 +332,18 @@ def make_tiny_target(
         if record and record.get("cache_key") == key and not force:
             log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
             return record
-        log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
+        log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on one thread")
         started, started_cpu = time.monotonic(), time.process_time()
         tokenizer = build_tokenizer(spec)
-        model = train_model(spec, tokenizer, log)
+        # One thread: the same float reductions on every machine (deterministic whatever the core
+        # count), and at these 256-wide matrices a second thread gains little on a quiet machine
+        # while spinning threads crawl on a loaded one.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model = train_model(spec, tokenizer, log)
+        finally:
+            torch.set_num_threads(threads)
         vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
         chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
         log(f"[make_tiny_target] evaluating on the {len(chat_rows)} chat rows, then saving")
