@@ -228,7 +228,7 @@ def make_plan(recipe: Recipe) -> Plan:
 
 
 def _capture_fit(recipe: Recipe, plan: Plan) -> None:
-    from runtime.capture.sglang_fit import expert_offload_plan
+    from runtime.shared.sglang_fit import expert_offload_plan
 
     cap, hw, tr = recipe.capture, recipe.plan, recipe.transport
     gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
@@ -277,7 +277,7 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
 def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
     """What to do about a target that does not fit, most practical first, each with the exact
     ``--set`` line (or why it is not available)."""
-    from runtime.capture.sglang_fit import offload_support_0_5_23
+    from runtime.shared.sglang_fit import offload_support_0_5_23
 
     options = []
     two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")

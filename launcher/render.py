@@ -17,6 +17,7 @@ from launcher.environment import COMPONENTS
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import Recipe
 from runtime.recipe.schema import ComponentResources
+from runtime.shared import contracts
 
 PREEMPT_SIGNAL = "USR2"
 CAPTURE_STOP_WAIT_S = 60
@@ -182,7 +183,7 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
         lines += list(recipe.job.setup)
     python = recipe.job.python
     lines += [
-        'export DSPARK_SLURM_JOB_ID="$SLURM_JOB_ID"',
+        f'export {contracts.ENV_SLURM_JOB_ID}="$SLURM_JOB_ID"',
         'mkdir -p "$DSPARK_JOB_DIR/logs"',
         f'rm -f "$DSPARK_JOB_DIR/{CAPTURE_STOP_FILENAME}"',
         "# The launcher resolves the recipe before submitting; a manual sbatch resolves it here.",

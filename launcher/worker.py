@@ -26,6 +26,7 @@ from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
+from runtime.shared import contracts
 
 STOP_POLL_S = 1.0
 """How often a capture task looks for the batch script's stop file."""
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = load_resolved(job_dir / RESOLVED_FILENAME)
     recipe = resolved.recipe
     env = current_environment()
-    leader = env.get("DSPARK_SLURM_JOB_ID") or env["SLURM_JOB_ID"]
+    leader = env.get(contracts.ENV_SLURM_JOB_ID) or env["SLURM_JOB_ID"]
     placement = slurm_placement(recipe, args.component, env)
     task = task_index(args.component, placement.rank, recipe.trainer_world_size)
     paths = utils.JobPaths(job_dir / SUBMITIT_DIRNAME, job_id=leader, task_id=task)

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import copy_repository
-from test_launcher_local import probe_overrides
+
+from tests.conftest import copy_repository
+from tests.support.launcher_cli import probe_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 

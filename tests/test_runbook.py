@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import copy_repository
+
+from tests.conftest import copy_repository
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 

@@ -10,9 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_launcher_local import launch, probe_overrides
 
 from runtime.recipe import load_recipe
+from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 
@@ -103,11 +103,11 @@ def test_nan_on_one_rank_fails_the_update_check_naming_the_rank(tmp_path: Path, 
 def test_allowed_blockers_need_no_sglang_on_the_login_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """--allow-blockers on a login node without SGLang: the patch is checked against the pinned wheel."""
     from launcher import gate
-    from tools import patch_check
+    from runtime.shared import sglang_patch
 
     if not sorted((REPO / ".cache" / "sglang").glob("sglang-0.5.23-*.whl")):
         pytest.skip("the pinned SGLang wheel is not cached (tools/bootstrap caches it)")
-    monkeypatch.setattr(patch_check, "installed_sglang_root", lambda: None)
+    monkeypatch.setattr(sglang_patch, "installed_sglang_root", lambda: None)
     loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml")
     checks = {c.name: c for c in gate.preflight_checks(loaded, REPO, allow_blockers=True)}
     assert checks["plan"].status == gate.PASS and "--allow-blockers" in checks["plan"].detail

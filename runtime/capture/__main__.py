@@ -9,6 +9,7 @@ import sys
 
 from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
+from runtime.shared.contracts import ENV_RECIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m runtime.capture", description=__doc__)
     parser.add_argument(
         "--recipe",
-        default=os.environ.get("DSPARK_RECIPE"),
+        default=os.environ.get(ENV_RECIPE),
         help="resolved recipe JSON written by the launcher (default: $DSPARK_RECIPE)",
     )
     from runtime.moe.selection import add_moe_exchange_argument, chosen_exchange
