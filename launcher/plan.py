@@ -304,6 +304,55 @@ def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) ->
     return tuple(options)
 
 
+def _commit_overlap(
+    recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], sample: SampleSize, capture_units: int
+) -> None:
+    """The capture side's commit (the Mooncake put of each sample): hidden behind the next forward
+    by the commit pipeline, or added to the capture time without it."""
+    cap = recipe.capture
+    commit_s = sample.total_bytes / (recipe.plan.store_put_gbps * 1e9)
+    # SGLang: one sink per server (TP group); embedded: one pipeline per replica, one batch each.
+    slots = cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else capture_units)
+    if slots:
+        stages["capture"] = max(stages["capture"], commit_s)
+        how = (
+            f"overlapped with the next forward ({slots} staging slot(s), capture.commit_staging_slots; "
+            f"{format_bytes(slots * sample.feature_bytes)} pinned host memory)"
+        )
+    else:
+        stages["capture"] += commit_s
+        how = "added to the capture: capture.commit_staging_slots is 0 (no pipeline)"
+    rows.append(
+        (
+            "commit s/sample",
+            f"{commit_s:.3f} s  (Mooncake put at {recipe.plan.store_put_gbps:g} GB/s, checksums on the GPU), {how}",
+        )
+    )
+
+
+def _capture_once_projection(
+    recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], plan: Plan, steps: int
+) -> None:
+    """What capturing each row once would give (the node-local feature cache of DESIGN section 9,
+    not built yet): the first epoch at the capture rate, later epochs at the trainer's."""
+    rows_count = recipe.data.num_rows or 0
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    later = samples - first
+    later_s = stages["train"]  # a lower bound: reading the cache off local disk is not modelled
+    seconds = first * stages["capture"] + later * later_s
+    idle = 1.0 - samples * stages["train"] / seconds if seconds else 0.0
+    rows.append(
+        (
+            "if each row were captured once",
+            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%} ({first} captures at {stages['capture']:.3f} s, then "
+            f"{later} samples at the trainer's {later_s:.3f} s, cache reads not modelled: a lower bound; needs the "
+            "node-local feature cache, NOT BUILT: this recipe captures every epoch again)",
+        )
+    )
+    plan.numbers.update(capture_once_run_seconds=seconds, capture_once_trainer_idle_fraction=idle)
+
+
 def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
     cap, hw = recipe.capture, recipe.plan
     t = recipe.data.max_length
@@ -327,6 +376,8 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
                 f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
             )
         )
+    if "capture" in stages:
+        _commit_overlap(recipe, rows, stages, sample, capture_units)
     link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
     stages["transfer"] = sample.total_bytes / link_bytes_s
     rows.append(
@@ -362,6 +413,8 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
             ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
         )
         plan.numbers.update(steps=steps, run_seconds=seconds)
+        if "capture" in stages and recipe.trainer.epochs > 1:
+            _capture_once_projection(recipe, rows, stages, plan, steps)
     plan.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
     plan.numbers.update(trainer_idle_fraction=idle)
     plan.sections.append(("throughput model", rows))

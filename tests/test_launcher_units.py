@@ -122,6 +122,22 @@ def test_plan_reports_k3_numbers_and_the_hbm_blocker() -> None:
     assert not tiny.blockers
 
 
+def test_plan_models_the_commit_pipeline_and_a_capture_once_run() -> None:
+    piped = make_plan(load_recipe(K3).recipe)
+    unpiped = make_plan(load_recipe(K3, overrides=["capture.commit_staging_slots=0"]).recipe)
+    commit_s = piped.numbers["sample_bytes"] / 5.2e9
+    # Pipelined: the 1.08 s put hides behind the 4.4 s forward; without the pipeline it adds up.
+    assert piped.numbers["capture_s_per_sample"] == pytest.approx(4.416, abs=1e-3)
+    assert unpiped.numbers["capture_s_per_sample"] == pytest.approx(4.416 + commit_s, abs=1e-3)
+    assert "overlapped with the next forward (1 staging slot(s)" in piped.render()
+    assert "added to the capture: capture.commit_staging_slots is 0" in unpiped.render()
+    # Capture once: 462 rows at the capture rate, the other 4,146 of 36 x 128 samples at the trainer's.
+    expected = 462 * piped.numbers["capture_s_per_sample"] + (36 * 128 - 462) * piped.numbers["train_s_per_sample"]
+    assert piped.numbers["capture_once_run_seconds"] == pytest.approx(expected)
+    assert piped.numbers["capture_once_run_seconds"] < 3600 < piped.numbers["run_seconds"]
+    assert "NOT BUILT" in piped.render()
+
+
 def test_golden_sbatch_scripts_match_the_renderer() -> None:
     for path in (TINY, K3):
         loaded = load_recipe(path, display_name=f"recipes/{path.name}")
