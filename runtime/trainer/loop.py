@@ -216,9 +216,9 @@ class Trainer:
         cfg = self.trainer_cfg
         guard = FiniteGuard(smoke=s.smoke, max_consecutive_skips=cfg.max_consecutive_skips)
         if plan.kind == "resume" and plan.path is not None:
-            state = checkpoints.read_state(plan.path)
+            state = self._verified_state(plan.path)
             check_resume_compatible(state, self._identity(), plan.path)
-            checkpoints.load_full(plan.path, model, optimizer)
+            checkpoints.load_full(plan.path, model, optimizer, state)
             rng = state.get("rng") or []
             if s.rank < len(rng):
                 checkpoints.restore_rng(rng[s.rank])
@@ -226,9 +226,26 @@ class Trainer:
             guard.consecutive = int(state.get("consecutive_skips", 0))
             return int(state["step"]), guard
         if plan.kind == "init" and plan.path is not None:
+            if checkpoints.is_complete(plan.path):
+                self._verified_state(plan.path)
             checkpoints.load_weights(plan.path, model)
             writer.say(f"[trainer] warm start: weights from {plan.path}; optimizer, schedule, counters and RNG fresh")
         return 0, guard
+
+    def _verified_state(self, path: Any) -> dict[str, Any]:
+        """Rank 0 reads ``trainer_state.json`` and checks the checkpoint's files; every rank gets the
+        verdict, so all fail together with the same message (or none does)."""
+        verdict: list[Any] = [None]
+        if self.settings.is_main:
+            try:
+                verdict = [checkpoints.verify_checkpoint(path)]
+            except checkpoints.CheckpointError as exc:
+                verdict = [str(exc)]
+        if dist.is_initialized() and self.settings.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if isinstance(verdict[0], str):
+            raise checkpoints.CheckpointError(verdict[0])
+        return dict(verdict[0])
 
     def _identity(self) -> dict[str, Any]:
         cfg = self.trainer_cfg
@@ -238,6 +255,7 @@ class Trainer:
             "data_digest": self.settings.data_digest,
             "prompt_seed": cfg.effective_prompt_seed,
             "global_batch_size": cfg.global_batch_size,
+            "draft": cfg.draft.model_dump(mode="json"),
         }
 
     # ------------------------------------------------------------------ one step
@@ -481,6 +499,7 @@ class Trainer:
             "recipe_digest": self.resolved.digest,
             "data_digest": s.data_digest,
             "prompt_seed": cfg.effective_prompt_seed,
+            "draft": cfg.draft.model_dump(mode="json"),
             "seed": cfg.seed,
             "skipped_updates": guard.skipped_total,
             "consecutive_skips": guard.consecutive,
