@@ -113,7 +113,9 @@ def test_truncated_shard_and_broken_state_file_name_the_file(tmp_path: Path) -> 
 def test_another_draft_architecture_is_named(tmp_path: Path) -> None:
     _, _, path = _save(tmp_path)
     narrow = torch.nn.Linear(64, 32)
-    with pytest.raises(checkpoints.CheckpointError, match="does not match this draft .*Fix: resume with the trainer.draft"):
+    with pytest.raises(
+        checkpoints.CheckpointError, match="does not match this draft .*Fix: resume with the trainer.draft"
+    ):
         checkpoints.load_weights(path, narrow)
     current = {"schedule_type": "cosine", "world_size": 4, "data_digest": "d", "prompt_seed": 1, "global_batch_size": 8}
     recorded = {

@@ -53,9 +53,7 @@ class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, docstrings become descriptions."""
 
     # allow_inf_nan=False: lr: .inf or 1e400 (which parses to inf) is refused at load time.
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False
-    )
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -124,6 +122,7 @@ class JobSection(Section):
                 "'_', '.' and '-', starting with a letter, digit or '_'"
             )
         return value
+
     partition: str | None = None
     """Slurm partition; null uses the cluster default."""
     account: str | None = None
@@ -439,6 +438,7 @@ class OptimizerConfig(Section):
                 "such as [0.9, 0.95]"
             )
         return value
+
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     weight_decay: float = Field(0.0, ge=0)
