@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.environment import TaskPlacement, component_environment
+from runtime.lifecycle import die_with_parent
 from runtime.recipe import Recipe
 
 RUNTIME_MODULES = {"capture": "runtime.capture", "trainer": "runtime.trainer"}
@@ -54,8 +55,17 @@ def start_component(
         stdout=stdout,  # type: ignore[arg-type]
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
-        preexec_fn=_ignore_requeue_signal,
+        preexec_fn=_prepare_child,
     )
+
+
+def _prepare_child() -> None:
+    # Its own session keeps terminal signals away from the component, so it must learn of its
+    # supervisor's death another way: a SIGKILLed supervisor (or worker) sends it SIGTERM, and the
+    # component stops as it does on any SIGTERM (the capture stops its master; the trainer
+    # checkpoints at the next step boundary).
+    die_with_parent(signal.SIGTERM)
+    _ignore_requeue_signal()
 
 
 def _ignore_requeue_signal() -> None:

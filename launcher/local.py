@@ -66,7 +66,13 @@ class LocalRun:
                     stdout=log,
                 )
                 self.tasks.append(LocalTask(component, rank, process, log, log_path))
-            self.status[component] = {"state": "RUNNING", "tasks": world, "exit_codes": {}}
+            self.status[component] = {
+                "state": "RUNNING",
+                "tasks": world,
+                "exit_codes": {},
+                # what `status` and `cancel` need when this supervisor is gone (kill -9)
+                "pids": {str(t.rank): t.process.pid for t in self._component_tasks(component)},
+            }
         self._save_status()
 
     def _save_status(self) -> None:

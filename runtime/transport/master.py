@@ -12,7 +12,6 @@ master, bound to the same address, and no etcd is needed. RPC and metrics server
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import shutil
@@ -26,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.lifecycle import die_with_parent
 from runtime.recipe.schema import Recipe
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import MasterStartError
@@ -33,7 +33,6 @@ from runtime.transport.errors import MasterStartError
 log = logging.getLogger("dspark.transport.master")
 
 MASTER_BINARY = "mooncake_master"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -134,14 +133,8 @@ def port_in_use(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     # The master must not outlive the capture process that owns it: an orphan would hold the ports
-    # and a stale, empty store across a restart. PR_SET_PDEATHSIG fires when the *thread* that
-    # started the master exits, so start it from a thread that lives as long as the component
-    # (the main thread), or pass die_with_parent=False.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    # and a stale, empty store across a restart. Or pass die_with_parent=False.
+    die_with_parent(signal.SIGTERM)
 
 
 class MasterProcess:
