@@ -143,6 +143,7 @@ class Trainer:
         schedule = build_schedule(cfg.schedule, base_lr=cfg.optimizer.lr, run_total_steps=s.total_steps)
         plan = plan_start(self.recipe, s.checkpoint_dir, self.resolved.digest)
         start_step, guard = self._start(plan, model, optimizer, writer)
+        writer.resume_at(start_step)
         source = open_sample_source(self.resolved, s.rank, s.world_size)
         try:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
