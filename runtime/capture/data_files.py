@@ -194,9 +194,10 @@ def parse_row(line: bytes | str, index: int, path: str | Path) -> DataRow:
     row_id = obj["id"]
     where = f"{path}: row {index + 1} (id {row_id!r})"
     ids, mask = obj["input_ids"], obj["loss_mask"]
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+    # set(map(type, ...)) runs in C: ten times faster than a generator over 64K tokens per row
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
         raise DataFileError(f"{where}: field input_ids must be a list of integers")
-    if not isinstance(mask, list) or not all(type(t) is int for t in mask):
+    if not isinstance(mask, list) or not set(map(type, mask)) <= {int}:
         raise DataFileError(f"{where}: field loss_mask must be a list of integers")
     return DataRow(index=index, id=str(row_id), input_ids=ids, loss_mask=mask)
 
@@ -275,13 +276,14 @@ def verify_data_file(
         if row.id in seen_ids:
             warnings.append(f"row {row.index + 1}: id {row.id!r} repeats row {seen_ids[row.id] + 1}")
         seen_ids.setdefault(row.id, row.index)
-        if not any(a and b for a, b in zip(row.loss_mask, row.loss_mask[1:], strict=False)):
+        mask_bytes = bytes(row.loss_mask)  # 0/1 only (check_row): byte scans run in C
+        if b"\x01\x01" not in mask_bytes:
             warnings.append(
                 f"row {row.index + 1} (id {row.id!r}): no two adjacent assistant tokens, so no DSpark anchor is eligible"
             )
         rows += 1
         tokens += row.num_tokens
-        masked += sum(row.loss_mask)
+        masked += mask_bytes.count(1)
         longest = max(longest, row.num_tokens)
         shortest = row.num_tokens if shortest is None else min(shortest, row.num_tokens)
     if rows == 0:

@@ -82,6 +82,7 @@ class Consumer:
         self.bytes_total = 0
         self.samples_total = 0
         self._calls = DeadlineCaller(f"rank {rank} store calls")
+        self._last_beat: Heartbeat | None = None
 
     # -- the g this rank reads --------------------------------------------------------------
 
@@ -263,9 +264,11 @@ class Consumer:
         if raw is None:
             return None
         try:
-            return Heartbeat.decode(raw)
+            beat = Heartbeat.decode(raw)
         except (ValueError, TypeError):
             return None
+        self._last_beat = beat
+        return beat
 
     def _write_cursor(self, value: int, step: int | None) -> None:
         publisher = f"rank {self.rank} pid {os.getpid()} on {socket.gethostname()}"
@@ -332,6 +335,17 @@ class Consumer:
             beat = self._calls.call(self.read_heartbeat, STATUS_TIMEOUT_S, "read the producer heartbeat")
         except StoreUnresponsiveError as exc:
             return f"producer heartbeat unreadable: {exc}"
+        if beat is None and self._last_beat is not None:
+            # The heartbeat lives in the producer's own segment: when the producer hangs or dies, its
+            # client stops renewing and the master unmounts the segment (client_ttl_s), taking the
+            # heartbeat with it. What this rank saw last is the evidence.
+            last = self._last_beat
+            return (
+                f"the producer's heartbeat vanished from the store; last seen from producer pid {last.pid} on "
+                f"{last.host} (segment {last.segment or '?'}), {last.age_s():.0f} s old, sequence {last.sequence}, "
+                f"{last.committed_total} samples committed: the producer most likely hung or died and its segment "
+                "was unmounted with it (or the master restarted); check the capture component's log"
+            )
         if beat is None:
             return "no producer heartbeat in the store (the producer has not started, or the store was restarted)"
         return beat.summary()
