@@ -46,6 +46,8 @@ class RunSettings:
     data_digest: str
     """SHA-256 of the training data (the recipe's, or its manifest's)."""
     smoke: bool
+    compile_regions: bool = False
+    """torch.compile the model's regions (``trainer.compile_regions``; auto: on CUDA)."""
     master_addr: str = "127.0.0.1"
     """Rank 0's host (MASTER_ADDR): where the rendezvous store listens."""
     master_port: int = 29500
@@ -154,6 +156,8 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         checkpoint_dir=checkpoint_dir,
         data_digest=data_digest,
         smoke=resolved.smoke,
+        compile_regions=trainer.compile_regions == "on"
+        or (trainer.compile_regions == "auto" and device.type == "cuda"),
         master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
         master_port=_env_int(env, "MASTER_PORT", recipe.job.master_port),
         bind_address=env.get("DSPARK_BIND_ADDRESS") or "127.0.0.1",
