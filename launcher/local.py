@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from launcher.component import start_component, stop_process
+from launcher.component import start_component, stop_processes
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.recipe import ResolvedRecipe
@@ -46,6 +46,7 @@ class LocalRun:
         self.tasks: list[LocalTask] = []
         self.status: dict[str, dict[str, object]] = {}
         self._stop_requested = False
+        self.stop_grace_s = float(resolved.recipe.job.stop_grace_s)
 
     def _start(self) -> None:
         base_env = current_environment()
@@ -90,8 +91,7 @@ class LocalRun:
         return next((c for c in codes if c != 0), 0)
 
     def _finish(self, component: str, code: int, state: str | None = None) -> None:
-        for task in self._component_tasks(component):
-            stop_process(task.process)
+        stop_processes([t.process for t in self._component_tasks(component)], self.stop_grace_s)
         codes = {str(t.rank): t.process.returncode for t in self._component_tasks(component)}
         self.status[component] = {
             "state": state or ("COMPLETED" if code == 0 else "FAILED"),
@@ -131,8 +131,8 @@ class LocalRun:
             self._start()
             return self._supervise()
         finally:
+            stop_processes([t.process for t in self.tasks], self.stop_grace_s)
             for task in self.tasks:
-                stop_process(task.process)
                 task.log.close()
             self._echo_logs()
             for signum, handler in previous.items():

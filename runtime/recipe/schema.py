@@ -148,6 +148,9 @@ class JobSection(Section):
     env: EnvironmentMapping = Field(default_factory=dict)
     """Extra environment variables for both components (never credentials: those come from the
     submitting shell's environment)."""
+    stop_grace_s: int = Field(30, ge=1, le=3600)
+    """Seconds every task of a component gets between SIGTERM and SIGKILL when the job stops (the
+    trainer checkpoints at its next step boundary in that time); all tasks are signalled at once."""
     master_port: int = Field(29500, ge=1024, le=65535)
     """TCP port of the trainer's torch.distributed rendezvous on its first node."""
     capture: ComponentResources = Field(default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32))
