@@ -77,7 +77,17 @@ class LocalRun:
         self._save_status()
 
     def _save_status(self) -> None:
-        write_local_status(self.resolved.job_dir, self.status)
+        try:
+            write_local_status(self.resolved.job_dir, self.status)
+        except OSError as exc:
+            # A full disk must not crash the supervisor (its children would be left unwatched): the
+            # terminal gets the reason; the components keep running and are stopped as usual.
+            print(
+                f"[local] cannot record the component states in {self.resolved.job_dir} ({exc.strerror or exc}); "
+                f"states now: {self.status}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _component_tasks(self, component: str) -> list[LocalTask]:
         return [t for t in self.tasks if t.component == component]

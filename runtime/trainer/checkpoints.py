@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,37 +278,67 @@ def save_checkpoint(
     (without RNG and hash, which this adds); ``rng_states`` holds every rank's, gathered."""
     final = checkpoint_dir / step_dir_name(step)
     tmp = checkpoint_dir / f"{TMP_PREFIX}{step_dir_name(step)}"
-    if is_main:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
-    weights_hash = state_dict_sha256(model_state)
-    optim_hash = state_dict_sha256(flat_tensors(optim_state))
-    barrier()
-    if is_main:
-        payload = {
-            "format": STATE_FORMAT,
-            **state,
-            "rng": rng_states,
-            "weights_sha256": weights_hash,
-            "optimizer_sha256": optim_hash,
-            # read back from disk: a resume checks these before it trusts a byte
-            "files": file_digests(tmp / DCP_DIR),
-            "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "torch_version": torch.__version__,
-        }
-        atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
-        if final.exists():  # the same step saved again after a restart: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _point_latest(checkpoint_dir, final.name)
-        _prune(checkpoint_dir, keep_last)
-    barrier()
+    try:
+        if is_main:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
+        weights_hash = state_dict_sha256(model_state)
+        optim_hash = state_dict_sha256(flat_tensors(optim_state))
+        barrier()
+        if is_main:
+            payload = {
+                "format": STATE_FORMAT,
+                **state,
+                "rng": rng_states,
+                "weights_sha256": weights_hash,
+                "optimizer_sha256": optim_hash,
+                # read back from disk: a resume checks these before it trusts a byte
+                "files": file_digests(tmp / DCP_DIR),
+                "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "torch_version": torch.__version__,
+            }
+            atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
+            if final.exists():  # the same step saved again after a restart: replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _point_latest(checkpoint_dir, final.name)
+            _prune(checkpoint_dir, keep_last)
+        barrier()
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        # torch.save on a full disk may fail as "unexpected pos" rather than ENOSPC: judge by the space
+        tensors = flat_tensors(dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True)))
+        need = max(
+            sum(t.numel() * t.element_size() for t in tensors.values()),
+            _size_of(complete_checkpoints(checkpoint_dir)[-1:]),
+        )
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint left behind
+        free = shutil.disk_usage(checkpoint_dir).free if checkpoint_dir.exists() else 0
+        if not (_is_disk_full(exc) or free < need):
+            raise
+        message = (
+            f"disk full at {checkpoint_dir} while saving {final.name}: need about {need} bytes, {free} free; "
+            "the previous checkpoints are intact. Fix: free space there, or set "
+            "trainer.checkpoint.dir to a larger filesystem (and lower trainer.checkpoint.keep_last)"
+        )
+        print(message, file=sys.stderr, flush=True)
+        raise CheckpointError(message) from None
     return SavedCheckpoint(path=final, weights_sha256=weights_hash)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    # DCP wraps each rank's failure in a CheckpointException (a BaseException) with the cause's text
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+    )
+
+
+def _size_of(paths: list[Path]) -> int:
+    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file())
 
 
 def _point_latest(checkpoint_dir: Path, name: str) -> None:
