@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_killed_supervisor_takes_its_components_along(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     data = tmp_path / "train.jsonl"  # the probe reads no data; the preflight checks its digest
-    data.write_text('{"messages": []}\n')
+    data.write_text('{"id": "r0", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}\n')
     digest = hashlib.sha256(data.read_bytes()).hexdigest()
     supervisor = subprocess.Popen(
         [
@@ -42,6 +42,8 @@ def test_killed_supervisor_takes_its_components_along(tmp_path: Path) -> None:
             f"data.train_path={data}",
             "--set",
             f"data.expected_sha256={digest}",
+            "--set",
+            "data.num_rows=null",
         ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
