@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.environment import TaskPlacement, component_environment
-from runtime.lifecycle import die_with_parent
 from runtime.recipe import Recipe
+from runtime.shared.lifecycle import die_with_parent
 
 RUNTIME_MODULES = {"capture": "runtime.capture", "trainer": "runtime.trainer"}
 PROBE_MODULE = "runtime.probe"

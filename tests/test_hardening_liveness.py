@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer_support import BASE_OVERRIDES, Run, launch, make_inputs
 
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError
 from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
 from tests.conftest import free_port
+from tests.support.trainer_runs import BASE_OVERRIDES, Run, launch, make_inputs
 
 pytestmark = pytest.mark.mooncake
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher_local import launch, probe_overrides
 
 from launcher.control import _pid_alive
+from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = pytest.mark.distributed
 

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer_support import launch, make_inputs, make_run, start, wait_all
 
 from runtime.recipe.schema import MetricsConfig
 from runtime.trainer.metrics import MetricsWriter
+from tests.support.trainer_runs import launch, make_inputs, make_run, start, wait_all
 
 STEPS = 12
 EVERY = 5

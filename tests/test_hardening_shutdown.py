@@ -8,11 +8,17 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from test_launcher_local import launch, only_job_dir, probe_overrides
+
+from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = pytest.mark.distributed
 
 STOP_DELAY_S = 3
+
+
+def only_job_dir(runs_dir: Path) -> Path:
+    (job_dir,) = [p for p in (runs_dir / "tiny").iterdir() if p.is_dir()]
+    return job_dir
 
 
 def test_failed_capture_stops_all_trainer_ranks_in_parallel(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.capture.data_files import resolve_expected_sha256
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_JOB_DIR
+from runtime.shared.data_files import resolve_expected_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -136,7 +137,7 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         )
     total_steps = min(trainer.max_steps, steps_in_data) if trainer.max_steps else steps_in_data
 
-    job_dir = Path(env.get("DSPARK_JOB_DIR") or resolved.job_dir)
+    job_dir = Path(env.get(ENV_JOB_DIR) or resolved.job_dir)
     checkpoint_dir = (
         resolved.resolve_path(trainer.checkpoint.dir) if trainer.checkpoint.dir else job_dir / "checkpoints"
     )
@@ -160,5 +161,5 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         or (trainer.compile_regions == "auto" and device.type == "cuda"),
         master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
         master_port=_env_int(env, "MASTER_PORT", recipe.job.master_port),
-        bind_address=env.get("DSPARK_BIND_ADDRESS") or "127.0.0.1",
+        bind_address=env.get(ENV_BIND_ADDRESS) or "127.0.0.1",
     )

@@ -25,8 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.lifecycle import die_with_parent
 from runtime.recipe.schema import Recipe
+from runtime.shared.lifecycle import die_with_parent
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import MasterStartError
 

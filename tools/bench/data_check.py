@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.capture.data_files import sha256_file, verify_data_file
+from runtime.shared.data_files import sha256_file, verify_data_file
 
 VOCAB_SIZE = 163_840
 
