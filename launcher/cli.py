@@ -133,7 +133,7 @@ def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, pro
 
 def _resume_overrides(job: str, runs_dir: Path) -> list[str]:
     """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start)."""
-    record = jobs.find_record(job, runs_dir)
+    record = jobs.find_record(job, runs_dir, runs_dir_hint="--set job.runs_dir=FOLDER")
     checkpoint = jobs.newest_checkpoint(record)
     if checkpoint is None:
         raise LaunchError(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from launcher.environment import TaskPlacement, component_environment
 from runtime.recipe import Recipe
+from runtime.shared.lifecycle import die_with_parent
 
 RUNTIME_MODULES = {"capture": "runtime.capture", "trainer": "runtime.trainer"}
 PROBE_MODULE = "runtime.probe"
@@ -54,8 +55,17 @@ def start_component(
         stdout=stdout,  # type: ignore[arg-type]
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
-        preexec_fn=_ignore_requeue_signal,
+        preexec_fn=_prepare_child,
     )
+
+
+def _prepare_child() -> None:
+    # Its own session keeps terminal signals away from the component, so it must learn of its
+    # supervisor's death another way: a SIGKILLed supervisor (or worker) sends it SIGTERM, and the
+    # component stops as it does on any SIGTERM (the capture stops its master; the trainer
+    # checkpoints at the next step boundary).
+    die_with_parent(signal.SIGTERM)
+    _ignore_requeue_signal()
 
 
 def _ignore_requeue_signal() -> None:
@@ -67,16 +77,24 @@ def _ignore_requeue_signal() -> None:
 
 def stop_process(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> int | None:
     """SIGTERM the child's process group, wait ``grace_s``, then SIGKILL it. Returns its exit code."""
-    if process.poll() is not None:
-        return process.returncode
-    signal_group(process, signal.SIGTERM)
+    stop_processes([process], grace_s)
+    return process.returncode
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop several children at once: SIGTERM every process group first, then wait for all of them
+    under ONE ``grace_s`` deadline, then SIGKILL what is left. (One at a time, four trainer ranks that
+    each finish their step took four grace periods.)"""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
+        signal_group(process, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return process.returncode
+    while time.monotonic() < deadline and any(p.poll() is None for p in running):
         time.sleep(0.1)
-    signal_group(process, signal.SIGKILL)
-    return process.wait()
+    for process in running:
+        if process.poll() is None:
+            signal_group(process, signal.SIGKILL)
+            process.wait()
 
 
 def signal_group(process: subprocess.Popen[bytes], signum: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -146,12 +147,25 @@ def job_report(record: JobRecord) -> JobReport:
 def _local_report(record: JobRecord) -> JobReport:
     status = read_local_status(Path(record.job_dir))
     supervisor_alive = record.supervisor_pid is not None and _pid_alive(record.supervisor_pid)
+    notes: list[str] = []
+    trainer_finished = _trainer_finished_line(record)
     reports = []
     for group, (name, tasks) in enumerate(record.components.items()):
         entry = status.get(name, {})
         state = str(entry.get("state", "PENDING"))
         if state == "RUNNING" and not supervisor_alive:
-            state = "LOST"
+            # The supervisor died (kill -9) before it recorded the end: say what really happened.
+            leftover = component_pids(record, name)
+            if leftover:
+                state = "ORPHANED"
+                notes.append(
+                    f"{name} task(s) {', '.join(map(str, leftover))} still run without their supervisor; "
+                    f"`python -m launcher cancel {record.job_id}` stops them"
+                )
+            elif trainer_finished:
+                state = "COMPLETED" if name == "trainer" else "STOPPED"
+            else:
+                state = "LOST"
         codes = entry.get("exit_codes", {}) or {}
         results = {int(rank): ("success" if code == 0 else "error") for rank, code in dict(codes).items()}
         exit_code = ",".join(sorted({str(c) for c in dict(codes).values()})) if codes else ""
@@ -159,6 +173,8 @@ def _local_report(record: JobRecord) -> JobReport:
     states = {r.state for r in reports}
     if "FAILED" in states or "LOST" in states:
         state = "FAILED"
+    elif "ORPHANED" in states:
+        state = "ORPHANED"
     elif "CANCELLED" in states and "FAILED" not in states and not supervisor_alive:
         state = "CANCELLED"
     elif all(r.state in {"COMPLETED", "STOPPED"} for r in reports) and reports:
@@ -167,8 +183,42 @@ def _local_report(record: JobRecord) -> JobReport:
         state = "RUNNING"
     else:
         state = "PENDING" if supervisor_alive else "UNKNOWN"
-    note = "" if supervisor_alive or state in TERMINAL_JOB_STATES else "the local supervisor is not running"
-    return JobReport(record=record, state=state, components=reports, note=note)
+    if not supervisor_alive and state not in TERMINAL_JOB_STATES | {"ORPHANED"}:
+        notes.append("the local supervisor is not running")
+    elif not supervisor_alive and any(s == "RUNNING" for s in (str(e.get("state")) for e in status.values())):
+        notes.append(
+            f"the local supervisor (pid {record.supervisor_pid}) died before recording the end"
+            + (f"; the trainer log says: {trainer_finished}" if trainer_finished else "")
+        )
+    return JobReport(record=record, state=state, components=reports, note="; ".join(notes))
+
+
+def _trainer_finished_line(record: JobRecord) -> str:
+    """The trainer's "finished N steps" line from rank 0's log, or empty."""
+    path = record.log_path("trainer", 0)
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - 65536))
+            tail = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line for line in tail.splitlines() if "[trainer] finished " in line]
+    return lines[-1].strip() if lines else ""
+
+
+def component_pids(record: JobRecord, component: str) -> list[int]:
+    """Component task processes of this local job that are still alive (checked against their
+    environment, so a reused pid is never taken for one of ours)."""
+    entry = read_local_status(Path(record.job_dir)).get(component, {})
+    found = []
+    for pid in dict(entry.get("pids", {}) or {}).values():
+        try:
+            environ = Path(f"/proc/{int(pid)}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"DSPARK_JOB_DIR={record.job_dir}".encode() in environ:
+            found.append(int(pid))
+    return found
 
 
 def _pid_alive(pid: int) -> bool:
@@ -187,12 +237,29 @@ def cancel_job(record: JobRecord) -> str:
         if record.supervisor_pid and _pid_alive(record.supervisor_pid):
             os.kill(record.supervisor_pid, signal.SIGTERM)
             return f"sent SIGTERM to the local supervisor (pid {record.supervisor_pid})"
-        return "the local run is not running"
+        leftover = [pid for name in record.components for pid in component_pids(record, name)]
+        if not leftover:
+            return "the local run is not running (no supervisor, no component task left)"
+        _stop_groups(leftover)
+        return f"the supervisor was gone; stopped {len(leftover)} leftover component task(s): {leftover}"
     # The leader id cancels all het components at once.
     done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"scancel {record.job_id} failed: {done.stderr.strip()}")
     return f"scancel {record.job_id}: both components cancelled"
+
+
+def _stop_groups(pids: list[int], grace_s: float = 30.0) -> None:
+    """SIGTERM each task's process group (components run in their own sessions), SIGKILL after grace."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_pid_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def log_files(record: JobRecord, component: str | None, rank: int | None) -> list[Path]:

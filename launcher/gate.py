@@ -109,10 +109,13 @@ def check_sglang_patch(loaded: LoadedRecipe) -> Check:
 
 
 def check_data(loaded: LoadedRecipe, repo_root: Path) -> Check:
-    """``data.train_path`` hashes to ``data.expected_sha256``."""
-    from runtime.shared.data_files import check_data_sha256
+    """``data.train_path`` hashes to ``data.expected_sha256`` and every row is sound (the verify tool's
+    row checks: UTF-8 JSON, complete last line, ids in the vocabulary, mask of 0/1 that is not all
+    zero, lengths within ``data.max_length``), before anything is submitted."""
+    from runtime.shared.data_files import check_data_sha256, verify_data_file
 
-    data = loaded.recipe.data
+    recipe = loaded.recipe
+    data = recipe.data
     path = resolve_recipe_path(data.train_path, repo_root)
     try:
         digest = check_data_sha256(path, data.expected_sha256, recipe_file=loaded.source)
@@ -122,7 +125,14 @@ def check_data(loaded: LoadedRecipe, repo_root: Path) -> Check:
             "data.expected_sha256"
         )
         return Check("data sha256", FAIL, str(exc), fix)
-    return Check("data sha256", PASS, f"{path.name}: {digest[:16]}...")
+    try:
+        summary = verify_data_file(
+            path, vocab_size=recipe.capture.vocab_size, max_length=data.max_length, num_rows=data.num_rows
+        )
+    except (ValueError, OSError) as exc:
+        message, _, fix = str(exc).partition("; fix: ")
+        return Check("data sha256", FAIL, message, fix or "regenerate the file with tools/prepare_data")
+    return Check("data sha256", PASS, f"{path.name}: {digest[:16]}..., {summary.rows} rows checked")
 
 
 def preflight_checks(loaded: LoadedRecipe, repo_root: Path, allow_blockers: bool = False) -> list[Check]:

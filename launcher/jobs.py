@@ -131,8 +131,9 @@ def newest_checkpoint(record: JobRecord) -> Path | None:
     return complete[-1] if complete else None
 
 
-def find_record(job: str, runs_dir: Path) -> JobRecord:
-    """A job record from a job id (looked up in ``{runs_dir}/jobs``) or a job folder path."""
+def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir") -> JobRecord:
+    """A job record from a job id (looked up in ``{runs_dir}/jobs``) or a job folder path.
+    ``runs_dir_hint`` says how the caller's user names another runs folder."""
     candidates = [Path(job), runs_dir / INDEX_DIRNAME / job]
     for folder in candidates:
         record_file = folder / JOB_RECORD_FILENAME
@@ -143,7 +144,8 @@ def find_record(job: str, runs_dir: Path) -> JobRecord:
     listing = f" Known jobs: {', '.join(known[-10:])}" if known else ""
     raise FileNotFoundError(
         f"no job '{job}': neither a job folder with {JOB_RECORD_FILENAME} nor an id under "
-        f"{runs_dir / INDEX_DIRNAME}.{listing} (pass --runs-dir if the recipe uses another runs folder)"
+        f"{runs_dir / INDEX_DIRNAME}.{listing} (fix: give the job folder's path, or {runs_dir_hint} if the job "
+        "used another runs folder)"
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from launcher.component import start_component, stop_process
+from launcher.component import start_component, stop_processes
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.recipe import ResolvedRecipe
@@ -46,6 +46,7 @@ class LocalRun:
         self.tasks: list[LocalTask] = []
         self.status: dict[str, dict[str, object]] = {}
         self._stop_requested = False
+        self.stop_grace_s = float(resolved.recipe.job.stop_grace_s)
 
     def _start(self) -> None:
         base_env = current_environment()
@@ -66,11 +67,27 @@ class LocalRun:
                     stdout=log,
                 )
                 self.tasks.append(LocalTask(component, rank, process, log, log_path))
-            self.status[component] = {"state": "RUNNING", "tasks": world, "exit_codes": {}}
+            self.status[component] = {
+                "state": "RUNNING",
+                "tasks": world,
+                "exit_codes": {},
+                # what `status` and `cancel` need when this supervisor is gone (kill -9)
+                "pids": {str(t.rank): t.process.pid for t in self._component_tasks(component)},
+            }
         self._save_status()
 
     def _save_status(self) -> None:
-        write_local_status(self.resolved.job_dir, self.status)
+        try:
+            write_local_status(self.resolved.job_dir, self.status)
+        except OSError as exc:
+            # A full disk must not crash the supervisor (its children would be left unwatched): the
+            # terminal gets the reason; the components keep running and are stopped as usual.
+            print(
+                f"[local] cannot record the component states in {self.resolved.job_dir} ({exc.strerror or exc}); "
+                f"states now: {self.status}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _component_tasks(self, component: str) -> list[LocalTask]:
         return [t for t in self.tasks if t.component == component]
@@ -84,8 +101,7 @@ class LocalRun:
         return next((c for c in codes if c != 0), 0)
 
     def _finish(self, component: str, code: int, state: str | None = None) -> None:
-        for task in self._component_tasks(component):
-            stop_process(task.process)
+        stop_processes([t.process for t in self._component_tasks(component)], self.stop_grace_s)
         codes = {str(t.rank): t.process.returncode for t in self._component_tasks(component)}
         self.status[component] = {
             "state": state or ("COMPLETED" if code == 0 else "FAILED"),
@@ -125,8 +141,8 @@ class LocalRun:
             self._start()
             return self._supervise()
         finally:
+            stop_processes([t.process for t in self.tasks], self.stop_grace_s)
             for task in self.tasks:
-                stop_process(task.process)
                 task.log.close()
             self._echo_logs()
             for signum, handler in previous.items():

@@ -10,6 +10,8 @@ contract for real:
 
 Set ``DSPARK_PROBE_FAIL=<component>`` (through the recipe's ``job.env``) to make that component exit
 with code 3 after recording, which is how tests check that a failed component is reported. Set
+``DSPARK_PROBE_STOP_DELAY_S=N`` to make a task take N seconds to leave after SIGTERM (it records
+when the signal came and when it left, under ``probe/stops/``), or
 ``DSPARK_PROBE_HOLD_S=N`` to keep every task alive N seconds after recording on a job's first run
 (not after a requeue), which is how tests signal, cancel or requeue a running job.
 """
@@ -20,6 +22,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -106,6 +109,15 @@ def _trainer_all_reduce() -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _stop_slowly(job_dir: Path, component: str, rank: int, delay_s: float) -> None:
+    stops = job_dir / "probe" / "stops"
+    stops.mkdir(parents=True, exist_ok=True)
+    (stops / f"{component}_{rank}.term").write_text(f"{time.time()}\n")
+    time.sleep(delay_s)
+    (stops / f"{component}_{rank}.exit").write_text(f"{time.time()}\n")
+    os._exit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the probe for one task; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python3 -m runtime.probe", description=__doc__)
@@ -129,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("DSPARK_PROBE_FAIL") == args.component:
         print(f"[probe {args.component}/{rank}] DSPARK_PROBE_FAIL asks this component to fail", flush=True)
         return FAIL_EXIT_CODE
+    stop_delay_s = float(os.environ.get("DSPARK_PROBE_STOP_DELAY_S", "0"))
+    if stop_delay_s:  # behave like a trainer finishing its step: record the SIGTERM, leave a bit later
+        signal.signal(signal.SIGTERM, lambda *_: _stop_slowly(job_dir, args.component, rank, stop_delay_s))
     hold_s = float(os.environ.get("DSPARK_PROBE_HOLD_S", "0"))
     if hold_s and os.environ.get(contracts.ENV_REQUEUE_COUNT, "0") == "0":
         print(f"[probe {args.component}/{rank}] holding {hold_s:.0f} s (DSPARK_PROBE_HOLD_S)", flush=True)

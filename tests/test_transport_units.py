@@ -304,15 +304,15 @@ def test_master_command_uses_recipe_values_and_eviction_ratio() -> None:
     for flag in (
         "--rpc_address=10.1.2.3",
         "--rpc_port=50051",
-        "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=10.1.2.3",
-        "--http_metadata_server_port=8080",
+        "--enable_http_metadata_server=false",
+        "--metrics_host=10.1.2.3",
         "--metrics_port=9003",
         "--default_kv_lease_ttl=300s",
         "--eviction_high_watermark_ratio=0.878906",  # 900 GiB / 1 TiB
         "--client_ttl=10",
     ):
         assert flag in cmd, flag
+    assert settings.metadata_command()[-2:] == ["--host=10.1.2.3", "--port=8080"]
     assert eviction_ratio(900 * 2**30, 2**40) == pytest.approx(0.87890625)
     with pytest.raises(ValueError, match="outside"):
         eviction_ratio(2, 1)

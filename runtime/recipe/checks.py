@@ -131,8 +131,14 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 f"pause (largest {format_bytes(largest)}) the store can hold {format_bytes(overshoot)}, above "
                 f"transport.store_cap_bytes {format_bytes(tr.store_cap_bytes)}: Mooncake would evict samples "
                 "the trainer has not consumed",
-                f"lower transport.high_watermark_bytes to at most {tr.store_cap_bytes - in_flight * largest} "
-                "or raise transport.store_cap_bytes (and the segment)",
+                (
+                    f"lower transport.high_watermark_bytes to at most {tr.store_cap_bytes - in_flight * largest} "
+                    "or raise transport.store_cap_bytes (and the segment)"
+                    if tr.store_cap_bytes > in_flight * largest
+                    else f"raise transport.store_cap_bytes (and transport.global_segment_bytes) to at least "
+                    f"{format_bytes(overshoot)}, or lower capture.batch_size: {in_flight} sample(s) in flight "
+                    f"alone need {format_bytes(in_flight * largest)}"
+                ),
             )
         )
     if tr.store_cap_bytes > tr.global_segment_bytes:

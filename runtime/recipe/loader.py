@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from runtime.recipe.checks import check_recipe
 from runtime.recipe.errors import Problem, RecipeError
-from runtime.recipe.schema import Recipe
+from runtime.recipe.schema import SECRET_NAME, Recipe
 
 RESOLVED_FORMAT = "dspark-resolved-recipe/1"
 RESOLVED_FILENAME = "recipe.resolved.json"
@@ -132,7 +132,7 @@ def load_recipe(
     origins: dict[str, str] = {}
     for item in overrides:
         key = apply_override(document, item, name)
-        origins[key] = f"--set {item}"
+        origins[key] = f"--set {redact_override(item)}"
 
     recipe = _validate(document, name, origins, smoke_overlay if smoke else {})
     problems = check_recipe(recipe)
@@ -280,19 +280,53 @@ def atomic_write_text(target: Path, text: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (plain PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first given at line {seen[key]})", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path, name: str) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        raw_bytes = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"recipe file {name} does not exist") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw_bytes[: exc.start].count(b"\n") + 1
+        raise RecipeError(
+            name,
+            [
+                Problem(
+                    "",
+                    f"the file is not UTF-8 text: byte 0x{raw_bytes[exc.start]:02x} at line {line} cannot be decoded",
+                    "save the recipe as UTF-8 (iconv -f latin1 -t utf-8, or re-save it in your editor)",
+                )
+            ],
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(
-            name, [Problem("", f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")]
-        ) from exc
+        problem = str(getattr(exc, "problem", exc))
+        if problem.startswith("duplicate key"):
+            raise RecipeError(
+                name,
+                [Problem("", f"{problem}, again{where}", "keep one of them: plain YAML would silently take the last")],
+            ) from None
+        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax")]) from exc
     if not isinstance(data, dict):
         raise RecipeError(
             name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")]
@@ -413,6 +447,8 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
         description = f" ({info.description})" if info and info.description else ""
         return Problem(path, f"required key is missing{description}", f"add {loc[-1]}: <value>")
     given = err.get("input")
+    if isinstance(given, dict) and loc and loc[-1] == "env":
+        given = {k: ("<redacted>" if SECRET_NAME.search(str(k)) else v) for k, v in given.items()}
     shown = repr(given)
     if len(shown) > 80:
         shown = shown[:77] + "..."
@@ -423,7 +459,15 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if " Fix: " in message:  # a validator that knows the fix says it
+        message, fix = message.split(" Fix: ", 1)
     return Problem(path, f"{message} (got {shown})", fix)
+
+
+def redact_override(item: str) -> str:
+    """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential."""
+    key, sep, _ = item.partition("=")
+    return f"{key}=<redacted>" if sep and SECRET_NAME.search(key.rsplit(".", 1)[-1]) else item
 
 
 def _describe_type(annotation: Any) -> str:

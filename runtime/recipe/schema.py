@@ -7,9 +7,11 @@ fields live in :mod:`runtime.recipe.checks` so that their messages can name both
 
 from __future__ import annotations
 
+import re
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from runtime.recipe.units import ByteSize
 
@@ -24,14 +26,56 @@ def _stringify_scalars(value: Any) -> Any:
     return value
 
 
-EnvironmentMapping = Annotated[dict[str, str], BeforeValidator(_stringify_scalars)]
-"""A name -> value mapping of environment variables; numbers and booleans become strings."""
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+"""Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
+
+
+def _refuse_secrets(value: dict[str, str]) -> dict[str, str]:
+    """A recipe is a plain file copied into every job folder (``recipe.resolved.json``): credentials
+    never go in it; the components inherit them from the submitting shell's environment."""
+    secret = sorted(name for name in value if SECRET_NAME.search(name))
+    if secret:
+        names = ", ".join(secret)
+        raise ValueError(
+            f"{names} looks like a credential; recipes and their resolved copies are plain files, so credentials "
+            f"never go in job.env. Fix: remove {names} from the recipe (and --set) and export it in the "
+            "submitting shell: both components inherit it from there"
+        )
+    return value
+
+
+EnvironmentMapping = Annotated[dict[str, str], BeforeValidator(_stringify_scalars), AfterValidator(_refuse_secrets)]
+"""A name -> value mapping of environment variables; numbers and booleans become strings;
+credential-looking names are refused."""
 
 
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, docstrings become descriptions."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    # allow_inf_nan=False: lr: .inf or 1e400 (which parses to inf) is refused at load time.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode reads `micro_batch_size: true` as 1: a YAML boolean where a number
+        # belongs is a mistake, never a count. Handing the field its spelling makes the number
+        # check fail on that field, with its dotted path.
+        if isinstance(data, dict):
+            for name, value in list(data.items()):
+                info = cls.model_fields.get(str(name))
+                if isinstance(value, bool) and info is not None and _wants_number_not_bool(info.annotation):
+                    data = {**data, name: str(value).lower()}
+        return data
+
+
+def _wants_number_not_bool(annotation: Any) -> bool:
+    options = set(typing.get_args(annotation)) if typing.get_args(annotation) else {annotation}
+    return bool(options & {int, float}) and bool not in options
+
+
+MAX_EPOCHS = 10_000
+JOB_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,8 +109,20 @@ class ComponentResources(Section):
 class JobSection(Section):
     """Slurm job settings shared by both components."""
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Job name; also the default Mooncake store id and the run folder name."""
+    name: str = Field(..., min_length=1)
+    """Job name; also the default Mooncake store id and the run folder name (letters, digits, ``_.-``,
+    not starting with a dot)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_folder(cls, value: str) -> str:
+        if not JOB_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a plain folder name (it becomes runs/<name>/). Fix: use letters, digits, "
+                "'_', '.' and '-', starting with a letter, digit or '_'"
+            )
+        return value
+
     partition: str | None = None
     """Slurm partition; null uses the cluster default."""
     account: str | None = None
@@ -92,6 +148,9 @@ class JobSection(Section):
     env: EnvironmentMapping = Field(default_factory=dict)
     """Extra environment variables for both components (never credentials: those come from the
     submitting shell's environment)."""
+    stop_grace_s: int = Field(30, ge=1, le=3600)
+    """Seconds every task of a component gets between SIGTERM and SIGKILL when the job stops (the
+    trainer checkpoints at its next step boundary in that time); all tasks are signalled at once."""
     master_port: int = Field(29500, ge=1024, le=65535)
     """TCP port of the trainer's torch.distributed rendezvous on its first node."""
     capture: ComponentResources = Field(default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32))
@@ -382,7 +441,18 @@ class OptimizerConfig(Section):
     lr: float = Field(..., gt=0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
+    """AdamW betas, each in [0, 1)."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError(
+                f"betas {list(value)} are outside [0, 1) (AdamW refuses them at trainer start). Fix: use values "
+                "such as [0.9, 0.95]"
+            )
+        return value
+
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     weight_decay: float = Field(0.0, ge=0)
@@ -464,8 +534,8 @@ class TrainerSection(Section):
     """Micro-steps per optimizer step."""
     global_batch_size: int = Field(..., ge=1)
     """Samples per optimizer step: must equal micro_batch x accumulation x trainer ranks."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the prompt set."""
+    epochs: int = Field(1, ge=1, le=MAX_EPOCHS)
+    """Passes over the prompt set (at most 10,000: more is a typo, and sample keys hold g in 12 digits)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (null: run all epochs)."""
     log_every_steps: int = Field(10, ge=1)

@@ -9,6 +9,7 @@ Exit codes: 0 done; 143 stopped by SIGTERM after checkpointing at a step boundar
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -25,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     route_native_output()
     resolved = load_resolved(args.recipe)
     settings = derive_settings(resolved)
+    # Our own loggers at INFO (the consumer's "waiting for sample g" lines, the producer's heartbeat
+    # age); other libraries stay at WARNING.
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s %(levelname)s [rank {settings.rank} %(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("dspark").setLevel(logging.INFO)
 
     from runtime.trainer.loop import Trainer
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -115,10 +118,67 @@ def resolve_checkpoint_path(value: str, checkpoint_dir: Path, field: str) -> Pat
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """``trainer_state.json`` of a checkpoint."""
-    state = json.loads((path / STATE_FILE).read_text())
-    if state.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"{path / STATE_FILE}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+    """``trainer_state.json`` of a checkpoint; a broken one is a :class:`CheckpointError` naming it."""
+    state_file = path / STATE_FILE
+    try:
+        state = json.loads(state_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{state_file} is unreadable ({exc}); this checkpoint cannot be used. Fix: resume from an older "
+            f"checkpoint ({_older_hint(path)}), or move {path} away"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{state_file}: format {found!r}, expected {STATE_FORMAT!r}")
+    return state
+
+
+def _older_hint(path: Path) -> str:
+    older = [p.name for p in complete_checkpoints(path.parent) if p.name < path.name]
+    return f"older ones here: {', '.join(older)}" if older else f"none older in {path.parent}"
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file under ``folder``, by relative path."""
+    digests: dict[str, dict[str, Any]] = {}
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(16 << 20), b""):
+                digest.update(block)
+        digests[str(file.relative_to(folder))] = {"bytes": file.stat().st_size, "sha256": digest.hexdigest()}
+    return digests
+
+
+def verify_files(path: Path, state: dict[str, Any]) -> None:
+    """Check every file the checkpoint recorded at save time (size, then SHA-256); raise
+    :class:`CheckpointError` naming the file, both values and the fix. Checkpoints written before
+    files were recorded pass (their weights hash is still checked after loading)."""
+    recorded = state.get("files")
+    if not recorded:
+        return
+    actual = file_digests(path / DCP_DIR)
+    fix = f"resume from an older checkpoint ({_older_hint(path)}), or move {path} away"
+    for name, want in sorted(recorded.items()):
+        file = path / DCP_DIR / name
+        got = actual.get(name)
+        if got is None:
+            raise CheckpointError(f"checkpoint file {file} is missing; this checkpoint cannot be used. Fix: {fix}")
+        if got["bytes"] != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {file} has {got['bytes']} bytes, {want['bytes']} were written (truncated or "
+                f"overwritten). Fix: {fix}"
+            )
+        if got["sha256"] != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is corrupt: sha256 {got['sha256']}, {want['sha256']} when written. Fix: {fix}"
+            )
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Read the state and verify the files of checkpoint ``path`` (rank 0 does this; see the loop)."""
+    state = read_state(path)
+    verify_files(path, state)
     return state
 
 
@@ -162,11 +222,27 @@ def state_dict_sha256(state_dict: dict[str, Any]) -> str:
             continue
         tensor = tensor.detach().contiguous().cpu()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     result = [digest.hexdigest() if hashing else ""]
     if distributed:
         dist.broadcast_object_list(result, src=0)
     return str(result[0])
+
+
+def flat_tensors(nested: Any, prefix: str = "") -> dict[str, Any]:
+    """Every tensor of a nested state dict (optimizer state), keyed by its dotted path."""
+    if isinstance(nested, torch.Tensor):
+        return {prefix: nested}
+    items = nested.items() if isinstance(nested, dict) else enumerate(nested) if isinstance(nested, list) else ()
+    found: dict[str, Any] = {}
+    for key, value in items:
+        found.update(flat_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def optimizer_sha256(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the optimizer state (moments and step counts; collective like the weights hash)."""
+    return state_dict_sha256(flat_tensors(get_state_dict(model, optimizer)[1]))
 
 
 def model_sha256(model: torch.nn.Module) -> str:
@@ -202,33 +278,67 @@ def save_checkpoint(
     (without RNG and hash, which this adds); ``rng_states`` holds every rank's, gathered."""
     final = checkpoint_dir / step_dir_name(step)
     tmp = checkpoint_dir / f"{TMP_PREFIX}{step_dir_name(step)}"
-    if is_main:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
-    weights_hash = state_dict_sha256(model_state)
-    barrier()
-    if is_main:
-        payload = {
-            "format": STATE_FORMAT,
-            **state,
-            "rng": rng_states,
-            "weights_sha256": weights_hash,
-            "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "torch_version": torch.__version__,
-        }
-        atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
-        if final.exists():  # the same step saved again after a restart: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _point_latest(checkpoint_dir, final.name)
-        _prune(checkpoint_dir, keep_last)
-    barrier()
+    try:
+        if is_main:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
+        weights_hash = state_dict_sha256(model_state)
+        optim_hash = state_dict_sha256(flat_tensors(optim_state))
+        barrier()
+        if is_main:
+            payload = {
+                "format": STATE_FORMAT,
+                **state,
+                "rng": rng_states,
+                "weights_sha256": weights_hash,
+                "optimizer_sha256": optim_hash,
+                # read back from disk: a resume checks these before it trusts a byte
+                "files": file_digests(tmp / DCP_DIR),
+                "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "torch_version": torch.__version__,
+            }
+            atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
+            if final.exists():  # the same step saved again after a restart: replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _point_latest(checkpoint_dir, final.name)
+            _prune(checkpoint_dir, keep_last)
+        barrier()
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        # torch.save on a full disk may fail as "unexpected pos" rather than ENOSPC: judge by the space
+        tensors = flat_tensors(dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True)))
+        need = max(
+            sum(t.numel() * t.element_size() for t in tensors.values()),
+            _size_of(complete_checkpoints(checkpoint_dir)[-1:]),
+        )
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint left behind
+        free = shutil.disk_usage(checkpoint_dir).free if checkpoint_dir.exists() else 0
+        if not (_is_disk_full(exc) or free < need):
+            raise
+        message = (
+            f"disk full at {checkpoint_dir} while saving {final.name}: need about {need} bytes, {free} free; "
+            "the previous checkpoints are intact. Fix: free space there, or set "
+            "trainer.checkpoint.dir to a larger filesystem (and lower trainer.checkpoint.keep_last)"
+        )
+        print(message, file=sys.stderr, flush=True)
+        raise CheckpointError(message) from None
     return SavedCheckpoint(path=final, weights_sha256=weights_hash)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    # DCP wraps each rank's failure in a CheckpointException (a BaseException) with the cause's text
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+    )
+
+
+def _size_of(paths: list[Path]) -> int:
+    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file())
 
 
 def _point_latest(checkpoint_dir: Path, name: str) -> None:
@@ -245,12 +355,36 @@ def _prune(checkpoint_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_full(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Restore model and optimizer from checkpoint ``path`` (collective)."""
+def _dcp_load(bundle: dict[str, Any], path: Path) -> None:
+    try:
+        dcp.load(bundle, checkpoint_id=str(path / DCP_DIR))
+    except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures (a BaseException)
+        cause = str(exc).strip().splitlines()
+        detail = next((line for line in cause if "size" in line or "shape" in line or "Missing" in line), "")
+        raise CheckpointError(
+            f"cannot load {path / DCP_DIR}: {detail or (cause[-1] if cause else type(exc).__name__)}. The checkpoint "
+            "does not match this draft (trainer.draft differs from the run that wrote it) or its files are "
+            "damaged. Fix: resume with the trainer.draft settings it was written with, or start from another "
+            "checkpoint"
+        ) from exc
+
+
+def load_full(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore model and optimizer from checkpoint ``path`` (collective), then check that what was
+    loaded hashes to what ``state`` recorded at save time (weights, and optimizer state when recorded)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     bundle = {"model": model_state, "optim": optim_state}
-    dcp.load(bundle, checkpoint_id=str(path / DCP_DIR))
+    _dcp_load(bundle, path)
     set_state_dict(model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"])
+    checks = [("weights", model_sha256(model), state.get("weights_sha256"))]
+    if state.get("optimizer_sha256"):
+        checks.append(("optimizer state", optimizer_sha256(model, optimizer), state["optimizer_sha256"]))
+    for what, loaded, recorded in checks:
+        if recorded and loaded != recorded:
+            raise CheckpointError(
+                f"checkpoint {path}: the loaded {what} hash to sha256 {loaded}, but {path / STATE_FILE} recorded "
+                f"{recorded}; the checkpoint is corrupt. Fix: resume from an older checkpoint ({_older_hint(path)})"
+            )
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
@@ -259,12 +393,23 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
     if is_complete(path):
         model_state = get_model_state_dict(model)
         bundle = {"model": model_state}
-        dcp.load(bundle, checkpoint_id=str(path / DCP_DIR))
+        _dcp_load(bundle, path)
         set_model_state_dict(model, bundle["model"])
         return
     from runtime.trainer.export import read_exported_weights
 
-    full = read_exported_weights(path, expected=set(get_model_state_dict(model)))
+    template = get_model_state_dict(model)
+    full = read_exported_weights(path, expected=set(template))
+    wrong = [
+        f"{name} {tuple(full[name].shape)} (this draft: {tuple(tensor.shape)})"
+        for name, tensor in template.items()
+        if tuple(full[name].shape) != tuple(tensor.shape)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"trainer.checkpoint.init_from {path}: tensor shapes differ from this recipe's draft: {', '.join(wrong[:4])}"
+            f"{'...' if len(wrong) > 4 else ''}; fix: warm-start from a draft with the recipe's trainer.draft settings"
+        )
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from typing import Any
 
 import torch
@@ -19,20 +20,55 @@ another waits that long for its sample, and the waiting rank should be the one t
 the useful message."""
 
 
+def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT. Rank 0 serves it from a socket bound to this
+    node's bind address: torch's own TCPStore server listens on every interface (``::``)."""
+    timeout = dt.timedelta(seconds=timeout_s)
+    if settings.rank != 0:
+        return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((settings.bind_address, settings.master_port))
+    except OSError as exc:
+        listener.close()
+        raise RuntimeError(
+            f"trainer rank 0 cannot listen on {settings.bind_address}:{settings.master_port} for the rendezvous "
+            f"({exc.strerror or exc}); another process holds the port: choose a free job.master_port in the recipe"
+        ) from exc
+    listener.listen(max(128, settings.world_size))
+    # The store owns the descriptor from here on (detach: Python must not close it a second time).
+    return dist.TCPStore(
+        settings.master_addr,
+        settings.master_port,
+        settings.world_size,
+        True,
+        timeout=timeout,
+        master_listen_fd=listener.detach(),
+    )
+
+
 def init_process_group(settings: RunSettings, idle_timeout_s: float) -> None:
-    """``env://`` rendezvous (MASTER_ADDR/MASTER_PORT from the launcher)."""
+    """Rendezvous through :func:`rendezvous_store` (MASTER_ADDR/MASTER_PORT from the launcher); gloo's
+    pair sockets bind this node's bind address too."""
     if dist.is_initialized():
         return
     backend = "nccl" if settings.device.type == "cuda" else "gloo"
     if settings.device.type == "cuda":
         torch.cuda.set_device(settings.device)
+    timeout_s = idle_timeout_s + COLLECTIVE_MARGIN_S
+    options = None
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=settings.bind_address)]
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=rendezvous_store(settings, timeout_s),
         rank=settings.rank,
         world_size=settings.world_size,
-        timeout=dt.timedelta(seconds=idle_timeout_s + COLLECTIVE_MARGIN_S),
+        timeout=dt.timedelta(seconds=timeout_s),
         device_id=settings.device if settings.device.type == "cuda" else None,
+        pg_options=options,
     )
 
 
@@ -69,3 +105,12 @@ def gather_objects(obj: Any, world_size: int) -> list[Any]:
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (itself without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

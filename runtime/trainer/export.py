@@ -134,12 +134,18 @@ def read_exported_weights(path: Path, expected: set[str]) -> dict[str, torch.Ten
         )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in list(handle.keys()):
-                key = _normalise(name)
-                if key.startswith(IGNORED_ON_IMPORT):
-                    continue
-                tensors[key] = handle.get_tensor(name).to(torch.float32)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in list(handle.keys()):
+                    key = _normalise(name)
+                    if key.startswith(IGNORED_ON_IMPORT):
+                        continue
+                    tensors[key] = handle.get_tensor(name).to(torch.float32)
+        except Exception as exc:  # safetensors raises its own error type for a damaged header or body
+            raise ValueError(
+                f"trainer.checkpoint.init_from {path}: {file} is not a readable safetensors file ({exc}); it is "
+                "truncated or corrupt. Fix: export the draft again, or warm-start from a checkpoint folder"
+            ) from None
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected)
     if missing or unknown:

@@ -27,7 +27,14 @@ import torch
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import CapturedSample, LossRecord, SampleConsumer, step_sample_indices
 from runtime.trainer import checkpoints
-from runtime.trainer.distributed import all_reduce_sum, barrier, gather_objects, init_process_group, shard_model
+from runtime.trainer.distributed import (
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    gather_objects,
+    init_process_group,
+    shard_model,
+)
 from runtime.trainer.export import export_draft
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.trainer.gate import SmokeGate
@@ -153,6 +160,7 @@ class Trainer:
         schedule = build_schedule(cfg.schedule, base_lr=cfg.optimizer.lr, run_total_steps=s.total_steps)
         plan = plan_start(self.recipe, s.checkpoint_dir, self.resolved.digest)
         start_step, guard = self._start(plan, model, optimizer, writer)
+        writer.resume_at(start_step)
         source = open_sample_source(self.resolved, s.rank, s.world_size)
         try:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
@@ -223,9 +231,9 @@ class Trainer:
         cfg = self.trainer_cfg
         guard = FiniteGuard(smoke=s.smoke, max_consecutive_skips=cfg.max_consecutive_skips)
         if plan.kind == "resume" and plan.path is not None:
-            state = checkpoints.read_state(plan.path)
+            state = self._verified_state(plan.path)
             check_resume_compatible(state, self._identity(), plan.path)
-            checkpoints.load_full(plan.path, model, optimizer)
+            checkpoints.load_full(plan.path, model, optimizer, state)
             rng = state.get("rng") or []
             if s.rank < len(rng):
                 checkpoints.restore_rng(rng[s.rank])
@@ -233,9 +241,25 @@ class Trainer:
             guard.consecutive = int(state.get("consecutive_skips", 0))
             return int(state["step"]), guard
         if plan.kind == "init" and plan.path is not None:
+            if checkpoints.is_complete(plan.path):
+                self._verified_state(plan.path)
             checkpoints.load_weights(plan.path, model)
             writer.say(f"[trainer] warm start: weights from {plan.path}; optimizer, schedule, counters and RNG fresh")
         return 0, guard
+
+    def _verified_state(self, path: Any) -> dict[str, Any]:
+        """Rank 0 reads ``trainer_state.json`` and checks the checkpoint's files; every rank gets the
+        verdict, so all fail together with the same message (or none does)."""
+        verdict: Any = None
+        if self.settings.is_main:
+            try:
+                verdict = checkpoints.verify_checkpoint(path)
+            except checkpoints.CheckpointError as exc:
+                verdict = str(exc)
+        verdict = broadcast_object(verdict)
+        if isinstance(verdict, str):
+            raise checkpoints.CheckpointError(verdict)
+        return dict(verdict)
 
     def _identity(self) -> dict[str, Any]:
         cfg = self.trainer_cfg
@@ -245,6 +269,7 @@ class Trainer:
             "data_digest": self.settings.data_digest,
             "prompt_seed": cfg.effective_prompt_seed,
             "global_batch_size": cfg.global_batch_size,
+            "draft": cfg.draft.model_dump(mode="json"),
         }
 
     # ------------------------------------------------------------------ one step
@@ -505,6 +530,7 @@ class Trainer:
             "recipe_digest": self.resolved.digest,
             "data_digest": s.data_digest,
             "prompt_seed": cfg.effective_prompt_seed,
+            "draft": cfg.draft.model_dump(mode="json"),
             "seed": cfg.seed,
             "skipped_updates": guard.skipped_total,
             "consecutive_skips": guard.consecutive,

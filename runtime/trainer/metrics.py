@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.recipe.loader import atomic_write_text
 from runtime.recipe.schema import MetricsConfig
 
 
@@ -120,6 +121,28 @@ class MetricsWriter:
             self._wandb = wandb.init(
                 project=config.wandb_project, entity=config.wandb_entity, name=run_name, resume="allow"
             )
+
+    def resume_at(self, step: int) -> int:
+        """Drop the rows after ``step`` (the run restarts from the checkpoint of that step: after a
+        requeue or a crash the steps beyond it are trained again and must not appear twice), and a
+        half-written last line. Returns how many rows were dropped; atomic (temp file + rename)."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text(errors="replace").splitlines(keepends=True):
+            try:
+                row_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                dropped += 1
+                continue
+            if row_step <= step and line.endswith("\n"):
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            atomic_write_text(self.path, "".join(kept))
+            self.say(f"[trainer] metrics.jsonl: dropped {dropped} row(s) after step {step} (trained again from there)")
+        return dropped
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one step's record to every sink."""

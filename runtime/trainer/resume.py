@@ -85,6 +85,7 @@ def check_resume_compatible(state: dict[str, Any], current: dict[str, Any], path
         "data_digest": state.get("data_digest"),
         "prompt_seed": state.get("prompt_seed"),
         "global_batch_size": state.get("global_batch_size"),
+        "draft": state.get("draft", current.get("draft")),  # older checkpoints did not record it
     }
     fields = {
         "schedule_type": (
@@ -101,10 +102,20 @@ def check_resume_compatible(state: dict[str, Any], current: dict[str, Any], path
             "trainer.global_batch_size",
             "resume with the same global batch, or warm-start with init_from",
         ),
+        "draft": (
+            "draft architecture (trainer.draft)",
+            "resume with the trainer.draft settings the checkpoint was written with",
+        ),
     }
     problems = []
     for key, (label, fix) in fields.items():
-        if recorded[key] != current[key]:
+        if key == "draft" and isinstance(recorded[key], dict) and isinstance(current.get(key), dict):
+            differ = {k: (v, current[key].get(k)) for k, v in recorded[key].items() if current[key].get(k) != v}
+            if differ:
+                detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in sorted(differ.items()))
+                problems.append(f"{label}: checkpoint vs this run: {detail}; fix: {fix}")
+            continue
+        if recorded[key] != current.get(key):
             problems.append(f"{label}: the checkpoint has {recorded[key]!r}, this run has {current[key]!r}; fix: {fix}")
     if problems:
         raise CheckpointError(f"cannot resume from {path}:\n  - " + "\n  - ".join(problems))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.shared.contracts import ENV_JOB_DIR
+from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_JOB_DIR
 from runtime.shared.data_files import resolve_expected_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -49,6 +49,11 @@ class RunSettings:
     smoke: bool
     compile_regions: bool = False
     """torch.compile the model's regions (``trainer.compile_regions``; auto: on CUDA)."""
+    master_addr: str = "127.0.0.1"
+    """Rank 0's host (MASTER_ADDR): where the rendezvous store listens."""
+    master_port: int = 29500
+    bind_address: str = "127.0.0.1"
+    """This node's address (DSPARK_BIND_ADDRESS): the rendezvous store and gloo listen only there."""
 
     @property
     def is_main(self) -> bool:
@@ -154,4 +159,7 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         smoke=resolved.smoke,
         compile_regions=trainer.compile_regions == "on"
         or (trainer.compile_regions == "auto" and device.type == "cuda"),
+        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=_env_int(env, "MASTER_PORT", recipe.job.master_port),
+        bind_address=env.get(ENV_BIND_ADDRESS) or "127.0.0.1",
     )

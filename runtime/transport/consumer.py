@@ -9,6 +9,7 @@ heartbeat is, and after ``transport.idle_timeout_s`` on one sample it fails with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -28,6 +29,7 @@ from runtime.shared.contracts import (
     sample_key,
     step_sample_indices,
 )
+from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
 from runtime.transport.records import Cursor, Heartbeat
 from runtime.transport.sample_format import FieldLayout, decode_meta, field_layouts, sample_keys, verify_field
@@ -36,6 +38,8 @@ from runtime.transport.store import StoreClient
 log = logging.getLogger("dspark.transport.consumer")
 
 CURSOR_CHECK_INTERVAL_S = 1.0
+STATUS_TIMEOUT_S = 2.0
+"""Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
 
 
 class Consumer:
@@ -77,6 +81,8 @@ class Consumer:
         self.fetch_s_total = 0.0
         self.bytes_total = 0
         self.samples_total = 0
+        self._calls = DeadlineCaller(f"rank {rank} store calls")
+        self._last_beat: Heartbeat | None = None
 
     # -- the g this rank reads --------------------------------------------------------------
 
@@ -93,21 +99,36 @@ class Consumer:
         With a CUDA ``device`` the bytes land in reusable pinned buffers and are copied to fresh
         device tensors; otherwise the returned CPU tensors are freshly allocated and owned by the caller.
         """
-        self._delete_consumed_if_published()
         meta_key = sample_key(self.store_id, g, META_FIELD)
         start = time.monotonic()
+        deadline = start + self.idle_timeout_s
+
+        def budget() -> float:
+            # every store call of this wait is bounded by what is left of idle_timeout_s
+            return max(0.0, deadline - time.monotonic())
+
+        state = "not looked up yet"
+        try:
+            self._calls.call(self._delete_consumed_if_published, budget(), "delete the samples of the last step")
+        except StoreUnresponsiveError as exc:
+            state = str(exc)
         last_log = start
         last_cursor_check = 0.0
         corrupt = 0
-        while True:
-            present = self.client.exist_once([meta_key])
+        while time.monotonic() < deadline:
+            try:
+                present = self._calls.call(lambda: self.client.exist_once([meta_key]), budget(), f"exist {meta_key}")
+            except StoreUnresponsiveError as exc:
+                present, state = [], str(exc)
             if present is None:
                 state = "the store does not answer (master down or restarting)"
+            elif not present:
+                pass  # state says which call did not return
             elif not present[0]:
                 state = "its meta (the commit marker) is not in the store yet"
             else:
                 try:
-                    sample = self._read(g, meta_key, device)
+                    sample = self._calls.call(lambda: self._read(g, meta_key, device), budget(), f"read sample g={g}")
                 except CorruptSampleError as exc:
                     corrupt += 1
                     if corrupt > self.max_corrupt_retries:
@@ -127,22 +148,25 @@ class Consumer:
             now = time.monotonic()
             if self.rank == 0 and now - last_cursor_check >= CURSOR_CHECK_INTERVAL_S:
                 last_cursor_check = now
-                self._republish_missing_cursor()
-            waited = now - start
-            if waited >= self.idle_timeout_s:
-                self.wait_s_total += waited
-                raise IdleTimeoutError(self._idle_message(g, meta_key, waited, state))
+                with contextlib.suppress(StoreUnresponsiveError):
+                    self._calls.call(self._republish_missing_cursor, min(STATUS_TIMEOUT_S, budget()), "cursor check")
+            if now >= deadline:
+                break
             if now - last_log >= self.wait_log_interval_s:
                 log.info(
-                    "rank %d waiting %.0f s for sample g=%d (%s): %s",
+                    "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
                     self.rank,
-                    waited,
+                    now - start,
+                    self.idle_timeout_s,
                     g,
                     state,
                     self._producer_status(),
                 )
                 last_log = now
-            time.sleep(self.poll_interval_s)
+            time.sleep(min(self.poll_interval_s, budget()))
+        waited = time.monotonic() - start
+        self.wait_s_total += waited
+        raise IdleTimeoutError(self._idle_message(g, meta_key, waited, state))
 
     def commit_step(self, step: int) -> None:
         """After optimizer step ``step`` committed: rank 0 publishes the cursor ``(step + 1) * G``
@@ -234,9 +258,11 @@ class Consumer:
         if raw is None:
             return None
         try:
-            return Heartbeat.decode(raw)
+            beat = Heartbeat.decode(raw)
         except (ValueError, TypeError):
             return None
+        self._last_beat = beat
+        return beat
 
     def _write_cursor(self, value: int, step: int | None) -> None:
         publisher = f"rank {self.rank} pid {os.getpid()} on {socket.gethostname()}"
@@ -307,14 +333,28 @@ class Consumer:
     # -- messages ---------------------------------------------------------------------------
 
     def _producer_status(self) -> str:
-        beat = self.read_heartbeat()
+        try:
+            beat = self._calls.call(self.read_heartbeat, STATUS_TIMEOUT_S, "read the producer heartbeat")
+        except StoreUnresponsiveError as exc:
+            return f"producer heartbeat unreadable: {exc}"
+        if beat is None and self._last_beat is not None:
+            # The heartbeat lives in the producer's own segment: when the producer hangs or dies, its
+            # client stops renewing and the master unmounts the segment (client_ttl_s), taking the
+            # heartbeat with it. What this rank saw last is the evidence.
+            last = self._last_beat
+            return (
+                f"the producer's heartbeat vanished from the store; last seen from producer pid {last.pid} on "
+                f"{last.host} (segment {last.segment or '?'}), {last.age_s():.0f} s old, sequence {last.sequence}, "
+                f"{last.committed_total} samples committed: the producer most likely hung or died and its segment "
+                "was unmounted with it (or the master restarted); check the capture component's log"
+            )
         if beat is None:
             return "no producer heartbeat in the store (the producer has not started, or the store was restarted)"
         return beat.summary()
 
     def _idle_message(self, g: int, meta_key: str, waited: float, state: str) -> str:
         try:
-            cursor = self.read_cursor()
+            cursor = self._calls.call(self.read_cursor, STATUS_TIMEOUT_S, "read the cursor")
             cursor_text = f"cursor in the store: {cursor.value}" if cursor else "no cursor in the store"
         except TransportError:
             cursor_text = "cursor unreadable"

@@ -32,6 +32,7 @@ MOONCAKE_ERROR_NAMES: dict[int, str] = {
     -712: "REPLICA_IS_GONE",
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
     -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
     -1011: "UNAVAILABLE_IN_CURRENT_MODE",
 }
@@ -41,10 +42,12 @@ NO_AVAILABLE_HANDLE = -200
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
+RPC_TIMEOUT = -901
 
 # Codes worth a retry with backoff: the master or the segment owner may be restarting, a replica
 # may still be in flight, or (NO_AVAILABLE_HANDLE) consumers may free space in a moment.
-TRANSIENT_CODES: frozenset[int] = frozenset({-1, -10, -200, -703, -707, -712, -800, -900, -1010})
+# RPC_TIMEOUT (-901) is what every call returns while the master is stopped or unreachable.
+TRANSIENT_CODES: frozenset[int] = frozenset({-1, -10, -200, -703, -707, -712, -800, -900, -901, -1010})
 EXPECTED_RETRY_CODES: frozenset[int] = frozenset({-703})
 """Transient codes that a healthy run meets (a reader behind a writer): retried quietly."""
 

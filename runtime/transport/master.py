@@ -4,13 +4,14 @@ Flags checked against ``mooncake_master --help`` of 0.3.13.post1: ``--rpc_port``
 ``--enable_http_metadata_server``, ``--http_metadata_server_host``, ``--http_metadata_server_port``,
 ``--metrics_port``, ``--metrics_host``, ``--default_kv_lease_ttl`` (milliseconds or ``5m``-style),
 ``--eviction_high_watermark_ratio``, ``--client_ttl`` (seconds a silent client's segment stays
-mounted). With the HTTP metadata server on, no etcd is needed. Note: in this version the HTTP
-metadata server listens on all interfaces whatever ``--http_metadata_server_host`` says.
+mounted). The built-in HTTP metadata server of this version listens on every interface whatever
+``--http_metadata_server_host`` says (measured with ``ss -ltnp``) and takes unauthenticated PUT and
+DELETE of segment descriptors, so it stays off: ``runtime.transport.metadata_server`` runs next to the
+master, bound to the same address, and no etcd is needed. RPC and metrics servers bind ``host``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import shutil
@@ -25,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.recipe.schema import Recipe
+from runtime.shared.lifecycle import die_with_parent
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import MasterStartError
 
 log = logging.getLogger("dspark.transport.master")
 
 MASTER_BINARY = "mooncake_master"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -86,15 +87,23 @@ class MasterSettings:
             self.binary,
             f"--rpc_address={self.host}",
             f"--rpc_port={self.rpc_port}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={self.host}",
-            f"--http_metadata_server_port={self.metadata_http_port}",
+            "--enable_http_metadata_server=false",
             f"--metrics_host={self.host}",
             f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.kv_lease_ttl_s}s",
             f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio:.6f}",
             f"--client_ttl={self.client_ttl_s}",
             *self.extra_args,
+        ]
+
+    def metadata_command(self) -> list[str]:
+        """The command line of the HTTP metadata service that runs next to the master."""
+        return [
+            sys.executable,
+            "-m",
+            "runtime.transport.metadata_server",
+            f"--host={self.host}",
+            f"--port={self.metadata_http_port}",
         ]
 
 
@@ -124,14 +133,8 @@ def port_in_use(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     # The master must not outlive the capture process that owns it: an orphan would hold the ports
-    # and a stale, empty store across a restart. PR_SET_PDEATHSIG fires when the *thread* that
-    # started the master exits, so start it from a thread that lives as long as the component
-    # (the main thread), or pass die_with_parent=False.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    # and a stale, empty store across a restart. Or pass die_with_parent=False.
+    die_with_parent(signal.SIGTERM)
 
 
 class MasterProcess:
@@ -142,6 +145,7 @@ class MasterProcess:
         self.log_path = log_path
         self.die_with_parent = die_with_parent
         self.process: subprocess.Popen[bytes] | None = None
+        self.metadata_process: subprocess.Popen[bytes] | None = None
         self._log_file = None
 
     @property
@@ -174,17 +178,8 @@ class MasterProcess:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         command = [binary, *s.command()[1:]]
         log.info("starting mooncake_master: %s", " ".join(command))
-        self.process = subprocess.Popen(
-            command,
-            stdout=self._log_file or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
-            # Its own process group: a SIGTERM to the component's group (local supervisor, srun)
-            # must not stop the master before the component's clients unregister; the component
-            # stops it last, and the parent-death signal covers a component that is killed.
-            start_new_session=self.die_with_parent,
-        )
+        self.metadata_process = self._spawn(s.metadata_command())
+        self.process = self._spawn(command)
         try:
             self.wait_ready(ready_timeout_s)
         except BaseException:
@@ -200,6 +195,19 @@ class MasterProcess:
         )
         return self
 
+    def _spawn(self, command: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            command,
+            stdout=self._log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            # Its own process group: a SIGTERM to the component's group (local supervisor, srun)
+            # must not stop the master before the component's clients unregister; the component
+            # stops it last, and the parent-death signal covers a component that is killed.
+            start_new_session=self.die_with_parent,
+        )
+
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the RPC port accepts, the metadata server answers and /health says ready."""
         deadline = time.monotonic() + timeout_s
@@ -207,6 +215,11 @@ class MasterProcess:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise MasterStartError(self._exit_message())
+            if self.metadata_process is not None and self.metadata_process.poll() is not None:
+                raise MasterStartError(
+                    f"the metadata server (python -m runtime.transport.metadata_server) exited with code "
+                    f"{self.metadata_process.returncode} while starting: {self.log_tail()}"
+                )
             problem = self.check()
             if not problem:
                 return
@@ -264,8 +277,15 @@ class MasterProcess:
         return text
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the master's exit code."""
         code = None
+        if self.metadata_process is not None and self.metadata_process.poll() is None:
+            self.metadata_process.terminate()
+            try:
+                self.metadata_process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.metadata_process.kill()
+                self.metadata_process.wait()
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.terminate()
@@ -284,10 +304,11 @@ class MasterProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL at once (fault tests)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        """SIGKILL at once, with its metadata server (fault tests: the store and its descriptors are gone)."""
+        for process in (self.process, self.metadata_process):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
 
     def __enter__(self) -> MasterProcess:
         if self.process is None:

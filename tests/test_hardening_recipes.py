@@ -1,0 +1,106 @@
+"""Issue 15, items 8 and 9: bad recipe inputs get one clear error at load time, and credentials never
+reach a recipe or a file written from it (``recipe.resolved.json``, error messages)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.jobs import find_record
+from runtime.recipe import RecipeError, load_recipe
+from runtime.recipe.checks import check_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+
+
+def problems_of(*overrides: str, path: Path = TINY) -> str:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, overrides=list(overrides))
+    return str(err.value)
+
+
+def test_duplicate_yaml_key_is_refused_with_both_lines(tmp_path: Path) -> None:
+    text = TINY.read_text().replace("  name: tiny\n", "  name: tiny\n  name: other\n", 1)
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text(text)
+    message = problems_of(path=recipe)
+    assert "duplicate key 'name' (first given at line" in message and "keep one of them" in message
+
+
+def test_non_utf8_recipe_names_the_byte_and_line(tmp_path: Path) -> None:
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(TINY.read_bytes().replace(b"description: >", b"description: caf\xe9 >", 1))
+    message = problems_of(path=recipe)
+    assert "not UTF-8 text: byte 0xe9 at line" in message and "save the recipe as UTF-8" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.optimizer.lr=inf", "trainer.optimizer.lr .*finite number"),
+        ("trainer.optimizer.lr=1e400", "trainer.optimizer.lr .*finite number"),
+        ("trainer.optimizer.betas=[0.9, 1.5]", r"betas \[0.9, 1.5\] are outside \[0, 1\)"),
+        ("trainer.micro_batch_size=true", r"trainer.micro_batch_size .*valid integer.*got 'true'"),
+        ("trainer.epochs=100000000000", "trainer.epochs .*less than or equal to 10000"),
+        ("job.name=..", r"'\.\.' is not a plain folder name"),
+        ("job.name=../escape", "is not a plain folder name"),
+    ],
+)
+def test_bad_values_fail_at_load_time_naming_the_field(override: str, expected: str) -> None:
+    import re
+
+    message = problems_of(override)
+    assert re.search(expected, message), message
+
+
+def test_watermark_fix_is_never_a_negative_number() -> None:
+    loaded = load_recipe(TINY)
+    recipe = loaded.recipe.model_copy(deep=True)
+    recipe.capture.batch_size = 64
+    for field in ("store_cap_bytes", "high_watermark_bytes", "global_segment_bytes"):
+        setattr(recipe.transport, field, 16 << 20)
+    recipe.transport.low_watermark_bytes = 8 << 20
+    found = [p for p in check_recipe(recipe) if p.path == "transport.high_watermark_bytes"]
+    assert found, "the overshoot is reported"
+    assert "at most -" not in found[0].fix
+    assert "raise transport.store_cap_bytes" in found[0].fix and "lower capture.batch_size" in found[0].fix
+
+
+def test_resume_of_an_unknown_job_suggests_an_option_that_exists(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        find_record("nope", tmp_path, runs_dir_hint="--set job.runs_dir=FOLDER")
+    assert "--set job.runs_dir=FOLDER" in str(err.value) and "--runs-dir" not in str(err.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "tiny", "--plan", "--resume", "nope", "--set", f"job.runs_dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "--runs-dir" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD"])
+def test_credentials_in_job_env_are_refused_and_never_echoed(name: str, tmp_path: Path) -> None:
+    secret = "s3cr3tVALUEfor15"
+    message = problems_of(f"job.env.{name}={secret}")
+    assert f"{name} looks like a credential" in message and "export it in the submitting shell" in message
+    assert secret not in message
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "tiny", "--plan", "--set", f"job.env.{name}={secret}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and secret not in done.stdout + done.stderr
+    assert not list(tmp_path.rglob("recipe.resolved.json"))
+
+
+def test_ordinary_environment_names_still_pass() -> None:
+    recipe = load_recipe(TINY, overrides=["job.env.OMP_NUM_THREADS=2", "job.env.NCCL_DEBUG=WARN"]).recipe
+    assert recipe.job.env["OMP_NUM_THREADS"] == "2"
