@@ -30,6 +30,7 @@ from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.hidden_states import HiddenStateCapture, SampleFeatures
 from runtime.capture.sample_meta import CaptureIdentity, sample_meta, sample_tensors
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.recipe.schema import ExpertStreamingSettings
 
 log = logging.getLogger("dspark.capture.embedded")
 
@@ -63,6 +64,8 @@ class EmbeddedSettings:
     target_revision: str | None = None
     expert_parallel: int = 1
     moe_exchange: str = "nccl"
+    expert_streaming: ExpertStreamingSettings | None = None
+    """Routed experts streamed from host memory (``capture.expert_streaming`` when enabled)."""
 
     @classmethod
     def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
@@ -79,6 +82,7 @@ class EmbeddedSettings:
             target_revision=c.target_revision,
             expert_parallel=c.expert_parallel,
             moe_exchange=c.moe_exchange,
+            expert_streaming=c.expert_streaming if c.expert_streaming.enabled else None,
         )
 
     @property
@@ -156,6 +160,8 @@ class EmbeddedEngine:
         self.sink = sink
         self.model_loader = model_loader or default_loader(settings)
         self.replicas: list[HiddenStateCapture] = []
+        self.expert_stores: list[Any] = []
+        """One :class:`runtime.moe.streaming.StreamedExpertStore` per replica when experts are streamed."""
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self.identity = CaptureIdentity(
@@ -178,6 +184,8 @@ class EmbeddedEngine:
         started = time.monotonic()
         for device in self.settings.devices:
             model = self.model_loader(self.settings, device)
+            if self.settings.expert_streaming is not None:
+                self.expert_stores.append(self._stream_experts(model, device))
             replica = HiddenStateCapture(model, self.settings.aux_layer_ids, self.settings.pad_id)
             if replica.hidden_size != self.settings.hidden_size:
                 raise EngineError(
@@ -194,6 +202,27 @@ class EmbeddedEngine:
             self.settings.batch_size,
             time.monotonic() - started,
         )
+
+    def _stream_experts(self, model: torch.nn.Module, device: str) -> Any:
+        """Move ``model``'s routed experts into a streamed store (its experts, sharded or not)."""
+        from runtime.moe.streaming_budget import StreamingBudgetError
+        from runtime.moe.streaming_modules import stream_experts
+
+        s = self.settings.expert_streaming
+        assert s is not None
+        try:
+            store = stream_experts(
+                model,
+                device,
+                prefetch_layers=s.prefetch_layers,
+                gpu_budget_bytes=s.gpu_budget_bytes,
+                resident_fraction=s.resident_fraction,
+                pinned=s.pinned,
+            )
+        except (StreamingBudgetError, ValueError) as exc:
+            raise EngineError(str(exc)) from exc
+        log.info("%s", store.describe())
+        return store
 
     def check_health(self) -> None:
         """A two-token forward on every replica."""
@@ -266,5 +295,6 @@ class EmbeddedEngine:
         for replica in self.replicas:
             replica.close()
         self.replicas = []
+        self.expert_stores = []
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

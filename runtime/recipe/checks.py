@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from runtime.moe.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 from runtime.recipe.errors import Problem
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize
@@ -234,6 +237,7 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
                     f"set capture.sglang.max_total_tokens >= {recipe.data.max_length}",
                 )
             )
+    out += _check_expert_streaming(recipe)
     if c.expert_parallel > 1 and c.engine != "embedded":
         out.append(
             Problem(
@@ -244,6 +248,74 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
             )
         )
     return out
+
+
+def target_streaming_split(recipe: Recipe) -> StreamingSplit | None:
+    """The resident/streamed split of one capture GPU for an SGLang target whose routed-expert
+    bytes the recipe states (TP shards every MoE layer's experts over ``tp_size`` GPUs); None when
+    streaming is off or the recipe lacks the sizes. Raises :class:`StreamingBudgetError`."""
+    c = recipe.capture
+    s = c.expert_streaming
+    if not s.enabled or c.engine != "sglang" or not c.routed_expert_weight_bytes:
+        return None
+    if (s.gpu_budget_bytes is None) == (s.resident_fraction is None):
+        return None
+    layers = c.num_moe_layers or c.num_target_layers
+    return split_layers(
+        layers,
+        math.ceil(c.routed_expert_weight_bytes / layers / c.sglang.tp_size),
+        prefetch_layers=s.prefetch_layers,
+        gpu_budget_bytes=s.gpu_budget_bytes,
+        resident_fraction=s.resident_fraction,
+    )
+
+
+def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
+    c = recipe.capture
+    s = c.expert_streaming
+    if not s.enabled:
+        return []
+    if (s.gpu_budget_bytes is None) == (s.resident_fraction is None):
+        both = s.gpu_budget_bytes is not None
+        return [
+            Problem(
+                "capture.expert_streaming",
+                "sets both gpu_budget_bytes and resident_fraction" if both else "sets neither gpu_budget_bytes nor "
+                "resident_fraction",
+                "give exactly one: gpu_budget_bytes (routed-expert bytes per GPU, resident layers + buffers) or "
+                "resident_fraction (share of MoE layers kept resident)",
+            )
+        ]
+    if c.num_moe_layers is not None and c.num_moe_layers > c.num_target_layers:
+        return [
+            Problem(
+                "capture.num_moe_layers",
+                f"is {c.num_moe_layers}, more than capture.num_target_layers {c.num_target_layers}",
+                f"set capture.num_moe_layers <= {c.num_target_layers}",
+            )
+        ]
+    try:
+        split = target_streaming_split(recipe)
+    except StreamingBudgetError as exc:
+        message, _, fix = str(exc).partition("; fix: ")
+        return [Problem("capture.expert_streaming.gpu_budget_bytes", message.split(" is ", 1)[-1], fix)]
+    if split is None:
+        return []
+    gpus_per_node = recipe.job.capture.gpus_per_node
+    error = check_host_memory(
+        {
+            f"streamed experts ({gpus_per_node} GPUs x {split.host_bytes / 1e9:,.1f} GB)": gpus_per_node
+            * split.host_bytes,
+            "Mooncake segment (transport.global_segment_bytes)": recipe.transport.global_segment_bytes,
+        },
+        recipe.plan.capture_host_memory_bytes,
+        node="capture",
+        host_field="plan.capture_host_memory_bytes",
+    )
+    if error is None:
+        return []
+    message, _, fix = str(error).partition("; fix: ")
+    return [Problem("plan.capture_host_memory_bytes", message, fix)]
 
 
 def _check_trainer(recipe: Recipe) -> list[Problem]:

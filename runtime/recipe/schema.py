@@ -189,6 +189,27 @@ class SGLangSettings(Section):
     """Further ``sglang.launch_server`` arguments, verbatim."""
 
 
+class ExpertStreamingSettings(Section):
+    """Routed experts kept in host memory and streamed into HBM layer by layer, a copy stream ahead
+    of the compute (runtime/moe/streaming.py). For targets whose weights do not fit the capture
+    GPUs (Kimi K3 on 8 x H200). Give exactly one of ``gpu_budget_bytes`` and ``resident_fraction``."""
+
+    enabled: bool = False
+    """Stream routed experts from host memory (prefill-only capture)."""
+    gpu_budget_bytes: ByteSize | None = None
+    """Routed-expert bytes one GPU may hold: the resident MoE layers plus the
+    ``prefetch_layers + 1`` streaming buffers; layers beyond it live in host memory. A budget
+    that cannot hold the buffers is refused."""
+    resident_fraction: float | None = Field(None, ge=0, le=1)
+    """Instead of a budget: the share of MoE layers whose experts stay resident (0 streams all;
+    the tests use it to force most experts to the host)."""
+    prefetch_layers: int = Field(1, ge=1)
+    """How many streamed layers ahead the copy stream runs (buffers = this + 1)."""
+    pinned: bool = True
+    """Keep the streamed experts in pinned (page-locked) host memory: pageable memory copies at a
+    fraction of the PCIe rate and cannot overlap with compute."""
+
+
 class CaptureSection(Section):
     """The capture component: target model, engine and producer."""
 
@@ -229,6 +250,11 @@ class CaptureSection(Section):
     """Expert-parallel degree of the embedded engine for MoE targets."""
     moe_exchange: Literal["nccl", "deepep", "mooncake"] = "nccl"
     """MoE dispatch/combine backend when ``expert_parallel > 1``."""
+    num_moe_layers: int | None = Field(None, ge=1)
+    """Decoder layers with routed experts (Kimi K3: 92 of 93, the first is dense); null: all
+    ``num_target_layers``. The plan sizes expert streaming per layer from it."""
+    expert_streaming: ExpertStreamingSettings = Field(default_factory=ExpertStreamingSettings)
+    """Routed experts streamed from host memory (see :class:`ExpertStreamingSettings`)."""
     owns_master: bool = True
     """The capture component starts the Mooncake master on its node."""
     inject_nan_at_g: int | None = Field(None, ge=0)
@@ -544,7 +570,15 @@ class PlanSection(Section):
     link_efficiency: float = Field(0.7, gt=0, le=1)
     """Fraction of the link a Mooncake transfer reaches."""
     capture_host_memory_bytes: ByteSize = 2 * 2**40
-    """Host memory of the capture node (holds the Mooncake segment and any offloaded experts)."""
+    """Host memory of the capture node (holds its share of the Mooncake segment and the streamed
+    experts of every GPU)."""
+    trainer_host_memory_bytes: ByteSize = 2 * 2**40
+    """Host memory of one trainer node (holds its share of the Mooncake segment, if any)."""
+    pcie_h2d_bytes_per_s: float = Field(50e9, gt=0)
+    """Pinned host-to-device copy rate of one GPU's PCIe link (55 GB/s measured on our H200)."""
+    expert_compute_tflops: float = Field(500.0, gt=0)
+    """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
+    531 TFLOP/s measured at 64K tokens per GPU on our H200 (tools/bench/moe.py)."""
 
 
 # ----------------------------------------------------------------------------------------------
