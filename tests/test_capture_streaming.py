@@ -4,6 +4,7 @@ expert parallelism, and a budget that cannot hold the streaming buffers is refus
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,14 @@ def test_a_budget_too_small_for_the_buffers_fails_the_engine_start(moe_target: P
     with pytest.raises(engine_embedded.EngineError, match="gpu_budget_bytes is 0.00 GB per GPU, below the 2"):
         engine.start()
 
+
+@pytest.mark.gpu
+def test_cuda_capture_with_streamed_experts_is_byte_identical(moe_target: Path) -> None:
+    streaming = ExpertStreamingSettings(enabled=True, resident_fraction=0.25, prefetch_layers=2)
+    plain = dataclasses.replace(_settings(moe_target, ("cuda:0",), 1), compute_dtype="bfloat16")
+    expected, _ = _features(plain)
+    got, stores = _features(dataclasses.replace(plain, expert_streaming=streaming))
+    (store,) = stores
+    assert store.pinned and store.split.num_buffers == 3 and store.stats.misses == 1
+    for a, b in zip(got, expected, strict=True):
+        assert a.hs.is_cuda and torch.equal(a.hs, b.hs) and torch.equal(a.lhs, b.lhs)

@@ -221,8 +221,8 @@ def test_a_model_without_experts_is_refused() -> None:
 def test_cuda_store_streams_pinned_layers_on_a_copy_stream(prefetch_layers: int) -> None:
     torch.manual_seed(3)
     num_layers, experts, hidden, inter = 6, 8, 256, 128
-    weights = [
-        {"gate_up": torch.randn(experts, 2 * inter, hidden), "down": torch.randn(experts, hidden, inter)}
+    weights = [  # small weights and a normed input per layer: the residual stays finite over 12 layers
+        {"gate_up": torch.randn(experts, 2 * inter, hidden) * 0.05, "down": torch.randn(experts, hidden, inter) * 0.05}
         for _ in range(num_layers)
     ]
     routers = [torch.randn(experts, hidden, device="cuda") for _ in range(num_layers)]
@@ -237,10 +237,12 @@ def test_cuda_store_streams_pinned_layers_on_a_copy_stream(prefetch_layers: int)
             routing = route_topk(resident_x @ routers[layer].t(), 2)
             counts = torch.bincount(routing.expert_ids[:, 0], minlength=experts)
             order = torch.argsort(routing.expert_ids[:, 0], stable=True)
+            streamed_in = torch.nn.functional.rms_norm(streamed_x, (hidden,))[order]
+            resident_in = torch.nn.functional.rms_norm(resident_x, (hidden,))[order]
             with store.layer(layer) as w:
                 experts_module = LocalExperts(w["gate_up"], w["down"])
-                streamed_x = streamed_x + experts_module(streamed_x[order], counts)[torch.argsort(order)]
-            resident_x = resident_x + resident[layer](resident_x[order], counts)[torch.argsort(order)]
-        torch.testing.assert_close(streamed_x, resident_x, rtol=0, atol=0)
+                streamed_x = streamed_x + experts_module(streamed_in, counts)[torch.argsort(order)]
+            resident_x = resident_x + resident[layer](resident_in, counts)[torch.argsort(order)]
+        assert bool(torch.isfinite(resident_x).all()) and torch.equal(streamed_x, resident_x)
     torch.cuda.synchronize()
     assert store.stats.misses == 1 and store.copy_seconds() > 0
