@@ -134,6 +134,6 @@ def check_host_memory(
     parts = " + ".join(f"{name} {_gb(value)}" for name, value in needs.items())
     return StreamingBudgetError(
         f"the {node} node's host memory {host_field} is {_gb(host_memory_bytes)}, below what lives there: "
-        f"{parts} = {_gb(total)}; fix: raise the GPU budget (fewer streamed experts), move the Mooncake "
-        "segment to the other node (transport.trainer_segment_fraction), or use a node with more memory"
+        f"{parts} = {_gb(total)}; fix: raise the GPU budget (fewer streamed experts), place the Mooncake "
+        "segment on the other node or split it (transport.segment_placement), or use a node with more memory"
     )

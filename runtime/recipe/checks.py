@@ -7,7 +7,7 @@ import math
 from runtime.moe.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 from runtime.recipe.errors import Problem
 from runtime.recipe.schema import Recipe
-from runtime.recipe.sizes import SampleSize
+from runtime.recipe.sizes import SampleSize, segment_shares
 from runtime.recipe.units import format_bytes
 
 MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
@@ -36,7 +36,17 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_watermarks(recipe)
     problems += _check_capture(recipe)
     problems += _check_trainer(recipe)
+    if not problems:  # needs a consistent recipe (the streaming split)
+        problems += _check_host_memory_per_node(recipe, _streamed_host_bytes(recipe))
     return problems
+
+
+def _streamed_host_bytes(recipe: Recipe) -> int:
+    try:
+        split = target_streaming_split(recipe)
+    except (StreamingBudgetError, ValueError):
+        return 0
+    return 0 if split is None else split.host_bytes * recipe.job.capture.gpus_per_node
 
 
 def _check_batch(recipe: Recipe) -> list[Problem]:
@@ -280,8 +290,9 @@ def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
         return [
             Problem(
                 "capture.expert_streaming",
-                "sets both gpu_budget_bytes and resident_fraction" if both else "sets neither gpu_budget_bytes nor "
-                "resident_fraction",
+                "sets both gpu_budget_bytes and resident_fraction"
+                if both
+                else "sets neither gpu_budget_bytes nor resident_fraction",
                 "give exactly one: gpu_budget_bytes (routed-expert bytes per GPU, resident layers + buffers) or "
                 "resident_fraction (share of MoE layers kept resident)",
             )
@@ -295,27 +306,37 @@ def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
             )
         ]
     try:
-        split = target_streaming_split(recipe)
+        target_streaming_split(recipe)
     except StreamingBudgetError as exc:
         message, _, fix = str(exc).partition("; fix: ")
         return [Problem("capture.expert_streaming.gpu_budget_bytes", message.split(" is ", 1)[-1], fix)]
-    if split is None:
-        return []
-    gpus_per_node = recipe.job.capture.gpus_per_node
-    error = check_host_memory(
-        {
-            f"streamed experts ({gpus_per_node} GPUs x {split.host_bytes / 1e9:,.1f} GB)": gpus_per_node
-            * split.host_bytes,
-            "Mooncake segment (transport.global_segment_bytes)": recipe.transport.global_segment_bytes,
-        },
-        recipe.plan.capture_host_memory_bytes,
-        node="capture",
-        host_field="plan.capture_host_memory_bytes",
-    )
-    if error is None:
-        return []
-    message, _, fix = str(error).partition("; fix: ")
-    return [Problem("plan.capture_host_memory_bytes", message, fix)]
+    return []
+
+
+def host_needs_per_node(recipe: Recipe, streamed_expert_bytes: int = 0) -> dict[str, dict[str, int]]:
+    """What lives in the host memory of each node (``capture``, ``trainer``): its share of the
+    Mooncake sample segment, and on the capture node the streamed experts of all its GPUs."""
+    tr = recipe.transport
+    capture_share, trainer_share = segment_shares(tr.global_segment_bytes, tr.segment_placement)
+    segment = f"Mooncake segment ({tr.segment_placement} share of transport.global_segment_bytes)"
+    capture = {segment: capture_share}
+    if streamed_expert_bytes:
+        capture = {"streamed experts": streamed_expert_bytes, **capture}
+    return {"capture": capture, "trainer": {segment: trainer_share}}
+
+
+def _check_host_memory_per_node(recipe: Recipe, streamed_expert_bytes: int) -> list[Problem]:
+    out = []
+    needs = host_needs_per_node(recipe, streamed_expert_bytes)
+    for node, memory in (
+        ("capture", recipe.plan.capture_host_memory_bytes),
+        ("trainer", recipe.plan.trainer_host_memory_bytes),
+    ):
+        error = check_host_memory(needs[node], memory, node=node, host_field=f"plan.{node}_host_memory_bytes")
+        if error is not None:
+            message, _, fix = str(error).partition("; fix: ")
+            out.append(Problem(f"plan.{node}_host_memory_bytes", message, fix))
+    return out
 
 
 def _check_trainer(recipe: Recipe) -> list[Problem]:

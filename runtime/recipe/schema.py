@@ -288,7 +288,12 @@ class TransportSection(Section):
     metrics_port: int = Field(9003, ge=1024, le=65535)
     """Prometheus metrics port of the master."""
     global_segment_bytes: ByteSize = 2 * 2**30
-    """Memory the capture node contributes to the store."""
+    """Memory the store holds samples in (on the node(s) ``segment_placement`` names)."""
+    segment_placement: Literal["capture", "trainer", "split"] = "capture"
+    """Where the sample segment lives: ``capture`` (the producer mounts it; puts are local
+    copies), ``trainer`` (trainer rank 0 mounts it: the trainer node's idle host memory, when the
+    capture node's holds streamed experts; the producer's puts cross the network), or ``split``
+    (half on each; Mooncake places each sample in either). The plan checks each node's host memory."""
     local_buffer_bytes: ByteSize = 256 * 2**20
     """Registered local buffer of each client (staging for put/get)."""
     store_cap_bytes: ByteSize = 1 * 2**30
@@ -574,7 +579,7 @@ class PlanSection(Section):
     experts of every GPU)."""
     trainer_host_memory_bytes: ByteSize = 2 * 2**40
     """Host memory of one trainer node (holds its share of the Mooncake segment, if any)."""
-    pcie_h2d_bytes_per_s: float = Field(50e9, gt=0)
+    pcie_h2d_bytes_per_s: ByteSize = 50 * 10**9
     """Pinned host-to-device copy rate of one GPU's PCIe link (55 GB/s measured on our H200)."""
     expert_compute_tflops: float = Field(500.0, gt=0)
     """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
