@@ -5,6 +5,7 @@ expert parallelism, and a budget that cannot hold the streaming buffers is refus
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,38 @@ def test_cuda_capture_with_streamed_experts_is_byte_identical(moe_target: Path) 
     assert store.pinned and store.split.num_buffers == 3 and store.stats.misses == 1
     for a, b in zip(got, expected, strict=True):
         assert a.hs.is_cuda and torch.equal(a.hs, b.hs) and torch.equal(a.lhs, b.lhs)
+
+
+def test_tiny_target_captures_are_byte_identical_with_most_experts_streamed(tiny_assets: Path) -> None:
+    from runtime.recipe import load_recipe
+
+    repo = tiny_assets.parent.parent
+    loaded = load_recipe(repo / "recipes" / "tiny.yaml")
+    c = loaded.recipe.capture
+    plain = engine_embedded.EmbeddedSettings(
+        target_path=repo / c.target_path,
+        aux_layer_ids=tuple(c.aux_layer_ids),
+        hidden_size=c.hidden_size,
+        pad_id=c.special_tokens.pad_id,
+        compute_dtype=c.compute_dtype,
+        devices=("cpu",),
+        batch_size=1,
+    )
+    rows = [json.loads(line) for line in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:3]]
+    requests = [
+        CaptureRequest(
+            g=g, epoch=0, row_index=g, row_id=str(g), input_ids=tuple(r["input_ids"]), loss_mask=tuple(r["loss_mask"])
+        )
+        for g, r in enumerate(rows)
+    ]
+    outputs = []
+    for streaming in (None, MOST_ON_HOST):
+        engine = engine_embedded.EmbeddedEngine(dataclasses.replace(plain, expert_streaming=streaming))
+        engine.start()
+        outputs.append([engine.features([r])[0] for r in requests])
+        if streaming is not None:
+            (store,) = engine.expert_stores
+            assert (store.split.resident_layers, store.split.streamed_layers) == (2, 6)
+        engine.close()
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a.hs, b.hs) and torch.equal(a.lhs, b.lhs)

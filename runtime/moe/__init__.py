@@ -13,4 +13,6 @@ Modules, one job each:
 - ``hf_adapter``: shards a Hugging Face MoE model's experts over an expert-parallel group.
 - ``exchange_threads`` + ``embedded_loader``: expert parallelism across the embedded capture
   engine's replicas, which are threads of one process.
+- ``streaming_budget`` (torch-free), ``streaming`` and ``streaming_modules``: routed experts kept in
+  pinned host memory and streamed into reused device buffers a copy stream ahead of compute.
 """
