@@ -27,6 +27,7 @@ thread (one capture replica) at a time.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class StreamedExpertStore:
         self._position = {layer: index for index, layer in enumerate(self._order)}
         self._weights: list[LayerWeights] = []
         template: Mapping[str, torch.Tensor] | None = None
+        progress = _Progress(len(layers), f"expert streaming on {self.device}: placing MoE layers")
         for index, weights in enumerate(layers):
             if split.resident[index]:
                 self._weights.append({name: t.detach().to(self.device) for name, t in weights.items()})
@@ -108,6 +110,8 @@ class StreamedExpertStore:
                     f"{_signature(template)}: every streamed layer must have the same names, shapes and dtypes"
                 )
             self._weights.append({name: self._host_copy(t) for name, t in weights.items()})
+            progress.done(index + 1)
+        progress.done(len(layers), final=True)
         self._buffers = [_Buffer(template, self.device) for _ in range(split.num_buffers)] if template else []
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda and self._order else None
         self._time_copies = time_copies and self._copy_stream is not None
@@ -268,6 +272,26 @@ class StreamedExpertStore:
             f"{s.streamed_layers} streamed through {s.num_buffers} buffers of {s.layer_bytes / 1e9:.3f} GB; "
             f"device {self.device_bytes / 1e9:.3f} GB, host {self.host_bytes / 1e9:.3f} GB"
             f"{' pinned' if self.pinned else ''}"
+        )
+
+
+class _Progress:
+    """Log lines while the store places layers (pinning hundreds of GB takes minutes)."""
+
+    def __init__(self, total: int, what: str, interval_s: float = 10.0) -> None:
+        self.total, self.what, self.interval_s = total, what, interval_s
+        self.started = self.last = time.monotonic()
+
+    def done(self, count: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.last < self.interval_s:
+            return
+        if final and now - self.started < self.interval_s:
+            return  # quick: nothing worth a line
+        self.last = now
+        rate = count / max(now - self.started, 1e-9)
+        log.info(
+            "%s: %d/%d (%.2f layers/s, ETA %.0f s)", self.what, count, self.total, rate, (self.total - count) / rate
         )
 
 
