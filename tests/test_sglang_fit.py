@@ -122,4 +122,9 @@ def test_k3_fits_with_streaming_and_the_plan_shows_the_numbers() -> None:
 def test_a_streaming_budget_above_the_hbm_budget_is_a_blocker() -> None:
     plan = expert_offload_plan(load_recipe(K3, ["capture.expert_streaming.gpu_budget_bytes=95GB"]).recipe)
     (message,) = [m for level, m in plan.findings if level == "blocker"]
-    assert "95.0 GB" in message and "102.2 GB weight budget" in message and "at most 88.4 GB" in message
+    assert "94.6 GB of experts and buffers" in message and "102.2 GB weight budget" in message
+    assert "at most 88.4 GB" in message
+    by_fraction = load_recipe(
+        K3, ["capture.expert_streaming.gpu_budget_bytes=null", "capture.expert_streaming.resident_fraction=0.6"]
+    ).recipe
+    assert any("weight budget" in m for level, m in expert_offload_plan(by_fraction).findings if level == "blocker")

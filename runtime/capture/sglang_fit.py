@@ -248,9 +248,9 @@ def _streaming_rows(
         plan.findings.append(
             (
                 "blocker",
-                f"capture.expert_streaming.gpu_budget_bytes {cap.expert_streaming.gpu_budget_bytes / GB:,.1f} GB "
-                f"leaves {hbm_used / GB:,.1f} GB of weights per GPU with the {dense_per_gpu / GB:,.1f} GB of dense "
-                f"weights, above the {weight_budget / GB:,.1f} GB weight budget; lower it to at most "
+                f"capture.expert_streaming keeps {split.device_bytes / GB:,.1f} GB of experts and buffers per GPU, "
+                f"{hbm_used / GB:,.1f} GB of weights with the {dense_per_gpu / GB:,.1f} GB of dense weights, above "
+                f"the {weight_budget / GB:,.1f} GB weight budget; set gpu_budget_bytes to at most "
                 f"{(weight_budget - dense_per_gpu) / GB:,.1f} GB",
             )
         )
