@@ -99,8 +99,9 @@ def test_tiny_trains_consumes_the_prompt_order_and_resumes_exactly(
 
 
 def test_tiny_with_streamed_experts_trains_exactly_like_resident(tmp_path: Path, tiny_assets: Path) -> None:
-    """capture.expert_streaming on, most experts on the host (2 of 8 MoE layers resident): the same
-    per-step losses, consumed rows and final weights hash as the all-resident run."""
+    """capture.expert_streaming on, most experts on the host (2 of 8 MoE layers resident), and the
+    Mooncake sample segment on the trainer node: the same per-step losses, consumed rows and final
+    weights hash as the all-resident run with the segment on the capture node."""
     runs = tmp_path / "runs"
     steps = "trainer.max_steps=8"
     resident = run_tiny("local", runs, steps)
@@ -110,6 +111,7 @@ def test_tiny_with_streamed_experts_trains_exactly_like_resident(tmp_path: Path,
         steps,
         "capture.expert_streaming.enabled=true",
         "capture.expert_streaming.resident_fraction=0.25",
+        "transport.segment_placement=trainer",
     )
     assert "expert streaming on cpu: 2 of 8 MoE layers resident, 6 streamed" in launch(["logs", str(streamed)]).stdout
     got, expected = metrics(streamed), metrics(resident)
