@@ -11,6 +11,11 @@ of :mod:`runtime.moe.embedded_loader` plugs in through the ``model_loader`` argu
 :data:`ModelLoader`), and is picked by default when the recipe asks for it. A loader with an
 ``idle_step(replica_index, device, dtype)`` method gets that call for every replica left without
 samples in a capture step, so the replicas of an expert-parallel group stay in step.
+
+Expert streaming (``capture.expert_streaming``): each replica is loaded on the host, its routed
+experts (sharded or not) move into a :mod:`runtime.moe.streaming` store for its device (resident
+layers and streaming buffers there, the rest in pinned host memory), then the rest of the model
+moves to the device. The forward is unchanged: the experts compute on the same bytes.
 """
 
 from __future__ import annotations
@@ -183,9 +188,14 @@ class EmbeddedEngine:
         """Load one replica per device; fail with a clear message when the target does not fit the recipe."""
         started = time.monotonic()
         for device in self.settings.devices:
-            model = self.model_loader(self.settings, device)
-            if self.settings.expert_streaming is not None:
+            if self.settings.expert_streaming is None:
+                model = self.model_loader(self.settings, device)
+            else:
+                # Load on the host: the experts go to the streamed store (resident layers and
+                # buffers on the device, the rest pinned), then the rest of the model moves over.
+                model = self.model_loader(self.settings, "cpu")
                 self.expert_stores.append(self._stream_experts(model, device))
+                model.to(device)
             replica = HiddenStateCapture(model, self.settings.aux_layer_ids, self.settings.pad_id)
             if replica.hidden_size != self.settings.hidden_size:
                 raise EngineError(
