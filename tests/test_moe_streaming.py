@@ -207,6 +207,50 @@ def test_sharded_hf_model_streams_its_local_experts() -> None:
         assert torch.equal(model(ids).last_hidden_state, reference(ids).last_hidden_state)
 
 
+class _FusedMoELike(torch.nn.Module):
+    """A serving engine's fused-MoE layer after its repack: packed weights and scales as parameters
+    that its kernel reads by attribute at every forward."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        q13, q2 = (
+            quantize_mxfp4(torch.randn(experts, 2 * inter, hidden)),
+            quantize_mxfp4(torch.randn(experts, hidden, inter)),
+        )
+        for name, tensor in (
+            ("w13_weight", q13.blocks),
+            ("w13_weight_scale", q13.scales),
+            ("w2_weight", q2.blocks),
+            ("w2_weight_scale", q2.scales),
+        ):
+            self.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from runtime.moe.mxfp4 import MXFP4Tensor, dequantize_reference
+
+        w13 = dequantize_reference(MXFP4Tensor(self.w13_weight, self.w13_weight_scale), torch.float32)
+        w2 = dequantize_reference(MXFP4Tensor(self.w2_weight, self.w2_weight_scale), torch.float32)
+        gate, up = torch.einsum("th,eih->eti", x, w13).chunk(2, dim=-1)
+        return x + torch.einsum("eti,ehi->th", torch.nn.functional.silu(gate) * up, w2) * 1e-3
+
+
+def _fused_moe_names(module: torch.nn.Module) -> tuple[str, ...] | None:
+    if not isinstance(module, _FusedMoELike):
+        return None
+    return tuple(name for name, _ in module.named_parameters(recurse=False) if name.startswith(("w13_", "w2_")))
+
+
+def test_other_expert_layouts_stream_through_a_weight_names_function() -> None:
+    torch.manual_seed(5)
+    stack = torch.nn.Sequential(*(_FusedMoELike(4, 64, 32) for _ in range(4)))
+    streamed = copy.deepcopy(stack)
+    store = stream_experts(streamed, "cpu", resident_fraction=0.25, weight_names=_fused_moe_names)
+    assert store.split.streamed_layers == 3 and streamed[0].w13_weight is None
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        assert torch.equal(streamed(x), stack(x)) and torch.equal(streamed(x), stack(x))
+
+
 def test_a_model_without_experts_is_refused() -> None:
     with pytest.raises(ValueError, match="expert_streaming.enabled: false"):
         stream_experts(torch.nn.Linear(2, 2), "cpu", resident_fraction=0.0)

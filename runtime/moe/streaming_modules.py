@@ -18,6 +18,7 @@ Known expert modules, in the kernel's format:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -41,12 +42,19 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...] | None:
     return None
 
 
-def find_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+WeightNames = Callable[[nn.Module], "tuple[str, ...] | None"]
+"""Which tensors of a module are its routed-expert weights (None: not an expert module)."""
+
+
+def find_expert_modules(
+    model: nn.Module, weight_names: WeightNames = expert_weight_names
+) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
     """Every routed-expert module of ``model`` in registration order (= forward order for a
-    decoder stack), with its weight names."""
+    decoder stack), with its weight names. ``weight_names`` recognises other layouts (a serving
+    engine's fused-MoE layer after its own repack: every tensor its kernel reads)."""
     found = []
     for name, module in model.named_modules():
-        names = expert_weight_names(module)
+        names = weight_names(module)
         if names is not None:
             found.append((name, module, names))
     return found
@@ -89,6 +97,7 @@ def stream_experts(
     resident_fraction: float | None = None,
     pinned: bool = True,
     budget_field: str = "capture.expert_streaming.gpu_budget_bytes",
+    weight_names: WeightNames = expert_weight_names,
 ) -> StreamedExpertStore:
     """Move the routed experts of ``model`` into one streamed store on ``device`` (in place).
 
@@ -97,7 +106,7 @@ def stream_experts(
     small for the streaming buffers is refused with both numbers. Returns the store (its
     ``describe()`` is the log line, its ``stats`` the copy counters).
     """
-    found = find_expert_modules(model)
+    found = find_expert_modules(model, weight_names)
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no routed-expert module (fused gate_up_proj/down_proj experts or "
