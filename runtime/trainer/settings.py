@@ -46,6 +46,8 @@ class RunSettings:
     data_digest: str
     """SHA-256 of the training data (the recipe's, or its manifest's)."""
     smoke: bool
+    compile_regions: bool = False
+    """torch.compile the model's regions (``trainer.compile_regions``; auto: on CUDA)."""
 
     @property
     def is_main(self) -> bool:
@@ -149,4 +151,6 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         checkpoint_dir=checkpoint_dir,
         data_digest=data_digest,
         smoke=resolved.smoke,
+        compile_regions=trainer.compile_regions == "on"
+        or (trainer.compile_regions == "auto" and device.type == "cuda"),
     )

@@ -105,9 +105,13 @@ def rank_setup() -> RankSetup:
     return RankSetup(rank, local_rank, world, device)
 
 
-def bench_recipe(shapes_name: str, world_size: int, accumulation: int, tokens: int | None) -> Recipe:
-    """The recipe behind the shapes, set to ``world_size`` ranks of one sample per micro-step."""
+def bench_recipe(
+    shapes_name: str, world_size: int, accumulation: int, tokens: int | None, extra: list[str] | None = None
+) -> Recipe:
+    """The recipe behind the shapes, set to ``world_size`` ranks of one sample per micro-step
+    (``extra``: further ``key=value`` overrides, e.g. ``trainer.compile_regions=off``)."""
     overrides = [
+        *(extra or []),
         "job.trainer.nodes=1",
         f"job.trainer.tasks_per_node={world_size}",
         "trainer.micro_batch_size=1",
@@ -146,6 +150,7 @@ def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSetti
         checkpoint_dir=REPO_ROOT,
         data_digest="synthetic",
         smoke=False,
+        compile_regions=cfg.compile_regions == "on" or (cfg.compile_regions == "auto" and on_gpu),
     )
 
 
@@ -161,6 +166,7 @@ def build_model(recipe: Recipe, settings: RunSettings) -> DSparkDraft:
             num_aux_layers=recipe.num_aux_layers,
             attention_backend=settings.attention_backend,
             max_length=recipe.data.max_length,
+            compile_regions=settings.compile_regions,
         )
     vocab, hidden = recipe.capture.vocab_size, cfg.draft.hidden_size
     embed = (torch.randn(vocab, hidden, device=settings.device) * 0.02).to(settings.param_dtype)
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         raise SystemExit(
             "--shapes k3 needs a CUDA GPU per rank (H200-class: tens of GiB each); on CPU use --shapes tiny"
         )
-    recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens)
+    recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens, args.set)
     total_steps = args.warmup + args.steps
     settings = run_settings(recipe, setup, total_steps)
     init_process_group(settings, COLLECTIVE_TIMEOUT_S)
@@ -523,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, help="tokens per sample T (default: the recipe's data.max_length)")
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
     parser.add_argument(
         "--compare",
         type=Path,
