@@ -94,7 +94,6 @@ class StreamedExpertStore:
         self.pinned = pinned and self.cuda
         self.stats = StreamingStats()
         self._order = [i for i, resident in enumerate(split.resident) if not resident]
-        self._position = {layer: index for index, layer in enumerate(self._order)}
         self._weights: list[LayerWeights] = []
         template: Mapping[str, torch.Tensor] | None = None
         progress = _Progress(len(layers), f"expert streaming on {self.device}: placing MoE layers")
@@ -194,8 +193,8 @@ class StreamedExpertStore:
         return [self._order[(after + k) % len(self._order)] for k in range(count)]
 
     def _free_buffer(self, keep: Sequence[int]) -> _Buffer | None:
-        """A buffer not in use whose layer is not in ``keep``; empty ones first, then the one whose
-        layer comes latest in the future (the one needed last)."""
+        """A buffer not in use whose layer is not in ``keep`` (the layers about to run); empty ones
+        first. Any such buffer holds a layer that is not needed before the ones in ``keep``."""
         candidates = [b for b in self._buffers if not b.in_use and b.layer not in keep]
         if not candidates:
             return None
