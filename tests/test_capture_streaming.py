@@ -122,11 +122,9 @@ def test_cuda_capture_with_streamed_experts_is_byte_identical(moe_target: Path) 
 def test_tiny_target_captures_are_byte_identical_with_most_experts_streamed(tiny_assets: Path) -> None:
     from runtime.recipe import load_recipe
 
-    repo = tiny_assets.parent.parent
-    loaded = load_recipe(repo / "recipes" / "tiny.yaml")
-    c = loaded.recipe.capture
+    c = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml").recipe.capture
     plain = engine_embedded.EmbeddedSettings(
-        target_path=repo / c.target_path,
+        target_path=tiny_assets / "target",
         aux_layer_ids=tuple(c.aux_layer_ids),
         hidden_size=c.hidden_size,
         pad_id=c.special_tokens.pad_id,
