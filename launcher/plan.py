@@ -228,8 +228,8 @@ def make_plan(recipe: Recipe) -> Plan:
 
 
 def _capture_fit(recipe: Recipe, plan: Plan) -> None:
-    from runtime.capture.sglang_fit import expert_offload_plan
     from runtime.recipe.checks import host_needs_per_node
+    from runtime.shared.sglang_fit import expert_offload_plan
 
     cap, hw = recipe.capture, recipe.plan
     gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
@@ -275,7 +275,7 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
 
 
 def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
-    from runtime.capture.sglang_fit import offload_support_0_5_23
+    from runtime.shared.sglang_fit import offload_support_0_5_23
 
     if "offloaded_expert_bytes" in numbers:
         offload = (

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+
+from tests.conftest import REPO_ROOT
 
 ANCHORS = REPO_ROOT.parent / "shared" / "anchors" / "specforge-a6b6b02"
 TIMEOUT_S = 600

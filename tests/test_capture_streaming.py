@@ -15,7 +15,7 @@ engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from runtime.capture.engine import CaptureRequest  # noqa: E402
-from runtime.moe.embedded_loader import ExpertParallelLoader  # noqa: E402
+from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
 from runtime.recipe.schema import ExpertStreamingSettings  # noqa: E402
 
 AUX_LAYERS = (0, 2)

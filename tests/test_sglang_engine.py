@@ -33,7 +33,7 @@ from runtime.capture.engine_sglang import (
 )
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
-from tests.conftest import free_port
+from runtime.transport.loopback import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PARSER_DEPS = ("msgspec", "psutil", "pybase64", "starlette", "zmq")
@@ -113,7 +113,7 @@ def _parser_python() -> str | None:
 
 def _patched_full_tree() -> Path:
     """The whole 0.5.23 ``sglang/`` tree with the patch applied, built once per patch version."""
-    from tools import patch_check as pc
+    from runtime.shared import sglang_patch as pc
 
     target = pc.load_manifest().resolve(None)[0]
     final = REPO / ".cache" / "sglang" / f"patched-{target.patch_sha256[:12]}"

@@ -287,7 +287,7 @@ def _find_key(tree: Any, key: str) -> Any:
 
 
 def _default_patch_check(target: str) -> Any:
-    from tools.patch_check import check_installed
+    from runtime.shared.sglang_patch import check_installed
 
     return check_installed(target)
 

@@ -11,8 +11,11 @@ Modules, one job each:
 - ``grouped_gemm`` and ``experts``: local experts, dense or resident in MXFP4.
 - ``layer``: the expert-parallel MoE layer and the dense single-process reference.
 - ``hf_adapter``: shards a Hugging Face MoE model's experts over an expert-parallel group.
-- ``exchange_threads`` + ``embedded_loader``: expert parallelism across the embedded capture
-  engine's replicas, which are threads of one process.
-- ``streaming_budget`` (torch-free), ``streaming`` and ``streaming_modules``: routed experts kept in
-  pinned host memory and streamed into reused device buffers a copy stream ahead of compute.
+- ``exchange_threads``: the exchange between the embedded capture engine's replicas, which are
+  threads of one process (the engine's loader, runtime/capture/model_loading.py, uses it).
+- ``streaming`` and ``streaming_modules``: routed experts kept in pinned host memory and streamed
+  into reused device buffers a copy stream ahead of compute (the split arithmetic is torch-free, in
+  runtime/shared/streaming_budget.py).
+
+This package knows nothing of engines: capture imports moe, never the reverse.
 """

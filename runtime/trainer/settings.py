@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.capture.data_files import resolve_expected_sha256
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.contracts import ENV_JOB_DIR
+from runtime.shared.data_files import resolve_expected_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -131,7 +132,7 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         )
     total_steps = min(trainer.max_steps, steps_in_data) if trainer.max_steps else steps_in_data
 
-    job_dir = Path(env.get("DSPARK_JOB_DIR") or resolved.job_dir)
+    job_dir = Path(env.get(ENV_JOB_DIR) or resolved.job_dir)
     checkpoint_dir = (
         resolved.resolve_path(trainer.checkpoint.dir) if trainer.checkpoint.dir else job_dir / "checkpoints"
     )
