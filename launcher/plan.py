@@ -275,37 +275,37 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
 
 
 def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
+    """What to do about a target that does not fit, most practical first, each with the exact
+    ``--set`` line (or why it is not available)."""
     from runtime.shared.sglang_fit import offload_support_0_5_23
 
-    if "offloaded_expert_bytes" in numbers:
-        offload = (
-            f"offload routed experts to host memory: {numbers['offloaded_expert_bytes'] / GB:,.0f} GB of experts "
-            f"off HBM, {numbers['host_bytes_offload'] / GB:,.0f} GB of host RAM with the Mooncake segment, "
-            f"{numbers['pcie_bytes_per_prefill'] / GB:,.0f} GB over PCIe per prefill "
-            f"(about {numbers['pcie_seconds_per_prefill']:.1f} s)"
+    options = []
+    two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")
+    gpus = recipe.job.capture.gpus_per_node
+    if recipe.capture.engine == "sglang" and gpus:
+        per_gpu = f" ({two_nodes / GB:,.1f} GB of weights per GPU)" if two_nodes else ""
+        options.append(
+            f"two capture nodes, TP across them{per_gpu}: --set job.capture.nodes=2 "
+            f"--set capture.sglang.tp_size={2 * gpus * recipe.job.capture.nodes}"
         )
-    else:
-        offload = (
-            f"offload routed experts to host memory (at least {shortfall / GB:,.0f} GB of experts, plus "
-            "PCIe traffic on every prefill)"
+        options.append(
+            "larger-memory GPUs (8 x 288 GB B300): --set plan.accelerator=B300 "
+            "--set plan.accelerator_memory_bytes=288GB --set capture.sglang.moe_runner_backend=flashinfer_mxfp4"
         )
+    experts = numbers.get("offloaded_expert_bytes", shortfall)
+    offload = f"expert offload to host memory ({experts / GB:,.0f} GB of experts"
+    if "pcie_seconds_per_prefill" in numbers:
+        offload += f", about {numbers['pcie_seconds_per_prefill']:.1f} s of PCIe per prefill"
+    offload += ")"
     reasons = offload_support_0_5_23(recipe) if recipe.capture.engine == "sglang" else []
     if reasons:
-        offload += "; SGLang 0.5.23 cannot do it for this recipe: " + "; ".join(reasons)
+        offload += f": not possible with SGLang 0.5.23 here ({len(reasons)} reasons: patches/sglang/README.md)"
     offload += (
-        "; our expert streaming does (capture.expert_streaming: enabled, gpu_budget_bytes): in the embedded "
+        "; our expert streaming does it (capture.expert_streaming: enabled, gpu_budget_bytes): in the embedded "
         "engine today, in the SGLang capture patch not yet"
     )
-    two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")
-    second = "a second capture node (TP16 / two nodes, as published H200 serving setups use)"
-    if two_nodes:
-        second += f": {two_nodes / GB:,.1f} GB of weights per GPU"
-    return (
-        offload,
-        second,
-        "larger-memory GPUs on the capture node (8 x 288 GB B300 hold it; MXFP4 Marlin needs SM90/SM120, "
-        "so use --moe-runner-backend flashinfer_mxfp4 there)",
-    )
+    options.append(offload)
+    return tuple(options)
 
 
 def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:

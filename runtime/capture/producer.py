@@ -1,6 +1,6 @@
 """The capture component's main loop: keep the data-plane window full of captured samples.
 
-``python -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
+``python3 -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
 
 1. start the Mooncake master when ``capture.owns_master`` says this node owns it;
 2. check the data file against the recipe (SHA-256, rows) and open it for random access;

@@ -554,6 +554,10 @@ class DataSection(Section):
     """Longest sequence in tokens (rows were truncated to it)."""
     chat_path: str | None = None
     """Source chat JSONL that ``tools/prepare_data`` tokenizes into ``train_path``."""
+    prepare_commands: list[str] = Field(default_factory=list)
+    """Shell commands, run from the repository root on the submitting machine before the launcher
+    checks anything, when ``capture.target_path`` or ``train_path`` does not exist yet (for the tiny
+    recipe: build the tiny target, then tokenize its data). Each must be idempotent."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,10 +14,10 @@ It also reports the share of the capture's time spent outside the forward. Targe
 
 Modes::
 
-    python -m tools.bench.capture                      # CPU: the tiny target (.cache/tiny/target) or,
+    python3 -m tools.bench.capture                      # CPU: the tiny target (.cache/tiny/target) or,
                                                        # without it, a random model of the same shape
-    python -m tools.bench.capture --preset h200        # GPU: a random ~0.5B-parameter Qwen3-MoE, bf16
-    python -m tools.bench.capture --quick              # seconds: proves the tool runs
+    python3 -m tools.bench.capture --preset h200        # GPU: a random ~0.5B-parameter Qwen3-MoE, bf16
+    python3 -m tools.bench.capture --quick              # seconds: proves the tool runs
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.capture", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tools.bench.capture", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--quick", action="store_true", help="same as --preset quick --repeats 1")
     parser.add_argument("--target", type=Path, help="HF checkpoint to benchmark (cpu preset default: the tiny target)")
