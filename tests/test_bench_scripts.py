@@ -224,3 +224,24 @@ def test_exchange_timers_time_nested_calls_and_put_the_methods_back() -> None:
     assert not any(name in exchange.__dict__ for name in TIMED_METHODS)
     exchange.run(hidden, routing, experts)
     assert timers.seconds["run"] == seconds["run"]  # no longer timed
+
+
+def test_streaming_quick_streams_most_experts_and_matches_resident(tmp_path: Path) -> None:
+    path = tmp_path / "streaming.json"
+    done = run_cmd([sys.executable, "-m", "tools.bench.streaming", "--quick", "--repeats", "1", "--json", str(path)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "built 5/5 layers" in done.stdout and "ETA" in done.stdout  # progress lines
+    result = json.loads(path.read_text())
+    assert result["expert_bytes"] == result["layer_bytes"] * result["shapes"]["layers"]
+    assert (result["resident_layers"], result["streamed_layers"], result["num_buffers"]) == (1, 4, 2)
+    assert result["host_fraction"] >= 0.75 and result["misses"] == 1
+    assert [r["tokens"] for r in result["results"]] == [16, 48]
+    for row in result["results"]:
+        assert row["outputs_equal"] is True
+        assert row["throughput_ratio"] == pytest.approx(row["resident_s"] / row["streamed_s"])
+        assert row["expert_compute_s_per_layer"] == pytest.approx(row["resident_s"] / 5)
+
+
+def test_streaming_gpu_preset_refuses_cleanly_without_cuda() -> None:  # run_cmd hides any GPU
+    done = run_cmd([sys.executable, "-m", "tools.bench.streaming"])
+    assert done.returncode == 2 and "needs a CUDA GPU (use --quick on a CPU)" in done.stderr

@@ -116,3 +116,26 @@ def test_tiny_trains_consumes_the_prompt_order_and_resumes_exactly(
     assert [row for r in resumed_records for row in r["row_indices"]] == prompt_rows(128, 128)
     assert [r["loss"] for r in resumed_records] == [r["loss"] for r in records[16:]]
     assert final_weights(shared) == (32, full_hash), "resumed weights equal the uninterrupted run's"
+
+
+def test_tiny_with_streamed_experts_trains_exactly_like_resident(tmp_path: Path, tiny_assets: Path) -> None:
+    """capture.expert_streaming on, most experts on the host (2 of 8 MoE layers resident), and the
+    Mooncake sample segment on the trainer node: the same per-step losses, consumed rows and final
+    weights hash as the all-resident run with the segment on the capture node."""
+    runs = tmp_path / "runs"
+    steps = "trainer.max_steps=8"
+    resident = run_tiny("local", runs, steps)
+    streamed = run_tiny(
+        "local",
+        runs,
+        steps,
+        "capture.expert_streaming.enabled=true",
+        "capture.expert_streaming.resident_fraction=0.25",
+        "transport.segment_placement=trainer",
+    )
+    assert "expert streaming on cpu: 2 of 8 MoE layers resident, 6 streamed" in launch(["logs", str(streamed)]).stdout
+    got, expected = metrics(streamed), metrics(resident)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+    assert [r["row_indices"] for r in got] == [r["row_indices"] for r in expected]
+    assert final_weights(streamed / "checkpoints") == final_weights(resident / "checkpoints")

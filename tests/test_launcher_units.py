@@ -14,7 +14,7 @@ from launcher.hetjob import HetInfoWatcher, task_index, task_owner
 from launcher.plan import make_plan
 from launcher.render import RenderOptions, render_script
 from launcher.slurm_state import fold_state, parse_sacct
-from runtime.recipe import load_recipe
+from runtime.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -105,7 +105,7 @@ def test_trainer_environment_from_its_own_het_group() -> None:
 
 
 def test_plan_reports_k3_numbers_and_the_hbm_blocker() -> None:
-    plan = make_plan(load_recipe(K3).recipe)
+    plan = make_plan(load_recipe(K3, ["capture.expert_streaming.enabled=false"]).recipe)
     assert plan.numbers["sample_feature_bytes"] == 65536 * 6 * 7168 * 2 == 5_637_144_576
     assert plan.numbers["step_bytes"] == 128 * plan.numbers["sample_bytes"]
     assert 672 * 2**30 <= plan.numbers["step_bytes"] < 673 * 2**30
@@ -136,6 +136,24 @@ def test_plan_models_the_commit_pipeline_and_a_capture_once_run() -> None:
     assert piped.numbers["capture_once_run_seconds"] == pytest.approx(expected)
     assert piped.numbers["capture_once_run_seconds"] < 3600 < piped.numbers["run_seconds"]
     assert "NOT BUILT" in piped.render()
+
+
+def test_k3_plan_fits_with_streaming_and_checks_host_memory_per_node() -> None:
+    plan = make_plan(load_recipe(K3).recipe)
+    text = plan.render()
+    assert "[OK] fits with streaming" in text and "exceed the capture node's HBM" not in text
+    assert [b.message for b in plan.blockers] == [
+        m for m in (b.message for b in plan.blockers) if "stream experts yet" in m
+    ]
+    assert plan.numbers["capture_host_bytes"] == 8 * plan.numbers["streaming_host_bytes_per_gpu"] + 2**40
+    assert plan.numbers["trainer_host_bytes"] == 0
+    moved = make_plan(load_recipe(K3, ["transport.segment_placement=trainer"]).recipe)
+    assert moved.numbers["capture_host_bytes"] == 8 * moved.numbers["streaming_host_bytes_per_gpu"]
+    assert moved.numbers["trainer_host_bytes"] == 2**40
+    # too little trainer host memory for the segment: refused before any plan, with both numbers
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, ["transport.segment_placement=trainer", "plan.trainer_host_memory_bytes=512GiB"])
+    assert "549.76 GB, below what lives there: Mooncake segment" in str(info.value) and "1,099.51 GB" in str(info.value)
 
 
 def test_golden_sbatch_scripts_match_the_renderer() -> None:

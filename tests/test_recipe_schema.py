@@ -248,3 +248,25 @@ def test_set_values_follow_the_field_type() -> None:
     assert recipe.data.expected_sha256 == "0" * 64 and recipe.job.partition == "123"
     assert recipe.capture.sglang.extra_args == ["--log-level", "debug"]
     assert recipe.trainer.checkpoint.init_from is None
+
+
+def test_expert_streaming_knobs_are_checked_with_both_numbers() -> None:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, overrides=["capture.expert_streaming.gpu_budget_bytes=3GB"])
+    message = _problems(info.value)["capture.expert_streaming.gpu_budget_bytes"]
+    assert "3.00 GB per GPU, below the 3 streaming buffers" in message and "= 5.91 GB" in message
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, overrides=["capture.expert_streaming.resident_fraction=0.5"])
+    assert "sets both gpu_budget_bytes and resident_fraction" in _problems(info.value)["capture.expert_streaming"]
+    with pytest.raises(RecipeError) as info:  # a small budget streams more experts than the host holds
+        load_recipe(K3, overrides=["capture.expert_streaming.gpu_budget_bytes=20GB"])
+    message = _problems(info.value)["plan.capture_host_memory_bytes"]
+    assert "2,199.02 GB" in message and "streamed experts 1,339.67 GB" in message and "= 2,439.19 GB" in message
+    # the same budget fits once the Mooncake segment moves to the trainer node
+    moved = load_recipe(
+        K3, overrides=["capture.expert_streaming.gpu_budget_bytes=20GB", "transport.segment_placement=trainer"]
+    )
+    assert moved.recipe.transport.segment_placement == "trainer"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, overrides=["capture.expert_streaming.prefetch_layers=0"])
+    assert "capture.expert_streaming.prefetch_layers" in _problems(info.value)

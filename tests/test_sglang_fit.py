@@ -20,8 +20,11 @@ K3 = Path(__file__).resolve().parent.parent / "recipes" / "kimi_k3_v1c.yaml"
 GB = 10**9
 
 
+NO_STREAMING = ["capture.expert_streaming.enabled=false"]
+
+
 def test_k3_on_one_h200_node_does_not_fit_and_0_5_23_offers_no_offload() -> None:
-    recipe = load_recipe(K3).recipe
+    recipe = load_recipe(K3, NO_STREAMING).recipe
     plan = expert_offload_plan(recipe)
     assert plan is not None
     levels = [level for level, _ in plan.findings]
@@ -49,11 +52,11 @@ def test_k3_on_one_h200_node_does_not_fit_and_0_5_23_offers_no_offload() -> None
 
 
 def test_the_alternatives_fit() -> None:
-    two_nodes = load_recipe(K3, ["job.capture.nodes=2", "capture.sglang.tp_size=16"]).recipe
+    two_nodes = load_recipe(K3, ["job.capture.nodes=2", "capture.sglang.tp_size=16", *NO_STREAMING]).recipe
     assert expert_offload_plan(two_nodes).findings == [("ok", "the weights fit resident: 97.5 GB per GPU at TP16")]
-    b300 = load_recipe(K3, ["plan.accelerator=B300", "plan.accelerator_memory_bytes=288GB"]).recipe
+    b300 = load_recipe(K3, ["plan.accelerator=B300", "plan.accelerator_memory_bytes=288GB", *NO_STREAMING]).recipe
     assert expert_offload_plan(b300).findings[0][0] == "ok"
-    b200 = load_recipe(K3, ["plan.accelerator=B200", "plan.accelerator_memory_bytes=192GB"]).recipe
+    b200 = load_recipe(K3, ["plan.accelerator=B200", "plan.accelerator_memory_bytes=192GB", *NO_STREAMING]).recipe
     assert expert_offload_plan(b200).findings[-1][0] == "blocker"
 
 
@@ -74,7 +77,13 @@ def test_untouched_expert_fraction() -> None:
 
 def test_paged_experts_would_be_allowed_only_for_single_gpu_non_marlin() -> None:
     single = load_recipe(
-        K3, ["job.capture.gpus_per_node=1", "capture.sglang.tp_size=1", "capture.sglang.moe_runner_backend=triton"]
+        K3,
+        [
+            "job.capture.gpus_per_node=1",
+            "capture.sglang.tp_size=1",
+            "capture.sglang.moe_runner_backend=triton",
+            *NO_STREAMING,
+        ],
     ).recipe
     reasons = offload_support_0_5_23(single)
     assert not any("paged" in r for r in reasons)
@@ -84,3 +93,38 @@ def test_paged_experts_would_be_allowed_only_for_single_gpu_non_marlin() -> None
 def test_embedded_recipes_have_no_sglang_plan() -> None:
     tiny = load_recipe(Path(K3).parent / "tiny.yaml").recipe
     assert expert_offload_plan(tiny) is None
+
+
+def test_k3_fits_with_streaming_and_the_plan_shows_the_numbers() -> None:
+    recipe = load_recipe(K3).recipe
+    plan = expert_offload_plan(recipe)
+    assert plan is not None
+    n = plan.numbers
+    layer = math.ceil(1.45e12 / 92 / 8)
+    assert n["streaming_layer_bytes_per_gpu"] == layer
+    # 85 GB budget - 3 buffers (prefetch 2 + 1) -> 40 resident layers, 52 streamed
+    assert (n["streaming_resident_layers"], n["streaming_streamed_layers"]) == (40, 52)
+    assert n["streaming_resident_bytes_per_gpu"] + n["streaming_buffer_bytes_per_gpu"] <= 85 * GB
+    assert n["streaming_host_bytes_per_gpu"] == 52 * layer
+    assert n["streaming_hbm_bytes_per_gpu"] <= 141 * GB * 0.76 - 5 * GB
+    assert n["capture_host_bytes"] == 8 * 52 * layer + 2**40
+    assert n["pcie_bytes_per_prefill_per_gpu"] == pytest.approx(52 * layer)
+    assert n["pcie_seconds_per_prefill"] == pytest.approx(52 * layer / (50 * GB))
+    expert_flops = 2 * 65536 * (1.45e12 * 8 / 4.25) * 16 / 896 / 8
+    assert n["expert_compute_seconds_per_prefill"] == pytest.approx(expert_flops / 500e12)
+    levels = dict((message.split(":")[0], level) for level, message in plan.findings)
+    assert levels["fits with streaming"] == "ok"
+    assert any(level == "blocker" and "does not stream experts yet" in m for level, m in plan.findings)
+    rows = dict(plan.rows)
+    assert rows["resident vs streamed per GPU"].startswith("78.8 GB resident + 5.9 GB buffers")
+
+
+def test_a_streaming_budget_above_the_hbm_budget_is_a_blocker() -> None:
+    plan = expert_offload_plan(load_recipe(K3, ["capture.expert_streaming.gpu_budget_bytes=95GB"]).recipe)
+    (message,) = [m for level, m in plan.findings if level == "blocker"]
+    assert "94.6 GB of experts and buffers" in message and "102.2 GB weight budget" in message
+    assert "at most 88.4 GB" in message
+    by_fraction = load_recipe(
+        K3, ["capture.expert_streaming.gpu_budget_bytes=null", "capture.expert_streaming.resident_fraction=0.6"]
+    ).recipe
+    assert any("weight budget" in m for level, m in expert_offload_plan(by_fraction).findings if level == "blocker")

@@ -494,3 +494,40 @@ def test_pipelined_cuda_commit_is_exact_and_verified_on_the_gpu(master: MasterPr
             assert got.meta["fields"]["lhs"]["sum16"] is not None
             for name, tensor in sample.items():
                 assert torch.equal(getattr(got, name).cpu(), tensor), (g, name)
+
+
+def test_sample_segment_on_the_trainer_node(master: MasterProcess, tmp_path: Path, ports) -> None:
+    """transport.segment_placement: trainer: the producer mounts nothing and waits for rank 0's cursor;
+    rank 0 mounts the whole sample segment, so every sample lands there and reads back exactly."""
+    from runtime.transport.dataplane import CONTROL_SEGMENT_BYTES
+
+    resolved = _plane(tmp_path, ports, "ontrainer", ["transport.segment_placement=trainer"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        assert consumer.client.settings.segment_bytes == CONTROL_SEGMENT_BYTES + 256 * 2**20
+        with open_producer(resolved, endpoints=endpoints) as producer:
+            assert producer.client.settings.segment_bytes == 0 and producer.client.preferred_segment == ""
+            for g in range(3):
+                sent = _sample(g, 4096)
+                producer.commit(g, sent, {})
+                assert torch.equal(consumer.fetch(g).hs, sent["hs"])
+
+
+def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
+    master: MasterProcess, tmp_path: Path, ports
+) -> None:
+    """transport.segment_placement: split: 128 MiB on each side and no write pinning, so five 34 MB
+    samples (168 MB, more than the capture node's half) are all stored and read back exactly."""
+    resolved = _plane(tmp_path, ports, "split", ["transport.segment_placement=split"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
+        assert producer.client.settings.segment_bytes == 128 * 2**20 and producer.client.preferred_segment == ""
+        sent = {g: _sample(g, 16384) for g in range(5)}
+        written = sum(producer.commit(g, sample, {}) for g, sample in sent.items())
+        assert written > 128 * 2**20
+        for g, sample in sent.items():
+            got = consumer.fetch(g)
+            assert torch.equal(got.hs, sample["hs"]) and torch.equal(got.lhs, sample["lhs"])

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.recipe.schema import ExpertStreamingSettings
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -38,6 +39,8 @@ class EmbeddedSettings:
     staging_slot_bytes: int = 0
     """Size each staging slot is pinned at on first use (the largest sample of the recipe), so
     the slots are not re-pinned as longer samples come; 0: grow to the largest sample seen."""
+    expert_streaming: ExpertStreamingSettings | None = None
+    """Routed experts streamed from host memory (``capture.expert_streaming`` when enabled)."""
 
     @classmethod
     def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
@@ -57,6 +60,7 @@ class EmbeddedSettings:
             moe_exchange=c.moe_exchange,
             commit_staging_slots=c.effective_commit_staging_slots(len(devices)),
             staging_slot_bytes=max_sample_feature_bytes(resolved),
+            expert_streaming=c.expert_streaming if c.expert_streaming.enabled else None,
         )
 
     @property

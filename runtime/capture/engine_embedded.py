@@ -14,6 +14,11 @@ of :mod:`runtime.capture.model_loading` (built on runtime/moe) plugs in through 
 argument (see :data:`ModelLoader`), and is picked by default when the recipe asks for it. A loader with an
 ``idle_step(replica_index, device, dtype)`` method gets that call for every replica left without
 samples in a capture step, so the replicas of an expert-parallel group stay in step.
+
+Expert streaming (``capture.expert_streaming``): each replica is loaded on the host, its routed
+experts (sharded or not) move into a :mod:`runtime.moe.streaming` store for its device (resident
+layers and streaming buffers there, the rest in pinned host memory), then the rest of the model
+moves to the device. The forward is unchanged: the experts compute on the same bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class EmbeddedEngine:
         self.sink = sink
         self.model_loader = model_loader or default_loader(settings)
         self.replicas: list[HiddenStateCapture] = []
+        self.expert_stores: list[Any] = []
+        """One :class:`runtime.moe.streaming.StreamedExpertStore` per replica when experts are streamed."""
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self.identity = CaptureIdentity(
@@ -79,7 +86,14 @@ class EmbeddedEngine:
         """Load one replica per device; fail with a clear message when the target does not fit the recipe."""
         started = time.monotonic()
         for device in self.settings.devices:
-            model = self.model_loader(self.settings, device)
+            if self.settings.expert_streaming is None:
+                model = self.model_loader(self.settings, device)
+            else:
+                # Load on the host: the experts go to the streamed store (resident layers and
+                # buffers on the device, the rest pinned), then the rest of the model moves over.
+                model = self.model_loader(self.settings, "cpu")
+                self.expert_stores.append(self._stream_experts(model, device))
+                model.to(device)
             replica = HiddenStateCapture(model, self.settings.aux_layer_ids, self.settings.pad_id)
             if replica.hidden_size != self.settings.hidden_size:
                 raise EngineError(
@@ -100,6 +114,27 @@ class EmbeddedEngine:
             self.settings.batch_size,
             time.monotonic() - started,
         )
+
+    def _stream_experts(self, model: torch.nn.Module, device: str) -> Any:
+        """Move ``model``'s routed experts into a streamed store (its experts, sharded or not)."""
+        from runtime.moe.streaming_modules import stream_experts
+        from runtime.shared.streaming_budget import StreamingBudgetError
+
+        s = self.settings.expert_streaming
+        assert s is not None
+        try:
+            store = stream_experts(
+                model,
+                device,
+                prefetch_layers=s.prefetch_layers,
+                gpu_budget_bytes=s.gpu_budget_bytes,
+                resident_fraction=s.resident_fraction,
+                pinned=s.pinned,
+            )
+        except (StreamingBudgetError, ValueError) as exc:
+            raise EngineError(str(exc)) from exc
+        log.info("%s", store.describe())
+        return store
 
     def check_health(self) -> None:
         """A two-token forward on every replica."""
@@ -218,5 +253,6 @@ class EmbeddedEngine:
         for replica in self.replicas:
             replica.close()
         self.replicas = []
+        self.expert_stores = []
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -13,6 +13,9 @@ Modules, one job each:
 - ``hf_adapter``: shards a Hugging Face MoE model's experts over an expert-parallel group.
 - ``exchange_threads``: the exchange between the embedded capture engine's replicas, which are
   threads of one process (the engine's loader, runtime/capture/model_loading.py, uses it).
+- ``streaming`` and ``streaming_modules``: routed experts kept in pinned host memory and streamed
+  into reused device buffers a copy stream ahead of compute (the split arithmetic is torch-free, in
+  runtime/shared/streaming_budget.py).
 
 This package knows nothing of engines: capture imports moe, never the reverse.
 """

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 from runtime.recipe.errors import Problem
 from runtime.recipe.schema import Recipe
-from runtime.recipe.sizes import SampleSize
+from runtime.recipe.sizes import SampleSize, segment_shares
 from runtime.recipe.units import format_bytes
+from runtime.shared.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 
 MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
 """mooncake-transfer-engine 0.3.13 refuses a global segment below 16 MiB at client setup."""
@@ -33,7 +36,17 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_watermarks(recipe)
     problems += _check_capture(recipe)
     problems += _check_trainer(recipe)
+    if not problems:  # needs a consistent recipe (the streaming split)
+        problems += _check_host_memory_per_node(recipe, _streamed_host_bytes(recipe))
     return problems
+
+
+def _streamed_host_bytes(recipe: Recipe) -> int:
+    try:
+        split = target_streaming_split(recipe)
+    except (StreamingBudgetError, ValueError):
+        return 0
+    return 0 if split is None else split.host_bytes * recipe.job.capture.gpus_per_node
 
 
 def _check_batch(recipe: Recipe) -> list[Problem]:
@@ -240,6 +253,7 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
                     f"set capture.sglang.max_total_tokens >= {recipe.data.max_length}",
                 )
             )
+    out += _check_expert_streaming(recipe)
     if c.expert_parallel > 1 and c.engine != "embedded":
         out.append(
             Problem(
@@ -249,6 +263,85 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
                 "set capture.expert_parallel: 1 or capture.engine: embedded",
             )
         )
+    return out
+
+
+def target_streaming_split(recipe: Recipe) -> StreamingSplit | None:
+    """The resident/streamed split of one capture GPU for an SGLang target whose routed-expert
+    bytes the recipe states (TP shards every MoE layer's experts over ``tp_size`` GPUs); None when
+    streaming is off or the recipe lacks the sizes. Raises :class:`StreamingBudgetError`."""
+    c = recipe.capture
+    s = c.expert_streaming
+    if not s.enabled or c.engine != "sglang" or not c.routed_expert_weight_bytes:
+        return None
+    if (s.gpu_budget_bytes is None) == (s.resident_fraction is None):
+        return None
+    layers = c.num_moe_layers or c.num_target_layers
+    return split_layers(
+        layers,
+        math.ceil(c.routed_expert_weight_bytes / layers / c.sglang.tp_size),
+        prefetch_layers=s.prefetch_layers,
+        gpu_budget_bytes=s.gpu_budget_bytes,
+        resident_fraction=s.resident_fraction,
+    )
+
+
+def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
+    c = recipe.capture
+    s = c.expert_streaming
+    if not s.enabled:
+        return []
+    if (s.gpu_budget_bytes is None) == (s.resident_fraction is None):
+        both = s.gpu_budget_bytes is not None
+        return [
+            Problem(
+                "capture.expert_streaming",
+                "sets both gpu_budget_bytes and resident_fraction"
+                if both
+                else "sets neither gpu_budget_bytes nor resident_fraction",
+                "give exactly one: gpu_budget_bytes (routed-expert bytes per GPU, resident layers + buffers) or "
+                "resident_fraction (share of MoE layers kept resident)",
+            )
+        ]
+    if c.num_moe_layers is not None and c.num_moe_layers > c.num_target_layers:
+        return [
+            Problem(
+                "capture.num_moe_layers",
+                f"is {c.num_moe_layers}, more than capture.num_target_layers {c.num_target_layers}",
+                f"set capture.num_moe_layers <= {c.num_target_layers}",
+            )
+        ]
+    try:
+        target_streaming_split(recipe)
+    except StreamingBudgetError as exc:
+        message, _, fix = str(exc).partition("; fix: ")
+        return [Problem("capture.expert_streaming.gpu_budget_bytes", message.split(" is ", 1)[-1], fix)]
+    return []
+
+
+def host_needs_per_node(recipe: Recipe, streamed_expert_bytes: int = 0) -> dict[str, dict[str, int]]:
+    """What lives in the host memory of each node (``capture``, ``trainer``): its share of the
+    Mooncake sample segment, and on the capture node the streamed experts of all its GPUs."""
+    tr = recipe.transport
+    capture_share, trainer_share = segment_shares(tr.global_segment_bytes, tr.segment_placement)
+    segment = f"Mooncake segment ({tr.segment_placement} share of transport.global_segment_bytes)"
+    capture = {segment: capture_share}
+    if streamed_expert_bytes:
+        capture = {"streamed experts": streamed_expert_bytes, **capture}
+    return {"capture": capture, "trainer": {segment: trainer_share}}
+
+
+def _check_host_memory_per_node(recipe: Recipe, streamed_expert_bytes: int) -> list[Problem]:
+    out = []
+    needs = host_needs_per_node(recipe, streamed_expert_bytes)
+    for node, memory in (
+        ("capture", recipe.plan.capture_host_memory_bytes),
+        ("trainer", recipe.plan.trainer_host_memory_bytes),
+    ):
+        error = check_host_memory(needs[node], memory, node=node, host_field=f"plan.{node}_host_memory_bytes")
+        if error is not None:
+            message, _, fix = str(error).partition("; fix: ")
+            out.append(Problem(f"plan.{node}_host_memory_bytes", message, fix))
     return out
 
 

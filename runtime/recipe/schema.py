@@ -248,6 +248,27 @@ class SGLangSettings(Section):
     """Further ``sglang.launch_server`` arguments, verbatim."""
 
 
+class ExpertStreamingSettings(Section):
+    """Routed experts kept in host memory and streamed into HBM layer by layer, a copy stream ahead
+    of the compute (runtime/moe/streaming.py). For targets whose weights do not fit the capture
+    GPUs (Kimi K3 on 8 x H200). Give exactly one of ``gpu_budget_bytes`` and ``resident_fraction``."""
+
+    enabled: bool = False
+    """Stream routed experts from host memory (prefill-only capture)."""
+    gpu_budget_bytes: ByteSize | None = None
+    """Routed-expert bytes one GPU may hold: the resident MoE layers plus the
+    ``prefetch_layers + 1`` streaming buffers; layers beyond it live in host memory. A budget
+    that cannot hold the buffers is refused."""
+    resident_fraction: float | None = Field(None, ge=0, le=1)
+    """Instead of a budget: the share of MoE layers whose experts stay resident (0 streams all;
+    the tests use it to force most experts to the host)."""
+    prefetch_layers: int = Field(1, ge=1)
+    """How many streamed layers ahead the copy stream runs (buffers = this + 1)."""
+    pinned: bool = True
+    """Keep the streamed experts in pinned (page-locked) host memory: pageable memory copies at a
+    fraction of the PCIe rate and cannot overlap with compute."""
+
+
 class CaptureSection(Section):
     """The capture component: target model, engine and producer."""
 
@@ -293,6 +314,11 @@ class CaptureSection(Section):
     """Expert-parallel degree of the embedded engine for MoE targets."""
     moe_exchange: Literal["nccl", "deepep", "mooncake"] = "nccl"
     """MoE dispatch/combine backend when ``expert_parallel > 1``."""
+    num_moe_layers: int | None = Field(None, ge=1)
+    """Decoder layers with routed experts (Kimi K3: 92 of 93, the first is dense); null: all
+    ``num_target_layers``. The plan sizes expert streaming per layer from it."""
+    expert_streaming: ExpertStreamingSettings = Field(default_factory=ExpertStreamingSettings)
+    """Routed experts streamed from host memory (see :class:`ExpertStreamingSettings`)."""
     owns_master: bool = True
     """The capture component starts the Mooncake master on its node."""
     inject_nan_at_g: int | None = Field(None, ge=0)
@@ -332,7 +358,12 @@ class TransportSection(Section):
     metrics_port: int = Field(9003, ge=1024, le=65535)
     """Prometheus metrics port of the master."""
     global_segment_bytes: ByteSize = 2 * 2**30
-    """Memory the capture node contributes to the store."""
+    """Memory the store holds samples in (on the node(s) ``segment_placement`` names)."""
+    segment_placement: Literal["capture", "trainer", "split"] = "capture"
+    """Where the sample segment lives: ``capture`` (the producer mounts it; puts are local
+    copies), ``trainer`` (trainer rank 0 mounts it: the trainer node's idle host memory, when the
+    capture node's holds streamed experts; the producer's puts cross the network), or ``split``
+    (half on each; Mooncake places each sample in either). The plan checks each node's host memory."""
     local_buffer_bytes: ByteSize = 256 * 2**20
     """Registered local buffer of each client (staging for put/get)."""
     store_cap_bytes: ByteSize = 1 * 2**30
@@ -637,7 +668,15 @@ class PlanSection(Section):
     """GB/s of the capture side's commit: a Mooncake put into the producer's own segment, a local
     copy (5.2 GB/s measured on our H200 host for a 5.25 GiB sample)."""
     capture_host_memory_bytes: ByteSize = 2 * 2**40
-    """Host memory of the capture node (holds the Mooncake segment and any offloaded experts)."""
+    """Host memory of the capture node (holds its share of the Mooncake segment and the streamed
+    experts of every GPU)."""
+    trainer_host_memory_bytes: ByteSize = 2 * 2**40
+    """Host memory of one trainer node (holds its share of the Mooncake segment, if any)."""
+    pcie_h2d_bytes_per_s: ByteSize = 50 * 10**9
+    """Pinned host-to-device copy rate of one GPU's PCIe link (55 GB/s measured on our H200)."""
+    expert_compute_tflops: float = Field(500.0, gt=0)
+    """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
+    531 TFLOP/s measured at 64K tokens per GPU on our H200 (tools/bench/moe.py)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -58,3 +58,15 @@ class SampleSize:
             "hs": self.hs_bytes,
             "lhs": self.lhs_bytes,
         }
+
+
+def segment_shares(global_segment_bytes: int, placement: str) -> tuple[int, int]:
+    """Bytes of the sample segment on (the capture node, the trainer node) for
+    ``transport.segment_placement``."""
+    if placement == "capture":
+        return global_segment_bytes, 0
+    if placement == "trainer":
+        return 0, global_segment_bytes
+    if placement == "split":
+        return global_segment_bytes // 2, global_segment_bytes - global_segment_bytes // 2
+    raise ValueError(f"transport.segment_placement {placement!r} is not capture, trainer or split")

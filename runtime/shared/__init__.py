@@ -7,6 +7,9 @@ runtime components all import.
 - ``sglang_fit``: does the target fit the SGLang capture node, and what would expert offload cost;
 - ``sglang_patch``: the SGLang capture patch manifest, checker and applier (``tools/check_patch``
   is its command line).
+- ``streaming_budget``: which MoE layers keep their routed experts on the GPU and which are streamed
+  from host memory (the arithmetic behind ``capture.expert_streaming``; runtime/moe/streaming.py
+  does the streaming).
 
 The recipe schema (``runtime.recipe``) belongs to the same layer. Nothing here imports torch, and
 nothing here imports the rest of ``runtime`` (tests/test_architecture.py enforces both).

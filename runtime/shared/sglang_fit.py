@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from runtime.recipe.schema import Recipe
+from runtime.recipe.sizes import segment_shares
 
 GB = 10**9
 
@@ -118,6 +119,9 @@ def expert_offload_plan(
     if per_gpu <= budget - kv_reserve_bytes_per_gpu:
         plan.findings.append(("ok", f"the weights fit resident: {per_gpu / GB:,.1f} GB per GPU at TP{s.tp_size}"))
         return plan
+    if cap.expert_streaming.enabled and experts:
+        _streaming_rows(recipe, plan, budget - kv_reserve_bytes_per_gpu, dense / s.tp_size, top_k, num_routed_experts)
+        return plan
 
     resident_budget = budget - kv_reserve_bytes_per_gpu - dense / s.tp_size
     offloaded = experts - max(0.0, resident_budget) * s.tp_size if experts else float("nan")
@@ -168,3 +172,116 @@ def expert_offload_plan(
     ]  # fmt: skip
     plan.numbers.update(weights_per_gpu_two_nodes_bytes=two_nodes, b300_weight_budget_bytes=b300_budget)
     return plan
+
+
+SGLANG_PATCH_STREAMS_EXPERTS = False
+"""Whether our SGLang capture patch keeps routed experts in host memory and streams them
+(issue 12, item 4): not yet, so an SGLang recipe that needs streaming cannot run."""
+MXFP4_BITS_PER_WEIGHT = 4.25
+"""E2M1 value (4 bits) plus one 8-bit E8M0 scale per 32 weights."""
+
+
+def _streaming_rows(
+    recipe: Recipe, plan: OffloadPlan, weight_budget: float, dense_per_gpu: float, top_k: int, num_experts: int
+) -> None:
+    """The fit with routed experts streamed from host memory (capture.expert_streaming): resident vs
+    streamed bytes per GPU, host bytes per node, PCIe bytes and time per prefill against the expert
+    compute time per prefill (the copies must hide behind compute)."""
+    from runtime.recipe.checks import target_streaming_split
+    from runtime.shared.streaming_budget import StreamingBudgetError
+
+    cap, s, hw, tr = recipe.capture, recipe.capture.sglang, recipe.plan, recipe.transport
+    tp = s.tp_size
+    try:
+        split = target_streaming_split(recipe)
+    except StreamingBudgetError as exc:
+        plan.findings.append(("blocker", str(exc)))
+        return
+    if split is None:
+        return
+    t = recipe.data.max_length
+    gpus_per_node = recipe.job.capture.gpus_per_node
+    experts = cap.routed_expert_weight_bytes or 0
+    hbm_used = dense_per_gpu + split.device_bytes
+    untouched = untouched_expert_fraction(t, top_k, num_experts)
+    pcie_bytes = split.host_bytes * (1.0 - untouched)
+    pcie_s = pcie_bytes / hw.pcie_h2d_bytes_per_s
+    expert_params = experts * 8 / MXFP4_BITS_PER_WEIGHT
+    expert_flops = 2.0 * t * expert_params * top_k / num_experts / tp
+    expert_s = expert_flops / (hw.expert_compute_tflops * 1e12)
+    prefill_s = (
+        2.0 * cap.target_active_params * t / (tp * hw.accelerator_peak_tflops * 1e12 * hw.capture_efficiency)
+        if cap.target_active_params
+        else float("nan")
+    )
+    capture_segment, _ = segment_shares(tr.global_segment_bytes, tr.segment_placement)
+    capture_host = gpus_per_node * split.host_bytes + capture_segment
+    plan.numbers.update(
+        streaming_resident_layers=split.resident_layers,
+        streaming_streamed_layers=split.streamed_layers,
+        streaming_layer_bytes_per_gpu=split.layer_bytes,
+        streaming_resident_bytes_per_gpu=split.resident_bytes,
+        streaming_buffer_bytes_per_gpu=split.buffer_bytes,
+        streaming_host_bytes_per_gpu=split.host_bytes,
+        streaming_hbm_bytes_per_gpu=hbm_used,
+        capture_host_bytes=capture_host,
+        pcie_bytes_per_prefill_per_gpu=pcie_bytes,
+        pcie_seconds_per_prefill=pcie_s,
+        expert_compute_seconds_per_prefill=expert_s,
+        prefill_compute_seconds=prefill_s,
+    )
+    plan.rows += [
+        ("expert streaming", f"MoE layers per GPU: {split.resident_layers} resident, {split.streamed_layers} streamed "
+         f"of {split.num_layers} ({split.layer_bytes / GB:.2f} GB of experts per layer per GPU), prefetch "
+         f"{cap.expert_streaming.prefetch_layers} layer(s) ahead into {split.num_buffers} buffers"),
+        ("resident vs streamed per GPU", f"{split.resident_bytes / GB:,.1f} GB resident + {split.buffer_bytes / GB:,.1f} "
+         f"GB buffers on the GPU, {split.host_bytes / GB:,.1f} GB in pinned host memory "
+         f"({split.streamed_fraction:.0%} of the layers)"),
+        ("HBM per GPU with streaming", f"{hbm_used / GB:,.1f} GB ({dense_per_gpu / GB:,.1f} dense + "
+         f"{split.device_bytes / GB:,.1f} experts and buffers) of the {weight_budget / GB:,.1f} GB weight budget"),
+        (f"PCIe per {t}-token prefill", f"{pcie_bytes / GB:,.1f} GB per GPU, {pcie_s:.2f} s at "
+         f"{hw.pcie_h2d_bytes_per_s / GB:.0f} GB/s ({1 - untouched:.0%} of experts are routed to)"),
+        ("expert compute per prefill", f"{expert_s:.2f} s per GPU ({expert_flops / 1e12:,.0f} TFLOP at "
+         f"{hw.expert_compute_tflops:g} TFLOP/s); whole prefill {prefill_s:.2f} s (throughput model)"),
+    ]  # fmt: skip
+    if hbm_used > weight_budget:
+        plan.findings.append(
+            (
+                "blocker",
+                f"capture.expert_streaming keeps {split.device_bytes / GB:,.1f} GB of experts and buffers per GPU, "
+                f"{hbm_used / GB:,.1f} GB of weights with the {dense_per_gpu / GB:,.1f} GB of dense weights, above "
+                f"the {weight_budget / GB:,.1f} GB weight budget; set gpu_budget_bytes to at most "
+                f"{(weight_budget - dense_per_gpu) / GB:,.1f} GB",
+            )
+        )
+        return
+    if capture_host > hw.capture_host_memory_bytes:
+        return  # the plan's per-node host memory check reports it
+    if pcie_s <= expert_s:
+        overlap = f"the copies ({pcie_s:.2f} s) hide behind the expert compute ({expert_s:.2f} s)"
+    elif pcie_s <= prefill_s:
+        overlap = (
+            f"the copies ({pcie_s:.2f} s) exceed the expert compute ({expert_s:.2f} s) but hide behind the whole "
+            f"prefill ({prefill_s:.2f} s) when prefetched {cap.expert_streaming.prefetch_layers} layer(s) ahead"
+        )
+    else:
+        overlap = f"the copies ({pcie_s:.2f} s) exceed the whole prefill ({prefill_s:.2f} s): capture is PCIe-bound"
+    plan.numbers["streaming_fits"] = 1.0
+    plan.findings.append(
+        (
+            "ok" if pcie_s <= prefill_s else "warning",
+            f"fits with streaming: {hbm_used / GB:,.1f} GB of HBM per GPU at TP{tp} ({split.resident_layers} of "
+            f"{split.num_layers} MoE layers' experts resident), {gpus_per_node * split.host_bytes / GB:,.0f} GB of "
+            f"experts in the capture node's host memory, {pcie_bytes / GB:,.1f} GB over PCIe per GPU per prefill; "
+            + overlap,
+        )
+    )
+    if not SGLANG_PATCH_STREAMS_EXPERTS:
+        plan.findings.append(
+            (
+                "blocker",
+                f"capture.engine is sglang, and the capture patch ({s.patch_target}) does not stream experts yet "
+                "(issue 12, item 4: runtime/moe/streaming.py is used by the embedded engine only): the server "
+                "would try to load every expert into HBM",
+            )
+        )

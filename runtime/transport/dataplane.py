@@ -22,9 +22,11 @@ Typical use::
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.recipe.sizes import segment_shares
 from runtime.transport.consumer import Consumer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.producer import Producer
@@ -34,7 +36,9 @@ PRODUCER_STATE_FILE = "producer_state.json"
 CONTROL_SEGMENT_BYTES = 16 * 2**20
 """Trainer rank 0 mounts this much (Mooncake's minimum) to hold the cursor it publishes: the cursor
 lives with its authority, so it survives a producer crash and can be published before the
-producer is up. Samples never land there (the producer pins them to its own segment)."""
+producer is up. With ``transport.segment_placement: capture`` samples never land there (the
+producer pins them to its own segment); with ``trainer`` or ``split`` rank 0 mounts the trainer
+node's share of the sample segment on top of it."""
 
 _FRESH_RUN = object()
 
@@ -56,14 +60,23 @@ def open_producer(
 
     ``start_cursor``: where to start when the store has no cursor and this job saw none before.
     By default 0 for a fresh run and None (wait for the trainer to publish) when the recipe
-    resumes from a checkpoint.
+    resumes from a checkpoint or keeps the whole sample segment on the trainer node.
     """
     recipe = resolved.recipe
     endpoints = endpoints or Endpoints.from_env(recipe)
     if start_cursor is _FRESH_RUN:
-        start_cursor = 0 if recipe.trainer.checkpoint.resume_from is None else None
-    segment = recipe.transport.global_segment_bytes if segment_bytes is None else segment_bytes
-    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, segment), name="producer").connect()
+        # With the whole sample segment on the trainer node nothing can be put before trainer rank 0
+        # has mounted it: wait for its cursor, which it publishes after mounting.
+        fresh = recipe.trainer.checkpoint.resume_from is None and recipe.transport.segment_placement != "trainer"
+        start_cursor = 0 if fresh else None
+    tr = recipe.transport
+    capture_share, _ = segment_shares(tr.global_segment_bytes, tr.segment_placement)
+    segment = capture_share if segment_bytes is None else segment_bytes
+    settings = dataclasses.replace(
+        ClientSettings.from_recipe(recipe, endpoints, segment),
+        pin_writes_to_own_segment=tr.segment_placement == "capture",
+    )
+    client = StoreClient(settings, name="producer").connect()
     try:
         return Producer(
             client,
@@ -85,15 +98,17 @@ def open_consumer(
     endpoints: Endpoints | None = None,
     start_cursor: int | None = None,
 ) -> Consumer:
-    """Connect one trainer rank. Samples live on the capture node; rank 0 mounts a 16 MiB control
-    segment for the cursor, the other ranks none.
+    """Connect one trainer rank. Rank 0 mounts a 16 MiB control segment for the cursor plus the
+    trainer node's share of the sample segment (``transport.segment_placement``), the other ranks
+    none.
 
     With ``start_cursor`` rank 0 publishes it at once (the cursor of the checkpoint it resumes
     from, 0 for a fresh run); otherwise call :meth:`Consumer.publish_cursor` when it is known.
     """
     recipe = resolved.recipe
     endpoints = endpoints or Endpoints.from_env(recipe)
-    segment = CONTROL_SEGMENT_BYTES if rank == 0 else 0
+    _, trainer_share = segment_shares(recipe.transport.global_segment_bytes, recipe.transport.segment_placement)
+    segment = CONTROL_SEGMENT_BYTES + trainer_share if rank == 0 else 0
     client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, segment), name=f"trainer rank {rank}").connect()
     try:
         consumer = Consumer(client, recipe, rank, world_size)

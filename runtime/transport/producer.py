@@ -437,7 +437,7 @@ class Producer:
             last_error=self._last_error,
             waiting_for=self._waiting_for,
             stats=dict(self._extra_stats),
-            segment=self.client.hostname if self.client.settings.segment_bytes else "",
+            segment=self.client.preferred_segment if self.client.settings.segment_bytes else "",
         )
 
     def _heartbeat_loop(self) -> None:

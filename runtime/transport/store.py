@@ -63,6 +63,9 @@ class ClientSettings:
     rdma_devices: tuple[str, ...] = ()
     segment_bytes: int = 0
     """Global segment this client contributes (the producer's; 0 for readers)."""
+    pin_writes_to_own_segment: bool = True
+    """Keep this client's writes in its own segment (when it has one). False lets Mooncake put each
+    object in any mounted segment with room (a sample segment split over two nodes)."""
     local_buffer_bytes: int = 64 << 20
     transfer_timeout_s: int = 300
     max_retries: int = 5
@@ -208,7 +211,7 @@ class StoreClient:
             )
         self._store = store
         self.hostname = store.get_hostname()
-        if s.segment_bytes:
+        if s.segment_bytes and s.pin_writes_to_own_segment:
             self.prefer_segment(self.hostname)  # keep this client's writes in its own segment
         log.info("%s: Mooncake client up as %s in %.2f s (%s)", self.name, self.hostname, self.setup_s, s.describe())
         return self
