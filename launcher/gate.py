@@ -76,14 +76,21 @@ def check_plan(loaded: LoadedRecipe, allow_blockers: bool = False) -> Check:
     return Check("plan", FAIL, text, fix + ", or pass --allow-blockers")
 
 
-def check_sglang_patch(loaded: LoadedRecipe) -> Check:
-    """The installed SGLang carries the recipe's patch target (embedded engine: skipped)."""
+def check_sglang_patch(loaded: LoadedRecipe, repo_root: Path) -> Check:
+    """The installed SGLang (of ``capture.sglang.python`` when set) carries the recipe's patch
+    target (embedded engine: skipped)."""
     recipe = loaded.recipe
     if recipe.capture.engine != "sglang":
         return Check("sglang patch", SKIP, f"capture.engine is {recipe.capture.engine}: no SGLang involved")
-    from tools.patch_check import check_installed
+    from tools.patch_check import PatchError, check_installed
 
-    report = check_installed(recipe.capture.sglang.patch_target)
+    python = recipe.capture.sglang.python
+    try:
+        report = check_installed(
+            recipe.capture.sglang.patch_target, python=resolve_recipe_path(python, repo_root) if python else None
+        )
+    except PatchError as exc:
+        return Check("sglang patch", FAIL, str(exc), "fix capture.sglang.python (tools/bootstrap_sglang builds one)")
     if report.ok:
         return Check("sglang patch", PASS, f"{report.tree}: sglang {report.version}, target {report.target}")
     return Check("sglang patch", FAIL, "; ".join(report.problems), report.fix)
@@ -110,7 +117,7 @@ def preflight_checks(loaded: LoadedRecipe, repo_root: Path, allow_blockers: bool
     """Checks 1-3, stopping at the first failure."""
     checks = [check_plan(loaded, allow_blockers)]
     if checks[-1].status != FAIL:
-        checks.append(check_sglang_patch(loaded))
+        checks.append(check_sglang_patch(loaded, repo_root))
     if checks[-1].status != FAIL:
         checks.append(check_data(loaded, repo_root))
     return checks
