@@ -27,7 +27,6 @@ import os
 import time
 import zipfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,13 @@ from runtime.capture.engine import CaptureRequest
 from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
 from runtime.capture.engine_sglang import SGLangEngine, SGLangPatchError
 from runtime.capture.producer import CaptureSource
-from runtime.capture.sglang_cpu import CAPTURE_VENV_PYTHON, capture_venv_ready, cpu_server_overrides
+from runtime.capture.sglang_cpu import (
+    CAPTURE_VENV_PYTHON,
+    CpuServer,
+    capture_venv_ready,
+    cpu_server_overrides,
+    serve_on_cpu,
+)
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.contract import contract_problems
 from tests.conftest import free_port
@@ -73,15 +78,6 @@ class RecordingSink:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-@dataclass
-class LiveServer:
-    resolved: ResolvedRecipe
-    engine: SGLangEngine
-    endpoints: Any
-    producer: Any
-    start_s: float
-
-
 def _loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
     from runtime.transport.loopback import loopback_env
 
@@ -89,41 +85,14 @@ def _loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def live(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def live(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuServer]:
     """A mooncake_master on loopback, the capture side's producer (it mounts the segment the
     server's sink writes into), and the real server started by the engine."""
     require_capture_venv()
-    from runtime.capture.sglang_sink import close_sinks
-    from runtime.transport.dataplane import open_producer
-    from runtime.transport.endpoints import Endpoints
-    from runtime.transport.loopback import loopback_master, loopback_recipe
-
     job_dir = tmp_path_factory.mktemp("sglang-server")
-    resolved = loopback_recipe(
-        job_dir,
-        (free_port(), free_port(), free_port()),
-        [*cpu_server_overrides(free_port()), f"transport.store_id=sgl{os.getpid()}"],
-    )
-    env = _loopback_env(resolved)
-    saved = {k: os.environ.get(k) for k in env if k.startswith("MC_")}
-    os.environ.update({k: v for k, v in env.items() if k.startswith("MC_")})
-    endpoints = Endpoints.loopback(resolved.recipe)
-    try:
-        with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
-            engine = SGLangEngine(resolved, env=env)
-            started = time.monotonic()
-            engine.start()
-            try:
-                yield LiveServer(resolved, engine, endpoints, producer, time.monotonic() - started)
-            finally:
-                engine.close()
-    finally:
-        close_sinks()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    ports = (free_port(), free_port(), free_port())
+    with serve_on_cpu(job_dir, ports, free_port(), [f"transport.store_id=sgl{os.getpid()}"]) as server:
+        yield server
 
 
 def _requests(resolved: ResolvedRecipe, gs: list[int]) -> list[CaptureRequest]:
@@ -136,7 +105,7 @@ def _report(name: str, value: Any) -> None:
     print(f"[sglang-server] {name}: {value}", flush=True)
 
 
-def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embedded_engine(live: LiveServer) -> None:
+def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embedded_engine(live: CpuServer) -> None:
     from runtime.transport.dataplane import open_consumer
 
     recipe = live.resolved.recipe
@@ -192,7 +161,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     assert identical / total >= 0.99
 
 
-def test_an_unpatched_sglang_is_refused_before_anything_starts(live: LiveServer, tmp_path: Path) -> None:
+def test_an_unpatched_sglang_is_refused_before_anything_starts(live: CpuServer, tmp_path: Path) -> None:
     """An interpreter whose ``sglang`` is the pristine 0.5.23 (the wheel unpacked in front of the
     venv's site-packages) is refused with the fix, and no server is launched."""
     from runtime.transport.loopback import loopback_recipe
@@ -219,7 +188,7 @@ def test_an_unpatched_sglang_is_refused_before_anything_starts(live: LiveServer,
     assert engine.process is None and not (resolved.job_dir / "capture" / "sglang_server.log").exists()
 
 
-def test_a_bad_ticket_gets_an_error_receipt_and_the_server_stays_up(live: LiveServer) -> None:
+def test_a_bad_ticket_gets_an_error_receipt_and_the_server_stays_up(live: CpuServer) -> None:
     from runtime.capture.engine_sglang import SGLangCaptureError
 
     (request,) = _requests(live.resolved, [live.producer.next_to_capture()])
@@ -232,7 +201,7 @@ def test_a_bad_ticket_gets_an_error_receipt_and_the_server_stays_up(live: LiveSe
     assert live.engine.capture([request])[0].meta["status"] == "committed"
 
 
-def test_the_server_log_and_command_are_what_production_renders(live: LiveServer) -> None:
+def test_the_server_log_and_command_are_what_production_renders(live: CpuServer) -> None:
     from runtime.capture.engine_sglang import http_request
 
     log_text = (live.resolved.job_dir / "capture" / "sglang_server.log").read_text(errors="replace")

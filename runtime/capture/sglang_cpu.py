@@ -9,7 +9,17 @@ stub ``libcuda.so.1`` on the server's library path only.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.capture.engine_sglang import SGLangEngine
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.producer import Producer
 
 CAPTURE_VENV = ".cache/sgl-venv"
 """The capture venv, relative to the repository (``tools/bootstrap_sglang``)."""
@@ -38,6 +48,8 @@ def cpu_server_overrides(port: int, *, dtype: str = "float32", health_timeout_s:
         "capture.sglang.server_env.SGLANG_USE_CPU_ENGINE=1",
         f"capture.sglang.port={port}",
         "capture.sglang.tp_size=1",
+        # On the CPU the "device memory" is the host's: weights + a 4096-token KV pool are a few MB.
+        "capture.sglang.mem_fraction_static=0.95",
         "capture.sglang.attention_backend=torch_native",
         "capture.sglang.moe_runner_backend=auto",
         "capture.sglang.mamba_radix_cache_strategy=auto",
@@ -50,3 +62,58 @@ def cpu_server_overrides(port: int, *, dtype: str = "float32", health_timeout_s:
         "capture.sglang.shutdown_timeout_s=20",
         f"capture.sglang.extra_args=[--dtype, {dtype}, --skip-server-warmup]",
     ]
+
+
+@dataclass
+class CpuServer:
+    """A running CPU server with its store: what :func:`serve_on_cpu` yields."""
+
+    resolved: ResolvedRecipe
+    engine: SGLangEngine
+    endpoints: Endpoints
+    producer: Producer
+    """The capture side's producer: it mounts the global segment the server's sink writes into."""
+    env: dict[str, str]
+    """The component environment the server was started with (Mooncake endpoints on loopback)."""
+    start_s: float
+    """Seconds from launching the server to healthy (and the sink check passed)."""
+
+
+@contextlib.contextmanager
+def serve_on_cpu(
+    job_dir: Path,
+    ports: tuple[int, int, int],
+    server_port: int,
+    overrides: list[str] | None = None,
+    recipe_path: Path | None = None,
+) -> Iterator[CpuServer]:
+    """The tiny recipe (or ``recipe_path``) served by the real patched server on the CPU: a
+    ``mooncake_master`` on loopback (``ports``: RPC, metadata, metrics), the producer mounting the
+    segment, and the server launched by :class:`SGLangEngine` exactly as the capture component
+    launches it. Everything is stopped on exit."""
+    from runtime.capture.sglang_sink import close_sinks
+    from runtime.transport.dataplane import open_producer
+    from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
+
+    resolved = loopback_recipe(job_dir, ports, [*cpu_server_overrides(server_port), *(overrides or [])], recipe_path)
+    env = {**os.environ, **loopback_env(resolved)}
+    mooncake_env = {k: v for k, v in env.items() if k.startswith("MC_")}
+    saved = {k: os.environ.get(k) for k in mooncake_env}
+    os.environ.update(mooncake_env)  # this process's Mooncake clients bind to loopback too
+    endpoints = Endpoints.loopback(resolved.recipe)
+    try:
+        with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
+            engine = SGLangEngine(resolved, env=env)
+            started = time.monotonic()
+            try:
+                engine.start()
+                yield CpuServer(resolved, engine, endpoints, producer, env, time.monotonic() - started)
+            finally:
+                engine.close()
+    finally:
+        close_sinks()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
