@@ -135,7 +135,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     aux = list(recipe.capture.aux_layer_ids)
     hidden = recipe.capture.hidden_size
     worst_ratio, identical, total = 0.0, 0, 0
-    with open_consumer(live.resolved, 0, 1, endpoints=live.endpoints) as consumer:
+    with open_consumer(live.resolved, 0, recipe.trainer_world_size, endpoints=live.endpoints) as consumer:
         for request in requests:
             got = consumer.fetch(request.g)
             assert contract_problems(got, aux, hidden, recipe.data.max_length) == []

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens = args.tokens * (len(requests) - 1)
             identical = total = 0
             worst_steps = 0.0
-            with open_consumer(server.resolved, 0, 1, endpoints=server.endpoints) as consumer:
+            with open_consumer(server.resolved, 0, recipe.trainer_world_size, endpoints=server.endpoints) as consumer:
                 for request in requests:
                     got = consumer.fetch(request.g)
                     for name in ("hs", "lhs"):
