@@ -22,7 +22,7 @@ from test_sglang_server import require_capture_venv
 
 from launcher.control import job_report
 from launcher.jobs import find_record
-from runtime.capture.sglang_cpu import cpu_server_overrides
+from runtime.capture.sglang_cpu import cpu_server_overrides, tiny_asset_overrides
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
@@ -43,8 +43,8 @@ CHECKS = [
 ]
 
 
-def sglang_sets(*extra: str) -> list[str]:
-    items = [*cpu_server_overrides(free_port()), *extra]
+def sglang_sets(assets: Path, *extra: str) -> list[str]:
+    items = [*tiny_asset_overrides(assets), *cpu_server_overrides(free_port()), *extra]
     return [arg for item in items for arg in ("--set", item)]
 
 
@@ -59,10 +59,12 @@ def new_job(runs: Path, before: set[Path]) -> Path:
     return job_dir
 
 
-def run(mode: str, runs: Path, *extra: str, expect_ok: bool = True) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def run(
+    mode: str, runs: Path, assets: Path, *extra: str, expect_ok: bool = True
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """One tiny run with the SGLang engine; returns its job folder and the launcher's result."""
     before = set((runs / "tiny").iterdir()) if (runs / "tiny").exists() else set()
-    args = ["tiny", *probe_overrides(runs), *sglang_sets(*extra)]
+    args = ["tiny", *probe_overrides(runs), *sglang_sets(assets, *extra)]
     done = launcher([*args, "--local"] if mode == "local" else args)
     job_dir = new_job(runs, before)
     if mode == "slurm":
@@ -89,10 +91,10 @@ def server_log(job_dir: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def test_smoke_gate_passes_every_row_against_the_real_server(tmp_path: Path, tiny_assets: Path) -> None:
+def test_smoke_gate_passes_every_row_against_the_real_server(tmp_path: Path, sglang_tiny_assets: Path) -> None:
     require_capture_venv()
     runs = tmp_path / "runs"
-    done = launcher(["tiny", "--local", "--smoke", *probe_overrides(runs), *sglang_sets()])
+    done = launcher(["tiny", "--local", "--smoke", *probe_overrides(runs), *sglang_sets(sglang_tiny_assets)])
     (job_dir,) = list((runs / "tiny").iterdir())
     gate = json.loads((job_dir / "gate.json").read_text())
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -107,13 +109,13 @@ def test_smoke_gate_passes_every_row_against_the_real_server(tmp_path: Path, tin
 
 @pytest.mark.parametrize("mode", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def test_pipeline_trains_on_the_real_server_in_the_prompt_order(
-    mode: str, tmp_path: Path, tiny_assets: Path, request: pytest.FixtureRequest
+    mode: str, tmp_path: Path, sglang_tiny_assets: Path, request: pytest.FixtureRequest
 ) -> None:
     require_capture_venv()
     if mode == "slurm":
         request.getfixturevalue("slurm_cluster")
     runs = tmp_path / "runs"
-    job_dir, _ = run(mode, runs, f"trainer.max_steps={STEPS}")
+    job_dir, _ = run(mode, runs, sglang_tiny_assets, f"trainer.max_steps={STEPS}")
     records = metrics(job_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     consumed = [row for r in records for row in r["row_indices"]]
@@ -147,7 +149,7 @@ def _kill_server_after_step(job_dir: Path, step: int, killed: dict[str, float]) 
 
 
 def test_a_server_killed_mid_run_fails_clearly_and_the_resumed_run_keeps_the_sequence(
-    tmp_path: Path, tiny_assets: Path
+    tmp_path: Path, sglang_tiny_assets: Path
 ) -> None:
     require_capture_venv()
     runs = tmp_path / "runs"
@@ -165,7 +167,7 @@ def test_a_server_killed_mid_run_fails_clearly_and_the_resumed_run_keeps_the_seq
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    first, done = run("local", runs, *sets, "transport.idle_timeout_s=60", expect_ok=False)
+    first, done = run("local", runs, sglang_tiny_assets, *sets, "transport.idle_timeout_s=60", expect_ok=False)
     thread.join(timeout=5)
     assert killed, "the server was never killed (the run ended before step 2?)"
     assert done.returncode != 0, "a run whose capture server died must fail"
@@ -174,7 +176,7 @@ def test_a_server_killed_mid_run_fails_clearly_and_the_resumed_run_keeps_the_seq
     saved_step, _ = final_weights(checkpoints)
     assert 2 <= saved_step < STEPS
 
-    resumed, _ = run("local", runs, *sets, "trainer.checkpoint.resume_from=auto")
+    resumed, _ = run("local", runs, sglang_tiny_assets, *sets, "trainer.checkpoint.resume_from=auto")
     records = metrics(resumed)
     assert [r["step"] for r in records] == list(range(saved_step + 1, STEPS + 1)), "continued from the checkpoint"
     consumed = [row for r in records for row in r["row_indices"]]

@@ -43,6 +43,7 @@ from runtime.capture.sglang_cpu import (
     capture_venv_ready,
     cpu_server_overrides,
     serve_on_cpu,
+    tiny_asset_overrides,
 )
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.contract import contract_problems
@@ -85,13 +86,14 @@ def _loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def live(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuServer]:
+def live(sglang_tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuServer]:
     """A mooncake_master on loopback, the capture side's producer (it mounts the segment the
     server's sink writes into), and the real server started by the engine."""
     require_capture_venv()
     job_dir = tmp_path_factory.mktemp("sglang-server")
     ports = (free_port(), free_port(), free_port())
-    with serve_on_cpu(job_dir, ports, free_port(), [f"transport.store_id=sgl{os.getpid()}"]) as server:
+    overrides = [*tiny_asset_overrides(sglang_tiny_assets), f"transport.store_id=sgl{os.getpid()}"]
+    with serve_on_cpu(job_dir, ports, free_port(), overrides) as server:
         yield server
 
 

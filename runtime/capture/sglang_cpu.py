@@ -34,6 +34,16 @@ def capture_venv_ready(repo_root: Path) -> bool:
     return (repo_root / CAPTURE_VENV / VENV_MARKER).is_file() and (repo_root / CAPTURE_VENV_PYTHON).exists()
 
 
+def tiny_asset_overrides(assets_dir: Path) -> list[str]:
+    """``--set`` items pointing the tiny recipe at a tiny target + data folder (``.cache/tiny`` layout:
+    ``target/``, ``data/train.jsonl``, ``data/chat.jsonl``) other than its default."""
+    return [
+        f"capture.target_path={assets_dir / 'target'}",
+        f"data.train_path={assets_dir / 'data' / 'train.jsonl'}",
+        f"data.chat_path={assets_dir / 'data' / 'chat.jsonl'}",
+    ]
+
+
 def cpu_server_overrides(port: int, *, dtype: str = "float32", health_timeout_s: float = 900.0) -> list[str]:
     """``--set`` items serving the recipe's target with the capture venv's SGLang on the CPU.
 
