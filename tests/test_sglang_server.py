@@ -154,12 +154,15 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
                 assert ratio <= 1.0, f"g={request.g} {name}: differs by {ratio:.1f}x the bf16 tolerance"
                 identical += int((a == b).sum())
                 total += a.numel()
-            # The layer-id convention: each aux block matches its own layer and not its neighbours.
+            # The layer-id convention: each aux block matches its own layer (above), and most of its
+            # elements are outside the tolerance against the next layer's (what a shift by one gives).
             ours = got.hs.float().view(-1, len(aux), hidden)
             theirs = reference["hs"].float().view(-1, len(aux), hidden)
             for i in range(len(aux) - 1):
-                gap = (ours[:, i] - theirs[:, i + 1]).abs().max()
-                assert gap > 100 * BF16_STEP_RELATIVE * theirs[:, i + 1].abs().max(), "aux layers shifted by one"
+                a, b = ours[:, i], theirs[:, i + 1]
+                bound = BF16_STEP_RELATIVE * torch.maximum(a.abs(), b.abs()) + ABSOLUTE_FLOOR
+                within = float(((a - b).abs() <= bound).float().mean())
+                assert within < 0.5, f"aux block {i} matches layer {aux[i + 1]} for {within:.0%}: ids shifted by one?"
     _report("agreement", f"{identical / total:.4%} bit-identical bf16 elements, worst {worst_ratio:.2f} of the bound")
     assert identical / total >= 0.99
 
