@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,14 +126,9 @@ def test_pipeline_trains_on_the_real_server_in_the_prompt_order(
 
 
 def _server_pid(job_dir: Path) -> int | None:
-    """The pid of the server the capture component launched (from its launch line and ``ps``)."""
-    done = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
-    recipe = str(job_dir / "recipe.resolved.json")
-    for line in done.stdout.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if "sglang.launch_server" in args and recipe in args:
-            return int(pid)
-    return None
+    """The pid of the server the capture component launched (the engine logs it when it starts)."""
+    found = re.findall(r"SGLang server started \(pid (\d+)\)", capture_log(job_dir))
+    return int(found[-1]) if found else None
 
 
 def _kill_server_after_step(job_dir: Path, step: int, killed: dict[str, float]) -> None:
@@ -169,7 +165,9 @@ def test_a_server_killed_mid_run_fails_clearly_and_the_resumed_run_keeps_the_seq
     thread.start()
     first, done = run("local", runs, sglang_tiny_assets, *sets, "transport.idle_timeout_s=60", expect_ok=False)
     thread.join(timeout=5)
-    assert killed, "the server was never killed (the run ended before step 2?)"
+    assert killed, (
+        "the server was never killed:\n" + done.stdout[-3000:] + done.stderr[-3000:] + capture_log(first)[-3000:]
+    )
     assert done.returncode != 0, "a run whose capture server died must fail"
     log_text = capture_log(first)
     assert "the SGLang server exited with status -9" in log_text or "SGLang server" in log_text, log_text[-3000:]
