@@ -3,8 +3,9 @@
 Every component process gets an explicit environment:
 - inherited rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, NODE_RANK,
   ...) are cleared first, so a component never joins a process group it did not ask for;
-- ``DSPARK_*`` variables name the job folder, the resolved recipe, the component, this node's
-  routable bind address and the capture node with its Mooncake endpoints;
+- ``DSPARK_*`` variables (named in :mod:`runtime.shared.contracts`) name the job folder, the
+  resolved recipe, the component, this node's routable bind address and the capture node with its
+  Mooncake endpoints;
 - Mooncake client settings (``MC_TCP_BIND_ADDRESS``, ``MC_TRANSFER_TIMEOUT``) come from the recipe;
 - trainer ranks get RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT /
   NODE_RANK derived from their own het group's Slurm variables (or from the local launcher).
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.recipe import Recipe
+from runtime.shared import contracts
 
 COMPONENTS: tuple[str, ...] = ("capture", "trainer")
 """Het group order: group 0 is capture, group 1 is trainer."""
@@ -183,22 +185,22 @@ def component_environment(
     transport = recipe.transport
     env.update(
         {
-            "DSPARK_JOB_DIR": str(job_dir),
-            "DSPARK_RECIPE": str(recipe_path),
-            "DSPARK_COMPONENT": placement.component,
-            "DSPARK_TASK_RANK": str(placement.rank),
-            "DSPARK_REQUEUE_COUNT": str(requeue_count),
-            "DSPARK_BIND_ADDRESS": placement.bind_address,
-            "DSPARK_CAPTURE_HOST": placement.capture_host,
-            "DSPARK_MOONCAKE_MASTER": f"{placement.capture_host}:{transport.master_rpc_port}",
-            "DSPARK_MOONCAKE_METADATA": f"http://{placement.capture_host}:{transport.metadata_http_port}/metadata",
-            "MC_TCP_BIND_ADDRESS": placement.bind_address,
-            "MC_TRANSFER_TIMEOUT": str(transport.transfer_timeout_s),
+            contracts.ENV_JOB_DIR: str(job_dir),
+            contracts.ENV_RECIPE: str(recipe_path),
+            contracts.ENV_COMPONENT: placement.component,
+            contracts.ENV_TASK_RANK: str(placement.rank),
+            contracts.ENV_REQUEUE_COUNT: str(requeue_count),
+            contracts.ENV_BIND_ADDRESS: placement.bind_address,
+            contracts.ENV_CAPTURE_HOST: placement.capture_host,
+            contracts.ENV_MOONCAKE_MASTER: f"{placement.capture_host}:{transport.master_rpc_port}",
+            contracts.ENV_MOONCAKE_METADATA: f"http://{placement.capture_host}:{transport.metadata_http_port}/metadata",
+            contracts.ENV_MC_TCP_BIND_ADDRESS: placement.bind_address,
+            contracts.ENV_MC_TRANSFER_TIMEOUT: str(transport.transfer_timeout_s),
             "PYTHONUNBUFFERED": "1",
         }
     )
     if transport.protocol == "rdma" and transport.rdma_devices:
-        env["DSPARK_RDMA_DEVICES"] = ",".join(transport.rdma_devices)
+        env[contracts.ENV_RDMA_DEVICES] = ",".join(transport.rdma_devices)
     if placement.component == "trainer":
         env.update(
             {

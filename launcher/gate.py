@@ -26,11 +26,17 @@ from typing import Any
 
 from runtime.recipe import LoadedRecipe
 from runtime.recipe.loader import atomic_write_text, resolve_recipe_path
+from runtime.shared.contracts import (
+    CAPTURE_GATE_FILE,
+    TRAINER_GATE_FILE,
+    CaptureGateRecord,
+    CaptureStageName,
+    TrainerGateRecord,
+    read_record,
+)
 
 GATE_FORMAT = "dspark-gate/1"
 GATE_FILENAME = "gate.json"
-CAPTURE_GATE_FILENAME = "capture_gate.json"  # written by runtime.capture.gate
-TRAINER_GATE_FILENAME = "trainer_gate.json"  # written by runtime.trainer.gate
 
 PASS, FAIL, SKIP, NOT_RUN, PENDING = "PASS", "FAIL", "SKIP", "NOT RUN", "PENDING"
 CHECK_NAMES = (
@@ -82,7 +88,7 @@ def check_sglang_patch(loaded: LoadedRecipe, repo_root: Path) -> Check:
     recipe = loaded.recipe
     if recipe.capture.engine != "sglang":
         return Check("sglang patch", SKIP, f"capture.engine is {recipe.capture.engine}: no SGLang involved")
-    from tools.patch_check import PatchError, check_installed
+    from runtime.shared.sglang_patch import PatchError, check_installed
 
     python = recipe.capture.sglang.python
     try:
@@ -98,7 +104,7 @@ def check_sglang_patch(loaded: LoadedRecipe, repo_root: Path) -> Check:
 
 def check_data(loaded: LoadedRecipe, repo_root: Path) -> Check:
     """``data.train_path`` hashes to ``data.expected_sha256``."""
-    from runtime.capture.data_files import check_data_sha256
+    from runtime.shared.data_files import check_data_sha256
 
     data = loaded.recipe.data
     path = resolve_recipe_path(data.train_path, repo_root)
@@ -145,47 +151,9 @@ def _log_hint(job_dir: Path, component: str) -> str:
 
 def job_checks(job_dir: Path) -> list[Check]:
     """Checks 4-8 from ``capture_gate.json`` and ``trainer_gate.json`` (missing records fail)."""
-    capture = _read(job_dir / CAPTURE_GATE_FILENAME) or {}
-    stages = capture.get("stages", {})
-    trainer = _read(job_dir / TRAINER_GATE_FILENAME)
-    checks: list[Check] = []
-
-    def stage_check(name: str, stage: str, fix: str) -> Check:
-        entry = stages.get(stage)
-        if entry is None:
-            return Check(
-                name, FAIL, f"the capture component recorded no '{stage}' stage: " + _log_hint(job_dir, "capture"), fix
-            )
-        return Check(name, PASS if entry["ok"] else FAIL, entry["detail"], "" if entry["ok"] else fix)
-
-    checks.append(
-        stage_check(
-            "mooncake master health",
-            "master",
-            "check transport ports and bind address (a port in use, or capture.owns_master: false with no master "
-            "running), and the master log in logs/mooncake_master.log",
-        )
-    )
-    data_stage = stages.get("data")
-    if data_stage is not None and not data_stage["ok"]:
-        checks.append(
-            Check(
-                "engine health",
-                FAIL,
-                f"not started: the data check on the capture node failed: {data_stage['detail']}",
-                "make data.train_path readable on the capture node with the expected SHA-256",
-            )
-        )
-    else:
-        checks.append(
-            stage_check(
-                "engine health",
-                "engine",
-                "see the capture log; for SGLang run tools/check_patch --apply and check capture.sglang.*, for the "
-                "embedded engine check capture.target_path (tools/make_tiny_target for tiny)",
-            )
-        )
-
+    capture = read_record(job_dir / CAPTURE_GATE_FILE, CaptureGateRecord) or CaptureGateRecord()
+    trainer = read_record(job_dir / TRAINER_GATE_FILE, TrainerGateRecord)
+    checks = [*_capture_checks(job_dir, capture)]
     if trainer is None:
         missing = Check(
             "captured sample contract",
@@ -194,77 +162,103 @@ def job_checks(job_dir: Path) -> list[Check]:
             "read the trainer log; the trainer never finished its first step",
         )
         return [*checks, missing]
-    ranks = trainer.get("ranks") or []
-    contracts = [r.get("sample_contract") or {} for r in ranks]
-    samples = sorted(g for c in contracts for g in c.get("samples", []))
-    contract_problems = [p for c in contracts for p in c.get("problems", [])]
-    if trainer.get("error") and not ranks:
-        checks.append(
-            Check(
-                "captured sample contract",
-                FAIL,
-                f"the trainer failed before its step: {trainer['error']}",
-                "read the trainer log",
-            )
+    if trainer.error and not trainer.ranks:
+        failed = Check(
+            "captured sample contract",
+            FAIL,
+            f"the trainer failed before its step: {trainer.error}",
+            "read the trainer log",
         )
-        return checks
-    if contract_problems or not samples:
-        detail = "; ".join(contract_problems) or "no captured sample reached the trainer"
-        checks.append(
-            Check(
-                "captured sample contract",
-                FAIL,
-                detail,
-                "the capture engine and the recipe disagree (capture.aux_layer_ids, hidden_size, dtypes)",
-            )
-        )
-    else:
-        fields = next((c["fields"] for c in contracts if c.get("fields")), {})
-        shown = ", ".join(f"{k} {v['dtype']}{v['shape']}" for k, v in fields.items())
-        checks.append(Check("captured sample contract", PASS, f"samples {samples}: {shown}"))
+        return [*checks, failed]
+    return [*checks, _contract_check(trainer), _update_check(trainer), _checkpoint_check(trainer)]
 
-    nonfinite = [p for p in trainer.get("problems", []) if p not in contract_problems]
-    finite = trainer.get("update_finite") and all(r.get("params_finite_after_update") for r in ranks)
-    if finite and not any("not applied" in p for p in nonfinite):
-        checks.append(
-            Check(
-                "finite update on every rank",
-                PASS,
-                f"step {trainer.get('step')} on {trainer.get('world_size')} ranks, grad norm "
-                f"{trainer.get('grad_norm'):.4g}, loss {trainer.get('loss', {}).get('total', float('nan')):.4g}",
+
+def _capture_checks(job_dir: Path, capture: CaptureGateRecord) -> list[Check]:
+    """Checks 4 (master) and 5 (engine) from the capture stages."""
+
+    def stage_check(name: str, stage: CaptureStageName, fix: str) -> Check:
+        entry = capture.stages.get(stage)
+        if entry is None:
+            return Check(
+                name, FAIL, f"the capture component recorded no '{stage}' stage: " + _log_hint(job_dir, "capture"), fix
             )
+        return Check(name, PASS if entry.ok else FAIL, entry.detail, "" if entry.ok else fix)
+
+    master = stage_check(
+        "mooncake master health",
+        "master",
+        "check transport ports and bind address (a port in use, or capture.owns_master: false with no master "
+        "running), and the master log in logs/mooncake_master.log",
+    )
+    data_stage = capture.stages.get("data")
+    if data_stage is not None and not data_stage.ok:
+        engine = Check(
+            "engine health",
+            FAIL,
+            f"not started: the data check on the capture node failed: {data_stage.detail}",
+            "make data.train_path readable on the capture node with the expected SHA-256",
         )
     else:
-        checks.append(
-            Check(
-                "finite update on every rank",
-                FAIL,
-                f"optimizer update {trainer.get('step')}: "
-                + ("; ".join(nonfinite) or str(trainer.get("error") or "the update was not finite")),
-                "find the rank and term named here; check its samples (NaN/inf in hs or lhs), the learning "
-                "rate and the loss weights",
-            )
+        engine = stage_check(
+            "engine health",
+            "engine",
+            "see the capture log; for SGLang run tools/check_patch --apply and check capture.sglang.*, for the "
+            "embedded engine check capture.target_path (tools/make_tiny_target for tiny)",
         )
-    point = trainer.get("checkpoint") or {}
-    if point.get("reload_matches"):
-        checks.append(
-            Check(
-                "checkpoint written, reloaded, hashed",
-                PASS,
-                f"{point.get('path')}: weights sha256 {point.get('weights_sha256')}",
-            )
-        )
-    else:
-        checks.append(
-            Check(
-                "checkpoint written, reloaded, hashed",
-                FAIL,
-                f"checkpoint {point.get('path')}: saved {point.get('weights_sha256')}, read back "
-                f"{point.get('reloaded_sha256')}",
-                "check the checkpoint folder's file system (space, permissions) and the trainer log",
-            )
-        )
-    return checks
+    return [master, engine]
+
+
+def _contract_problems(trainer: TrainerGateRecord) -> list[str]:
+    return [p for r in trainer.ranks for p in r.sample_contract.problems]
+
+
+def _contract_check(trainer: TrainerGateRecord) -> Check:
+    """Check 6: every captured sample the trainer received kept the contract."""
+    contracts = [r.sample_contract for r in trainer.ranks]
+    samples = sorted(g for c in contracts for g in c.samples)
+    problems = _contract_problems(trainer)
+    if problems or not samples:
+        detail = "; ".join(problems) or "no captured sample reached the trainer"
+        fix = "the capture engine and the recipe disagree (capture.aux_layer_ids, hidden_size, dtypes)"
+        return Check("captured sample contract", FAIL, detail, fix)
+    fields = next((c.fields for c in contracts if c.fields), {})
+    shown = ", ".join(f"{k} {v.dtype}{v.shape}" for k, v in fields.items())
+    return Check("captured sample contract", PASS, f"samples {samples}: {shown}")
+
+
+def _update_check(trainer: TrainerGateRecord) -> Check:
+    """Check 7: the update was finite on every rank, applied, and left finite parameters."""
+    name = "finite update on every rank"
+    finite_after = bool(trainer.ranks) and all(r.params_finite_after_update for r in trainer.ranks)
+    if trainer.update_finite and trainer.update_applied and finite_after:
+        loss = trainer.loss.total if trainer.loss else float("nan")
+        grad_norm = trainer.grad_norm if trainer.grad_norm is not None else float("nan")
+        detail = f"step {trainer.step} on {trainer.world_size} ranks, grad norm {grad_norm:.4g}, loss {loss:.4g}"
+        return Check(name, PASS, detail)
+    contract = set(_contract_problems(trainer))
+    other = [p for p in trainer.problems if p not in contract]
+    detail = f"optimizer update {trainer.step}: " + (
+        "; ".join(other) or str(trainer.error or "the update was not finite")
+    )
+    fix = (
+        "find the rank and term named here; check its samples (NaN/inf in hs or lhs), the learning rate and the "
+        "loss weights"
+    )
+    return Check(name, FAIL, detail, fix)
+
+
+def _checkpoint_check(trainer: TrainerGateRecord) -> Check:
+    """Check 8: the smoke step's checkpoint was written, read back and hashed equal."""
+    name = "checkpoint written, reloaded, hashed"
+    point = trainer.checkpoint
+    if point is not None and point.reload_matches:
+        return Check(name, PASS, f"{point.path}: weights sha256 {point.weights_sha256}")
+    saved = point.weights_sha256 if point else None
+    reloaded = point.reloaded_sha256 if point else None
+    detail = f"checkpoint {point.path if point else None}: saved {saved}, read back {reloaded}"
+    return Check(
+        name, FAIL, detail, "check the checkpoint folder's file system (space, permissions) and the trainer log"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def make_plan(recipe: Recipe) -> Plan:
 
 
 def _capture_fit(recipe: Recipe, plan: Plan) -> None:
-    from runtime.capture.sglang_fit import expert_offload_plan
+    from runtime.shared.sglang_fit import expert_offload_plan
 
     cap, hw, tr = recipe.capture, recipe.plan, recipe.transport
     gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
@@ -275,7 +275,7 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
 
 
 def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
-    from runtime.capture.sglang_fit import offload_support_0_5_23
+    from runtime.shared.sglang_fit import offload_support_0_5_23
 
     if "offloaded_expert_bytes" in numbers:
         offload = (

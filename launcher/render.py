@@ -16,6 +16,7 @@ from pathlib import Path
 from launcher.environment import COMPONENTS
 from runtime.recipe import Recipe
 from runtime.recipe.schema import ComponentResources
+from runtime.shared import contracts
 
 PREEMPT_SIGNAL = "USR2"
 """Signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default)."""
@@ -179,7 +180,7 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
         lines += list(recipe.job.setup)
     python = recipe.job.python
     lines += [
-        'export DSPARK_SLURM_JOB_ID="$SLURM_JOB_ID"',
+        f'export {contracts.ENV_SLURM_JOB_ID}="$SLURM_JOB_ID"',
         'mkdir -p "$DSPARK_JOB_DIR/logs"',
         "# The launcher resolves the recipe before submitting; a manual sbatch resolves it here.",
         'if [ ! -f "$DSPARK_JOB_DIR/recipe.resolved.json" ]; then',

@@ -24,6 +24,7 @@ from launcher.component import signal_group, start_component, stop_process
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
+from runtime.shared import contracts
 
 SUBMISSION_WAIT_S = 120.0
 """How long a task waits for the payload pickle (submitit writes it just after sbatch returns)."""
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = load_resolved(job_dir / RESOLVED_FILENAME)
     recipe = resolved.recipe
     env = current_environment()
-    leader = env.get("DSPARK_SLURM_JOB_ID") or env["SLURM_JOB_ID"]
+    leader = env.get(contracts.ENV_SLURM_JOB_ID) or env["SLURM_JOB_ID"]
     placement = slurm_placement(recipe, args.component, env)
     task = task_index(args.component, placement.rank, recipe.trainer_world_size)
     paths = utils.JobPaths(job_dir / SUBMITIT_DIRNAME, job_id=leader, task_id=task)

@@ -27,32 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from runtime.recipe import load_resolved
+from runtime.shared import contracts
 
 CONTRACT_VARIABLES = (
-    "DSPARK_JOB_DIR",
-    "DSPARK_RECIPE",
-    "DSPARK_COMPONENT",
-    "DSPARK_TASK_RANK",
-    "DSPARK_BIND_ADDRESS",
-    "DSPARK_CAPTURE_HOST",
-    "DSPARK_MOONCAKE_MASTER",
-    "DSPARK_MOONCAKE_METADATA",
-    "MC_TCP_BIND_ADDRESS",
-    "MC_TRANSFER_TIMEOUT",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    *contracts.CONTRACT_ENV_NAMES,
+    *contracts.TRAINER_ENV_NAMES,
     "SLURM_JOB_ID",
     "SLURM_PROCID",
     "SLURMD_NODENAME",
     "SLURM_JOB_NODELIST_HET_GROUP_0",
     "SLURM_JOB_NODELIST_HET_GROUP_1",
     "CUDA_VISIBLE_DEVICES",
-    "DSPARK_REQUEUE_COUNT",
+    contracts.ENV_REQUEUE_COUNT,
     "SLURM_RESTART_COUNT",
 )
 CONNECT_TIMEOUT_S = 120.0
@@ -127,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--component", required=True, choices=("capture", "trainer"))
     args = parser.parse_args(argv)
     resolved = load_resolved(args.recipe)
-    job_dir = Path(os.environ.get("DSPARK_JOB_DIR", resolved.job_dir))
-    rank = int(os.environ.get("DSPARK_TASK_RANK", "0"))
+    job_dir = Path(os.environ.get(contracts.ENV_JOB_DIR, resolved.job_dir))
+    rank = int(os.environ.get(contracts.ENV_TASK_RANK, "0"))
     extra: dict[str, Any] = {}
     if args.component == "trainer":
         extra.update(_trainer_all_reduce())
         if rank == 0:
-            extra["capture_reply"] = _trainer_dial(os.environ["DSPARK_MOONCAKE_MASTER"], CONNECT_TIMEOUT_S)
+            extra["capture_reply"] = _trainer_dial(os.environ[contracts.ENV_MOONCAKE_MASTER], CONNECT_TIMEOUT_S)
     elif rank == 0:
         extra["trainer_message"] = _capture_listen(
-            os.environ["DSPARK_BIND_ADDRESS"], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
+            os.environ[contracts.ENV_BIND_ADDRESS], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
         )
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
@@ -144,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[probe {args.component}/{rank}] DSPARK_PROBE_FAIL asks this component to fail", flush=True)
         return FAIL_EXIT_CODE
     hold_s = float(os.environ.get("DSPARK_PROBE_HOLD_S", "0"))
-    if hold_s and os.environ.get("DSPARK_REQUEUE_COUNT", "0") == "0":
+    if hold_s and os.environ.get(contracts.ENV_REQUEUE_COUNT, "0") == "0":
         print(f"[probe {args.component}/{rank}] holding {hold_s:.0f} s (DSPARK_PROBE_HOLD_S)", flush=True)
         time.sleep(hold_s)
     return 0

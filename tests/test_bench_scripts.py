@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, free_port
+
+from runtime.transport.loopback import free_port
+from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.distributed
 

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
+from runtime.capture.embedded_settings import EmbeddedSettings, EngineError, pick_devices
 from runtime.capture.engine import CaptureRequest
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings, EngineError, load_hf_decoder, pick_devices
+from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.hidden_states import HiddenStateCapture
+from runtime.capture.model_loading import load_hf_decoder
 from runtime.capture.sample_meta import sample_tensors
+from tests.support.tiny_moe import save_tiny_moe_target, tiny_moe_config
 
 VOCAB, HIDDEN, LAYERS = 300, 64, 4
 AUX = (0, 2)
@@ -22,25 +25,17 @@ LENGTHS = (37, 5, 64, 1)
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Qwen3-MoE checkpoint (random weights are fine for exactness tests)."""
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    config = tiny_moe_config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=128,
-        moe_intermediate_size=32,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=4,
         num_experts_per_tok=2,
-        norm_topk_prob=True,
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    path = tmp_path_factory.mktemp("target")
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_moe_target(tmp_path_factory.mktemp("target"), config)
 
 
 def _settings(target: Path, **changes) -> EmbeddedSettings:

@@ -13,20 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
-from runtime.capture.data_files import sha256_file, write_manifest, write_rows
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+from runtime.capture.embedded_settings import EmbeddedSettings
+from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.producer import CaptureLoop, CaptureSource
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.transport.contract import META_FIELD, sample_key
+from runtime.shared.contracts import META_FIELD, sample_key
+from runtime.shared.data_files import sha256_file, write_manifest, write_rows
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
-from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
+from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
 from runtime.transport.master import port_in_use
 from runtime.transport.sample_format import sample_keys
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT
+from tests.support.tiny_moe import save_tiny_moe_target, tiny_moe_config
 
 pytestmark = pytest.mark.mooncake
 
@@ -46,24 +48,19 @@ FAST = [
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Qwen3-MoE with the tiny recipe's shape (hidden 256, 8 layers, vocab 2048), small experts."""
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    config = tiny_moe_config(
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=256,
-        moe_intermediate_size=32,
         num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         num_experts=4,
         num_experts_per_tok=2,
+        norm_topk_prob=False,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    path = tmp_path_factory.mktemp("target")
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_moe_target(tmp_path_factory.mktemp("target"), config)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.capture.data_files import sha256_file
 from runtime.recipe import load_recipe
+from runtime.shared.data_files import sha256_file
 from tests.conftest import REPO_ROOT
 from tools import tiny_corpus
 from tools.data_prepare import PrepareOptions, prepare

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.capture.data_files import (
+from runtime.shared.data_files import (
     DataFileError,
     RowIndex,
     check_data_sha256,
@@ -167,7 +167,7 @@ def test_row_index_reads_any_row(tmp_path: Path) -> None:
 
 def test_module_is_importable_without_torch() -> None:
     code = (
-        "import sys; import runtime.capture.data_files as d; "
+        "import sys; import runtime.shared.data_files as d; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
         "assert not bad, bad; print('ok')"
     )

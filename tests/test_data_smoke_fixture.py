@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.capture.data_files import check_data_sha256, iter_rows, sha256_file, write_rows
+from runtime.shared.data_files import check_data_sha256, iter_rows, sha256_file, write_rows
 from tools.smoke_data import derive
 
 REPO = Path(__file__).resolve().parent.parent

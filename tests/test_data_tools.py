@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.capture.data_files import DataFileError, iter_rows, read_manifest, sha256_file, write_rows
+from runtime.shared.data_files import DataFileError, iter_rows, read_manifest, sha256_file, write_rows
 from tests.conftest import REPO_ROOT
+from tests.support.tiny_moe import tiny_moe_config
 from tools import tiny_corpus
 from tools.data_prepare import PrepareOptions, prepare
 from tools.regenerate import EmbeddedRegenerator, OpenAIRegenerator, RegenerationError
@@ -264,20 +265,15 @@ def test_regenerate_with_the_embedded_target_is_its_greedy_continuation(
     tmp_path: Path, tokenizer_dir: Path, tokenizer
 ) -> None:
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    config = tiny_moe_config(
         vocab_size=SPEC.vocab_size,
-        hidden_size=64,
         intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=4,
         num_experts_per_tok=2,
+        norm_topk_prob=False,
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )

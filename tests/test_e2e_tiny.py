@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher_local import launch, probe_overrides
 
 from launcher.control import job_report
 from launcher.jobs import find_record
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe import load_recipe
+from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 

@@ -4,68 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import free_port
-
-REPO = Path(__file__).resolve().parent.parent
-
-# The variables every component gets, whatever runs it (Slurm or --local).
-CONTRACT = {
-    "DSPARK_JOB_DIR",
-    "DSPARK_RECIPE",
-    "DSPARK_COMPONENT",
-    "DSPARK_TASK_RANK",
-    "DSPARK_BIND_ADDRESS",
-    "DSPARK_CAPTURE_HOST",
-    "DSPARK_MOONCAKE_MASTER",
-    "DSPARK_MOONCAKE_METADATA",
-    "MC_TCP_BIND_ADDRESS",
-    "MC_TRANSFER_TIMEOUT",
-}
-TRAINER_CONTRACT = CONTRACT | {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-}
-
-
-def probe_overrides(runs_dir: Path) -> list[str]:
-    """Fresh ports and a private runs folder, so tests never collide with each other."""
-    return [
-        "--set",
-        f"job.runs_dir={runs_dir}",
-        "--set",
-        f"job.master_port={free_port()}",
-        "--set",
-        f"transport.master_rpc_port={free_port()}",
-        "--set",
-        f"transport.metadata_http_port={free_port()}",
-        "--set",
-        f"transport.metrics_port={free_port()}",
-    ]
-
-
-def launch(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m launcher ARGS`` from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs
-    )  # type: ignore[call-overload]
-
-
-def read_probes(job_dir: Path) -> dict[tuple[str, int], dict]:
-    """Probe records of one job, keyed by (component, rank)."""
-    records = {}
-    for path in (job_dir / "probe").glob("*.json"):
-        data = json.loads(path.read_text())
-        records[(data["component"], data["rank"])] = data
-    return records
+from tests.support.launcher_cli import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
 
 
 def only_job_dir(runs_dir: Path) -> Path:

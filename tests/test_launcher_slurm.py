@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from submitit.core import utils
-from test_launcher_local import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
 
 from launcher.control import job_report
 from launcher.hetjob import HetJob
 from launcher.jobs import find_record
+from tests.support.launcher_cli import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
 
 pytestmark = pytest.mark.slurm
 

@@ -9,38 +9,19 @@ import pytest
 import torch
 
 engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from runtime.capture.engine import CaptureRequest  # noqa: E402
-from runtime.moe.embedded_loader import ExpertParallelLoader  # noqa: E402
+from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
 from runtime.moe.exchange import ExchangeUnavailableError  # noqa: E402
 from runtime.moe.exchange_threads import ExchangeTimeoutError  # noqa: E402
+from tests.support.tiny_moe import save_tiny_moe_target, tiny_moe_config  # noqa: E402
 
 AUX_LAYERS = (0, 1)
 
 
 @pytest.fixture(scope="module")
 def tiny_moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_moe_target")
-    Qwen3MoeForCausalLM(config).float().save_pretrained(path)
-    return path
+    return save_tiny_moe_target(tmp_path_factory.mktemp("tiny_moe_target"), tiny_moe_config(num_hidden_layers=3))
 
 
 def _settings(target: Path, devices: tuple[str, ...], expert_parallel: int) -> engine_embedded.EmbeddedSettings:

@@ -16,7 +16,7 @@ from runtime.moe.layer import ExpertParallelMoE, dense_moe_reference
 from runtime.moe.mxfp4 import dequantize_reference, quantize_mxfp4
 from runtime.moe.plan import expert_major_order, gather_sum, plan_dispatch
 from runtime.moe.routing import TopKRouting, route_topk
-from tests.conftest import free_port
+from runtime.transport.loopback import free_port
 
 # ----------------------------------------------------------------------------------------------
 # planning (one process)

@@ -11,31 +11,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runtime.moe.hf_adapter import HFExpertParallelBlock, shard_moe_experts
-from tests.conftest import free_port
+from runtime.transport.loopback import free_port
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+from tests.support.tiny_moe import tiny_moe_config  # noqa: E402
 
 BATCHES = {0: (2, 11), 1: (1, 7)}  # (batch, length) per rank: uneven on purpose
 
 
 def _config() -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=64,
-    )
+    return tiny_moe_config()
 
 
 def _model(state_path: Path) -> Qwen3MoeForCausalLM:

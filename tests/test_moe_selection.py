@@ -176,7 +176,7 @@ def test_deepep_at_k3_shapes_fails_cleanly_or_works() -> None:
     pytest.importorskip("deep_ep")
     import torch.distributed as dist
 
-    from tests.conftest import free_port
+    from runtime.transport.loopback import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

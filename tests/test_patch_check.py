@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import patch_check as pc
+from runtime.shared import sglang_patch as pc
+from tools import patch_check as patch_check_cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -208,7 +209,7 @@ def test_check_installed_follows_the_installed_package(
     unpatched = pc.check_installed()
     assert not unpatched.ok and unpatched.state == "pristine" and unpatched.fix == pc.APPLY_FIX
 
-    assert pc.main(["--apply"]) == 0  # --apply without --tree patches the installed package
+    assert patch_check_cli.main(["--apply"]) == 0  # --apply without --tree patches the installed package
     assert pc.check_installed().ok
     assert pc.check_installed("f8493a4").notices  # an alias works and says so
 
@@ -220,10 +221,10 @@ def test_check_installed_follows_the_installed_package(
 
 def test_cli_exit_codes(wheel: Path, target: pc.Target, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = _tree(wheel, target, tmp_path / "good")
-    assert pc.main(["--tree", str(good)]) == 0
+    assert patch_check_cli.main(["--tree", str(good)]) == 0
     bad = _tree(wheel, target, tmp_path / "bad", version="0.4.0")
-    assert pc.main(["--tree", str(bad)]) == 1
-    assert pc.main(["--target", "no-such-target"]) == 2
+    assert patch_check_cli.main(["--tree", str(bad)]) == 1
+    assert patch_check_cli.main(["--target", "no-such-target"]) == 2
     out = capsys.readouterr()
     assert "result: OK" in out.out and "result: FAILED" in out.out and "no patch target or alias" in out.err
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools import patch_check as pc
+from runtime.shared import sglang_patch as pc
 
 TOPK_SUM = "sglang/kernels/ops/moe/moe_topk_sum.py"
 MARLIN_MOE = "sglang/srt/layers/moe/fused_moe_triton/fused_marlin_moe.py"

@@ -33,7 +33,7 @@ from runtime.capture.engine_sglang import (
 )
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
-from tests.conftest import free_port
+from runtime.transport.loopback import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PARSER_DEPS = ("msgspec", "psutil", "pybase64", "starlette", "zmq")
@@ -113,7 +113,7 @@ def _parser_python() -> str | None:
 
 def _patched_full_tree() -> Path:
     """The whole 0.5.23 ``sglang/`` tree with the patch applied, built once per patch version."""
-    from tools import patch_check as pc
+    from runtime.shared import sglang_patch as pc
 
     target = pc.load_manifest().resolve(None)[0]
     final = REPO / ".cache" / "sglang" / f"patched-{target.patch_sha256[:12]}"
@@ -542,7 +542,7 @@ def test_a_cpu_server_gets_its_interpreter_device_library_path_and_environment(t
 def test_the_patch_check_looks_at_the_servers_interpreter(tmp_path: Path) -> None:
     """``capture.sglang.python`` set: the check runs against that interpreter's sglang (here one
     that has none), not this process's."""
-    from tools.patch_check import check_installed
+    from runtime.shared.sglang_patch import check_installed
 
     other = tmp_path / "python"
     other.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')

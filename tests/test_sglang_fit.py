@@ -1,4 +1,4 @@
-"""The capture-node memory plan for SGLang recipes (runtime/capture/sglang_fit.py)."""
+"""The capture-node memory plan for SGLang recipes (runtime/shared/sglang_fit.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.capture.sglang_fit import (
+from runtime.recipe.loader import load_recipe
+from runtime.shared.sglang_fit import (
     K3_ROUTED_EXPERTS,
     K3_TOP_K,
     expert_offload_plan,
     offload_support_0_5_23,
     untouched_expert_fraction,
 )
-from runtime.recipe.loader import load_recipe
 
 K3 = Path(__file__).resolve().parent.parent / "recipes" / "kimi_k3_v1c.yaml"
 GB = 10**9

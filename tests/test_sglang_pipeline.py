@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
-from test_e2e_tiny import final_weights, metrics, prompt_rows
-from test_launcher_local import probe_overrides
-from test_sglang_server import require_capture_venv
 
 from launcher.control import job_report
 from launcher.jobs import find_record
 from runtime.capture.sglang_cpu import cpu_server_overrides, tiny_asset_overrides
 from tests.conftest import free_port
+from tests.support.launcher_cli import probe_overrides
+from tests.test_e2e_tiny import final_weights, metrics, prompt_rows
+from tests.test_sglang_server import require_capture_venv
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 

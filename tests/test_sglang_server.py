@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+from runtime.transport.contract import contract_problems
 
 from runtime.capture.engine import CaptureRequest
 from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
@@ -46,7 +47,6 @@ from runtime.capture.sglang_cpu import (
     tiny_asset_overrides,
 )
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.transport.contract import contract_problems
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.mooncake, pytest.mark.slow]
@@ -170,8 +170,8 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
 def test_an_unpatched_sglang_is_refused_before_anything_starts(live: CpuServer, tmp_path: Path) -> None:
     """An interpreter whose ``sglang`` is the pristine 0.5.23 (the wheel unpacked in front of the
     venv's site-packages) is refused with the fix, and no server is launched."""
+    from runtime.shared import sglang_patch as pc
     from runtime.transport.loopback import loopback_recipe
-    from tools import patch_check as pc
 
     target = pc.load_manifest().resolve(None)[0]
     pristine = tmp_path / "pristine"

@@ -226,9 +226,8 @@ def test_capture_from_sglang_reports_missing_hidden_states_clearly() -> None:
 def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.transport.dataplane import open_consumer, open_producer
     from runtime.transport.endpoints import Endpoints
-    from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
+    from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
     from runtime.transport.sample_format import sample_keys
-    from tests.conftest import free_port
 
     resolved = loopback_recipe(
         tmp_path,

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import SLURM_LOCAL, LocalSlurmCluster, slurm_local_status
 
+from tests.conftest import SLURM_LOCAL, LocalSlurmCluster, slurm_local_status
 from tools.slurm_local_impl import hosts_file
 from tools.slurm_local_impl.lock import lock_path
 from tools.slurm_local_impl.processes import is_alive, marked_pids

@@ -10,7 +10,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_launcher_local import launch, probe_overrides
+
+from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 

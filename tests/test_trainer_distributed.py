@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_support import Run, launch, make_inputs, make_run
+
+from tests.support.trainer_runs import Run, launch, make_inputs, make_run
 
 pytestmark = pytest.mark.distributed
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_support import launch, make_inputs, make_run
 
 from runtime.trainer.file_source import read_sample_file, sample_file, write_sample_file
+from tests.support.trainer_runs import launch, make_inputs, make_run
 
 pytestmark = pytest.mark.distributed
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_support import launch, make_inputs, make_run
+
+from tests.support.trainer_runs import launch, make_inputs, make_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_trainer_support import BASE_OVERRIDES, REPO_ROOT, Run, launch, make_inputs
 
 from runtime.transport.loopback import loopback_env, loopback_recipe
 from runtime.transport.master import MasterProcess, MasterSettings
+from tests.support.trainer_runs import BASE_OVERRIDES, REPO_ROOT, Run, launch, make_inputs
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 

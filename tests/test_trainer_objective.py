@@ -14,7 +14,7 @@ from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout, 
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import loss_coefficients
 from runtime.trainer.rope import inverse_frequencies
-from runtime.trainer.vocab_objective import chunked_vocab_objective
+from runtime.trainer.vocab_objective import chunk_terms, chunked_vocab_objective
 
 VOCAB, HIDDEN, N_AUX = 97, 32, 3
 BLOCK, GAMMA, MASK_ID = 4, 4.0, 5
@@ -316,6 +316,42 @@ def test_vocab_objective_never_materialises_whole_fp32_vocab_tensor() -> None:
     whole = rows * vocab * 4
     assert LargestTensor.largest <= chunk * vocab * 4 < whole
     assert float(h.grad.abs().sum()) > 0 and float(w2.grad.abs().sum()) > 0
+
+
+def test_chunk_terms_with_a_separate_bias_and_16_bit_gradient_match_float64() -> None:
+    """The pieces the GPU path combines for 16-bit inputs (bf16 draft logits, the Markov bias from a
+    tensor-core matmul with an fp32 result, a bf16 gradient) give the float64 terms and gradient
+    within bf16 rounding; run eagerly here (on CUDA the same function runs compiled)."""
+    rows, vocab, ce_coef, l1_coef = 12, 300, 0.1, 0.9
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3
+    bias = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 0.5
+    teacher = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    w = torch.rand(rows, generator=g, dtype=torch.float64)
+    logits16, teacher16 = logits.to(torch.bfloat16), teacher.to(torch.bfloat16)
+    ce, l1, correct, grad = chunk_terms(
+        logits16,
+        bias.to(torch.float32),
+        teacher16,
+        labels,
+        (ce_coef * w).float(),
+        (l1_coef * w).float(),
+        True,
+        torch.bfloat16,
+    )
+    z = (logits16.double() + bias.float().double()).requires_grad_()
+    p, q = torch.softmax(z, dim=1), torch.softmax(teacher16.double(), dim=1)
+    ref_ce = torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)
+    ref_l1 = (p - q).abs().sum(dim=1)
+    (ce_coef * (w * ref_ce).sum() + l1_coef * (w * ref_l1).sum()).backward()
+    assert grad is not None and grad.dtype == torch.bfloat16
+    assert torch.allclose(ce.double(), ref_ce.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(l1.double(), ref_l1.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, z.detach().argmax(dim=1) == labels)
+    assert torch.allclose(grad.double(), z.grad, rtol=1e-2, atol=1e-2 * float(z.grad.abs().max()))
+    _, _, _, none = chunk_terms(logits16, None, teacher16, labels, w.float(), w.float(), False, torch.float32)
+    assert none is None
 
 
 # ----------------------------------------------------------------------------------------------

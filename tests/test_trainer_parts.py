@@ -229,6 +229,9 @@ def test_settings_check_world_size_and_derive_steps(tmp_path: Path) -> None:
     assert settings.total_steps == 3 * 10 // 8 and settings.rank == 3 and settings.attention_backend == "sdpa"
     assert settings.checkpoint_dir == tmp_path / "job" / "checkpoints" and settings.data_digest == SHA
     assert settings.chunk_rows == 8 * 7
+    assert not settings.compile_regions  # auto: compiled regions on CUDA only, eager (and exact) on CPU
+    forced = load_resolved(write_resolved(tiny("trainer.compile_regions=on"), tmp_path / "on", REPO_ROOT))
+    assert derive_settings(forced, {"WORLD_SIZE": "4"}).compile_regions
 
 
 def test_wandb_needs_key_from_environment(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer_support import launch, make_inputs, make_run, start, wait_all
+
+from tests.support.trainer_runs import launch, make_inputs, make_run, start, wait_all
 
 pytestmark = pytest.mark.distributed
 

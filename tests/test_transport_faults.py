@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.transport.loopback import loopback_env, loopback_recipe
+from runtime.transport.loopback import free_port, loopback_env, loopback_recipe
 from runtime.transport.master import MasterProcess, MasterSettings
-from tests.conftest import free_port
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 

@@ -17,10 +17,9 @@ from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, MasterStartError, StoreFullError, StoreSetupError
-from runtime.transport.loopback import loopback_master, loopback_recipe
+from runtime.transport.loopback import free_port, loopback_master, loopback_recipe
 from runtime.transport.master import MasterProcess, MasterSettings
 from runtime.transport.synthetic import synthetic_sample
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.mooncake
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.recipe import RecipeError, SampleSize, load_recipe
-from runtime.transport.contract import TENSOR_FIELDS, global_sample_index, sample_key
+from runtime.shared.contracts import TENSOR_FIELDS, global_sample_index, sample_key
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import CorruptSampleError, code_name
 from runtime.transport.master import MasterSettings, eviction_ratio

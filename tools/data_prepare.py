@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.capture.data_files import DataFileError, sha256_file, write_manifest, write_rows
+from runtime.shared.data_files import DataFileError, sha256_file, write_manifest, write_rows
 from tools.chat_tokenize import ChatFormatError, check_messages, tokenize_chat
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.capture.data_files import DataFileError, verify_data_file
+from runtime.shared.data_files import DataFileError, verify_data_file
 from tools.recipe_args import load_tool_recipe
 
 

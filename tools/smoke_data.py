@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.capture.data_files import (
+from runtime.recipe import RecipeError
+from runtime.shared.data_files import (
     DataFileError,
     check_data_sha256,
     iter_rows,
@@ -25,7 +26,6 @@ from runtime.capture.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.recipe import RecipeError
 from tools.recipe_args import load_tool_recipe
 
 

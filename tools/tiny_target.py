@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.capture.data_files import write_rows
 from runtime.recipe.loader import atomic_write_text
+from runtime.shared.data_files import write_rows
 from tools import chat_tokenize, tiny_corpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,1 +1,6 @@
-"""Capture component: producer, prompt order, capture engines (embedded transformers, SGLang)."""
+"""Capture component: producer, prompt order, capture engines (embedded transformers, SGLang).
+
+The embedded engine owns its model loading (``model_loading``: the plain Hugging Face loader and
+the expert-parallel one built on runtime/moe) and its settings (``embedded_settings``). Data files,
+the capture-fit arithmetic and the sample contract live in the light layer, runtime/shared.
+"""

@@ -8,6 +8,7 @@ import os
 import sys
 
 from runtime.recipe.loader import load_resolved
+from runtime.shared.contracts import ENV_RECIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.capture", description=__doc__)
     parser.add_argument(
         "--recipe",
-        default=os.environ.get("DSPARK_RECIPE"),
+        default=os.environ.get(ENV_RECIPE),
         help="resolved recipe JSON written by the launcher (default: $DSPARK_RECIPE)",
     )
     from runtime.moe.selection import add_moe_exchange_argument, chosen_exchange

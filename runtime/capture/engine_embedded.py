@@ -7,8 +7,8 @@ thread: the forward releases the GIL), and every sample is committed through the
 before :meth:`EmbeddedEngine.capture` returns.
 
 Expert parallelism (``capture.expert_parallel > 1``) is not built here: the expert-sharding loader
-of :mod:`runtime.moe.embedded_loader` plugs in through the ``model_loader`` argument (see
-:data:`ModelLoader`), and is picked by default when the recipe asks for it. A loader with an
+of :mod:`runtime.capture.model_loading` (built on runtime/moe) plugs in through the ``model_loader``
+argument (see :data:`ModelLoader`), and is picked by default when the recipe asks for it. A loader with an
 ``idle_step(replica_index, device, dtype)`` method gets that call for every replica left without
 samples in a capture step, so the replicas of an expert-parallel group stay in step.
 """
@@ -18,26 +18,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from runtime.capture.embedded_settings import EmbeddedSettings, EngineError
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.hidden_states import HiddenStateCapture, SampleFeatures
+from runtime.capture.model_loading import ModelLoader, default_loader
 from runtime.capture.sample_meta import CaptureIdentity, sample_meta, sample_tensors
-from runtime.recipe.loader import ResolvedRecipe
 
 log = logging.getLogger("dspark.capture.embedded")
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class EngineError(RuntimeError):
-    """The engine cannot start or serve; the message names the recipe field and the fix."""
 
 
 class SampleSink(Protocol):
@@ -45,103 +38,6 @@ class SampleSink(Protocol):
 
     def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int | None:
         """Write every tensor field, then meta last; returns the bytes written (or None)."""
-
-
-@dataclass(frozen=True)
-class EmbeddedSettings:
-    """Everything the embedded engine needs from the recipe."""
-
-    target_path: Path
-    aux_layer_ids: tuple[int, ...]
-    hidden_size: int
-    pad_id: int
-    compute_dtype: str
-    devices: tuple[str, ...]
-    """One entry per replica: ``cpu`` or ``cuda:N``."""
-    batch_size: int
-    """Samples per forward of one replica."""
-    target_revision: str | None = None
-    expert_parallel: int = 1
-    moe_exchange: str = "nccl"
-
-    @classmethod
-    def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
-        """Settings of the resolved recipe's ``capture`` section (devices picked here)."""
-        c = resolved.recipe.capture
-        return cls(
-            target_path=resolved.resolve_path(c.target_path),
-            aux_layer_ids=tuple(c.aux_layer_ids),
-            hidden_size=c.hidden_size,
-            pad_id=c.special_tokens.pad_id,
-            compute_dtype=c.compute_dtype,
-            devices=tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype)),
-            batch_size=c.batch_size,
-            target_revision=c.target_revision,
-            expert_parallel=c.expert_parallel,
-            moe_exchange=c.moe_exchange,
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The forward's dtype."""
-        return COMPUTE_DTYPES[self.compute_dtype]
-
-
-def pick_devices(device: str, engines_per_node: int | None, compute_dtype: str = "bfloat16") -> list[str]:
-    """Replica devices: one per visible GPU (or ``engines_per_node`` of them), or the CPU."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and gpus == 0:
-        raise EngineError(
-            "capture.device is 'cuda' but no CUDA GPU is visible to the capture process; fix: run on a GPU node "
-            "(job.capture.gpus_per_node) or set capture.device: cpu"
-        )
-    if device == "cpu" or gpus == 0:
-        return ["cpu"] * (engines_per_node or 1)
-    count = engines_per_node or gpus
-    if count > gpus:
-        raise EngineError(
-            f"capture.engines_per_node is {count} but only {gpus} GPUs are visible; fix: set it to at most {gpus} "
-            "or null (one replica per GPU)"
-        )
-    return [f"cuda:{index}" for index in range(count)]
-
-
-ModelLoader = Callable[[EmbeddedSettings, str], torch.nn.Module]
-"""``(settings, device) -> base decoder model`` in eval mode on ``device``. The default loads a
-local Hugging Face checkpoint; an expert-parallel loader (runtime/moe) can replace it."""
-
-
-def load_hf_decoder(settings: EmbeddedSettings, device: str) -> torch.nn.Module:
-    """The target's base decoder (no lm_head) from a local Hugging Face folder."""
-    from transformers import AutoModel
-
-    if settings.expert_parallel > 1:
-        raise EngineError(
-            f"capture.expert_parallel is {settings.expert_parallel}, but this engine was started with the plain "
-            "Hugging Face loader; an expert-parallel target needs the runtime/moe loader. Fix: set "
-            "capture.expert_parallel: 1, or pass the expert-parallel model_loader to EmbeddedEngine"
-        )
-    if not (settings.target_path / "config.json").is_file():
-        raise EngineError(
-            f"capture.target_path {settings.target_path} has no config.json (not a Hugging Face checkpoint folder); "
-            "fix: point it at the target checkpoint (for recipes/tiny.yaml run tools/make_tiny_target first)"
-        )
-    from transformers.utils import logging as hf_logging
-
-    # Per-tensor progress bars are noise in a job log; the load report (e.g. "lm_head.weight
-    # UNEXPECTED": the base model has no lm_head, on purpose) stays.
-    hf_logging.disable_progress_bar()
-    model = AutoModel.from_pretrained(settings.target_path, dtype=settings.torch_dtype)
-    return model.to(device).eval()
-
-
-def default_loader(settings: EmbeddedSettings) -> ModelLoader:
-    """The plain Hugging Face loader, or the expert-parallel one when ``expert_parallel > 1``."""
-    if settings.expert_parallel <= 1:
-        return load_hf_decoder
-    from runtime.moe.embedded_loader import ExpertParallelLoader
-
-    return ExpertParallelLoader.for_settings(settings, settings.moe_exchange)
 
 
 class EmbeddedEngine:

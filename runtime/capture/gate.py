@@ -1,7 +1,8 @@
 """The capture component's part of the smoke gate: ``capture_gate.json`` in the job folder.
 
 In a smoke run (``--smoke``) the producer records each stage it passes, in order, so that the
-launcher's gate can say which one failed and why::
+launcher's gate can say which one failed and why (the record's type is
+:class:`runtime.shared.contracts.CaptureGateRecord`)::
 
     {"format": "dspark-capture-gate/1",
      "stages": {"data":   {"ok": true,  "detail": "..."},
@@ -16,7 +17,6 @@ stops a non-finite update.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.loader import atomic_write_text
-
-CAPTURE_GATE_FORMAT = "dspark-capture-gate/1"
-CAPTURE_GATE_FILE = "capture_gate.json"
+from runtime.shared.contracts import CAPTURE_GATE_FILE, CaptureGateRecord, CaptureStageName, StageRecord, write_record
 
 
 class CaptureGate:
@@ -36,19 +33,17 @@ class CaptureGate:
     def __init__(self, job_dir: Path, enabled: bool) -> None:
         self.path = job_dir / CAPTURE_GATE_FILE
         self.enabled = enabled
-        self.stages: dict[str, dict[str, Any]] = {}
+        self.record_so_far = CaptureGateRecord()
 
-    def record(self, name: str, ok: bool, detail: str) -> None:
+    def record(self, name: CaptureStageName, ok: bool, detail: str) -> None:
         """Record one stage and rewrite the file atomically."""
         if not self.enabled:
             return
-        self.stages[name] = {"ok": ok, "detail": detail}
-        atomic_write_text(
-            self.path, json.dumps({"format": CAPTURE_GATE_FORMAT, "stages": self.stages}, indent=2) + "\n"
-        )
+        self.record_so_far.stages[name] = StageRecord(ok=ok, detail=detail)
+        write_record(self.path, self.record_so_far)
 
     @contextmanager
-    def stage(self, name: str, success: str) -> Iterator[None]:
+    def stage(self, name: CaptureStageName, success: str) -> Iterator[None]:
         """Run a stage: ``success`` is recorded when it completes, the error text when it raises."""
         try:
             yield

@@ -26,12 +26,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runtime.capture.data_files import RowIndex, check_data_sha256
 from runtime.capture.engine import CaptureEngine, CaptureRequest
 from runtime.capture.gate import CaptureGate, NanInjectingSink
 from runtime.capture.progress import CaptureProgress
 from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.data_files import RowIndex, check_data_sha256
 
 log = logging.getLogger("dspark.capture")
 
@@ -215,7 +215,8 @@ def make_engine(resolved: ResolvedRecipe, sink: Any, moe_exchange: str | None = 
     engine = resolved.recipe.capture.engine
     inject_g = resolved.recipe.capture.inject_nan_at_g
     if engine == "embedded":
-        from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+        from runtime.capture.embedded_settings import EmbeddedSettings
+        from runtime.capture.engine_embedded import EmbeddedEngine
 
         settings = EmbeddedSettings.from_recipe(resolved)
         if moe_exchange:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from runtime.capture.sglang_wire import CaptureTicket
-from runtime.transport.contract import SampleProducer
+from runtime.shared.contracts import SampleProducer
 from runtime.transport.sample_format import sample_keys
 
 log = logging.getLogger("dspark.capture.sglang_sink")

@@ -11,6 +11,8 @@ Modules, one job each:
 - ``grouped_gemm`` and ``experts``: local experts, dense or resident in MXFP4.
 - ``layer``: the expert-parallel MoE layer and the dense single-process reference.
 - ``hf_adapter``: shards a Hugging Face MoE model's experts over an expert-parallel group.
-- ``exchange_threads`` + ``embedded_loader``: expert parallelism across the embedded capture
-  engine's replicas, which are threads of one process.
+- ``exchange_threads``: the exchange between the embedded capture engine's replicas, which are
+  threads of one process (the engine's loader, runtime/capture/model_loading.py, uses it).
+
+This package knows nothing of engines: capture imports moe, never the reverse.
 """

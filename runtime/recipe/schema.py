@@ -483,6 +483,11 @@ class TrainerSection(Section):
     """Gradient reduction dtype."""
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     """auto: flex_attention with a block mask on GPU, SDPA with an explicit mask on CPU."""
+    compile_regions: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the decoder layers, the context projection and the loss chunks' elementwise
+    work, and run the Markov-bias matmuls on tensor cores when the compute dtype is 16-bit.
+    auto: on for a CUDA trainer, off on CPU (CPU numerics stay those of eager PyTorch; compiling
+    on a CPU costs minutes)."""
     sample_source: Literal["mooncake", "files"] = "mooncake"
     """Where trainer ranks get samples: ``mooncake`` (the data plane; the default) or ``files`` (a
     folder of per-sample safetensors files written by tests or tools, no capture component)."""

@@ -16,7 +16,8 @@ Modules, one job each:
 - ``export``: the draft as safetensors + config.json in SGLang's DSpark draft layout
 - ``metrics``: metrics.jsonl, TensorBoard, W&B, progress lines
 - ``guard``: the finite-update guard
-- ``gate``: the smoke gate's ``trainer_gate.json``
+- ``gate``: the smoke gate, one object the loop calls at named points; writes ``trainer_gate.json``
 - ``sources``: where samples come from (the Mooncake data plane, or a folder of files for tests)
-- ``loop``: the training loop that ties these together
+- ``loop``: the training loop that ties these together; one step is fetch -> forward/backward ->
+  apply update -> report
 """

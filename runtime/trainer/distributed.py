@@ -60,3 +60,12 @@ def barrier() -> None:
     """Wait for every rank (a no-op without a process group)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` in rank order (collective; a one-rank run needs no process group)."""
+    if world_size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -3,7 +3,7 @@
 Layout: one ``{g:012d}.safetensors`` file per sample in a folder, holding the tensor fields of
 DESIGN section 4 (``ids``, ``mask``, ``hs``, ``lhs``) and the JSON ``meta`` in the file's metadata.
 The cursor is a ``cursor`` text file in the same folder. It implements
-:class:`runtime.transport.contract.SampleConsumer`, so the trainer cannot tell it from Mooncake;
+:class:`runtime.shared.contracts.SampleConsumer`, so the trainer cannot tell it from Mooncake;
 files are never deleted, so the same folder serves several runs.
 """
 
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from runtime.transport.contract import TENSOR_FIELDS, CapturedSample
+from runtime.shared.contracts import TENSOR_FIELDS, CapturedSample
 
 CURSOR_FILE = "cursor"
 

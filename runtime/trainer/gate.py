@@ -1,50 +1,174 @@
-"""The smoke gate's record: ``trainer_gate.json`` in the job folder, written by rank 0.
+"""The trainer's part of the smoke gate: one object the loop calls at a few named points, which
+builds ``trainer_gate.json`` (:class:`runtime.shared.contracts.TrainerGateRecord`) in the job folder.
 
 The runbook's gate is "one finite optimizer update on all ranks + checkpoint". In smoke mode the
 trainer runs its single step, saves a checkpoint, reads it back into fresh tensors and compares
-weight hashes, then writes::
+weight hashes. The loop calls:
 
-    {
-      "format": "dspark-trainer-gate/1",
-      "passed": true,                  # every rank finite, update applied, checkpoint reloads equal
-      "step": 1,                       # optimizer steps completed
-      "world_size": 4,
-      "update_finite": true,           # all ranks' terms and the global grad norm finite
-      "grad_norm": 0.83,
-      "loss": {"total": ..., "ce": ..., "l1": ..., "confidence": ...},
-      "ranks": [{"rank": 0, "terms_finite": {"ce": true, "l1": true, "confidence": true},
-                 "params_finite_after_update": true, "samples": [0]}, ...],
-      "problems": [],                  # what failed, in words (non-finite terms name step, term, ranks)
-      "checkpoint": {"path": ".../step_00000001", "weights_sha256": "...",
-                     "reloaded_sha256": "...", "reload_matches": true},
-      "export": ".../export-step_00000001" or null,
-      "error": null                    # the exception text when the trainer failed before finishing
-    }
+- :meth:`SmokeGate.on_sample` for every captured sample a rank receives (the capture contract);
+- :meth:`SmokeGate.on_update_inspected` once the update's finiteness is known on every rank, before
+  the guard may abort (so a failed gate still shows every rank's samples);
+- :meth:`SmokeGate.on_step_done` after the checkpoint: finite parameters, reload hash, verdict;
+- :meth:`SmokeGate.on_export` and :meth:`SmokeGate.on_failure`.
 
-It is written on failure too (``passed: false`` with ``problems``/``error``) before the trainer exits
-non-zero, so the gate always has a file to read once the trainer got that far.
+Rank 0 writes the record, on failure too (``passed: false`` with ``problems``/``error``) before the
+trainer exits non-zero, so the gate always has a file to read once the trainer got that far. Outside
+smoke mode every call does nothing.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from runtime.recipe.loader import atomic_write_text
+import torch
 
-GATE_FORMAT = "dspark-trainer-gate/1"
-GATE_FILE = "trainer_gate.json"
+from runtime.shared.contracts import (
+    TRAINER_GATE_FILE,
+    CheckpointGateRecord,
+    FieldRecord,
+    LossRecord,
+    RankGateRecord,
+    SampleContractRecord,
+    TrainerGateRecord,
+    dtype_name,
+    sample_problems,
+    write_record,
+)
+from runtime.trainer.distributed import gather_objects
+from runtime.trainer.guard import NonFiniteUpdate, UpdateCheck
+
+if TYPE_CHECKING:
+    from runtime.recipe.schema import Recipe
+    from runtime.shared.contracts import CapturedSample
+    from runtime.trainer.checkpoints import SavedCheckpoint
 
 
-def write_gate(job_dir: Path, record: dict[str, Any]) -> Path:
-    """Write the gate record atomically; returns its path."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    target = job_dir / GATE_FILE
-    atomic_write_text(target, json.dumps({"format": GATE_FORMAT, **record}, indent=2) + "\n")
-    return target
+class SmokeGate:
+    """Builds and writes this trainer's smoke-gate record (inactive outside smoke mode)."""
 
+    def __init__(self, recipe: Recipe, *, job_dir: Path, rank: int, world_size: int, enabled: bool) -> None:
+        self.recipe = recipe
+        self.path = job_dir / TRAINER_GATE_FILE
+        self.rank = rank
+        self.world_size = world_size
+        self.enabled = enabled
+        self.record = TrainerGateRecord()
+        self.contract = SampleContractRecord()
+        """The capture contract as checked on every captured sample this rank received."""
 
-def read_gate(job_dir: Path) -> dict[str, Any]:
-    """Read ``trainer_gate.json`` back."""
-    return json.loads((job_dir / GATE_FILE).read_text())
+    def on_sample(self, sample: CapturedSample) -> None:
+        """Check the capture contract on a received sample (captured samples only: the contract
+        is about what the capture engine produced, not about synthetic sample files)."""
+        if not self.enabled or self.recipe.trainer.sample_source != "mooncake":
+            return
+        capture = self.recipe.capture
+        self.contract.samples.append(sample.g)
+        if self.contract.fields is None:
+            self.contract.fields = {
+                name: FieldRecord(dtype=dtype_name(t.dtype), shape=list(t.shape))
+                for name, t in sample.tensors().items()
+            }
+        self.contract.problems += sample_problems(
+            sample, capture.aux_layer_ids, capture.hidden_size, self.recipe.data.max_length
+        )
+
+    def on_update_inspected(
+        self, step: int, rank_terms: list[dict[str, bool]], check: UpdateCheck, grad_norm: float
+    ) -> None:
+        """Record the update's finiteness and every rank's samples (collective: all ranks call)."""
+        if not self.enabled:
+            return
+        contracts = gather_objects(self.contract, self.world_size)
+        self.record = TrainerGateRecord(
+            step=step + 1,
+            world_size=self.world_size,
+            update_finite=check.finite,
+            grad_norm=grad_norm,
+            problems=list(check.problems),
+            ranks=[
+                RankGateRecord(rank=r, terms_finite=rank_terms[r], sample_contract=contracts[r])
+                for r in range(self.world_size)
+            ],
+        )
+
+    def on_step_done(
+        self,
+        done: int,
+        *,
+        applied: bool,
+        rank_terms: list[dict[str, bool]],
+        samples: list[int],
+        loss: LossRecord,
+        grad_norm: float,
+        model: torch.nn.Module,
+        saved: SavedCheckpoint | None,
+    ) -> None:
+        """After the smoke step's checkpoint: check finite parameters on every rank and the
+        checkpoint's reload hash, write the record, and raise when anything failed (collective)."""
+        if not self.enabled:
+            return
+        from runtime.trainer.checkpoints import loaded_weights_sha256
+
+        finite_after = all(
+            bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all())
+            for p in model.parameters()
+        )
+        mine = RankGateRecord(
+            rank=self.rank,
+            terms_finite=rank_terms[self.rank],
+            params_finite_after_update=finite_after,
+            samples=samples,
+            sample_contract=self.contract,
+        )
+        per_rank = gather_objects(mine, self.world_size)
+        reloaded = loaded_weights_sha256(saved.path, model) if saved else None
+        matches = saved is not None and reloaded == saved.weights_sha256
+        problems = list(self.record.problems)
+        if not applied:
+            problems.append("the update was not applied")
+        not_finite = [r.rank for r in per_rank if not r.params_finite_after_update]
+        if not_finite:
+            problems.append(f"parameters are not finite after the update on rank(s) {not_finite}")
+        if not matches:
+            problems.append("the checkpoint read back does not hash to the saved weights")
+        problems += [p for r in per_rank for p in r.sample_contract.problems]
+        self.record = TrainerGateRecord(
+            passed=not problems,
+            step=done,
+            world_size=self.world_size,
+            update_finite=self.record.update_finite,
+            update_applied=applied,
+            grad_norm=grad_norm,
+            loss=loss,
+            ranks=per_rank,
+            problems=problems,
+            checkpoint=CheckpointGateRecord(
+                path=str(saved.path) if saved else None,
+                weights_sha256=saved.weights_sha256 if saved else None,
+                reloaded_sha256=reloaded,
+                reload_matches=matches,
+            ),
+        )
+        self._write()
+        if problems:
+            raise NonFiniteUpdate("smoke gate failed: " + "; ".join(problems))
+
+    def on_export(self, target: Path) -> None:
+        """Record where the smoke run exported the draft."""
+        if not self.enabled:
+            return
+        self.record.export = str(target)
+        self._write()
+
+    def on_failure(self, exc: BaseException) -> None:
+        """Record the error that ended the trainer (the record so far, ``passed: false``)."""
+        if not self.enabled:
+            return
+        self.record.passed = False
+        self.record.error = f"{type(exc).__name__}: {exc}"
+        self._write()
+
+    def _write(self) -> None:
+        if self.rank == 0:
+            write_record(self.path, self.record)

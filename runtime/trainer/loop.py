@@ -1,7 +1,10 @@
 """The training loop: set up, start (fresh / resume / warm start), step, checkpoint, export, gate.
 
+One optimizer step reads as fetch -> forward/backward -> apply update -> report, each a method
+below; the smoke gate (:class:`runtime.trainer.gate.SmokeGate`) is called at a few named points.
+
 One optimizer step ``s`` consumes ``g`` in ``[s*G, (s+1)*G)`` through the fixed map of
-:func:`runtime.transport.contract.global_sample_index`. Within a micro-step, the slot weights of
+:func:`runtime.shared.contracts.step_sample_indices`. Within a micro-step, the slot weights of
 every sample on every rank are summed first (an all-reduce of one number), so each term is divided
 by the global sum of weights of that micro-step, as DeepSpec does; micro-steps are averaged. Each
 sample then runs forward and backward on its own (a micro-batch of several samples costs no more
@@ -15,19 +18,20 @@ import contextlib
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.contracts import CapturedSample, LossRecord, SampleConsumer, step_sample_indices
 from runtime.trainer import checkpoints
-from runtime.trainer.distributed import all_reduce_sum, barrier, init_process_group, shard_model
+from runtime.trainer.distributed import all_reduce_sum, barrier, gather_objects, init_process_group, shard_model
 from runtime.trainer.export import export_draft
 from runtime.trainer.frozen_vocab import load_frozen_vocab
-from runtime.trainer.gate import write_gate
-from runtime.trainer.guard import TERMS, FiniteGuard, NonFiniteUpdate, inspect_update
+from runtime.trainer.gate import SmokeGate
+from runtime.trainer.guard import TERMS, FiniteGuard, inspect_update
 from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
 from runtime.trainer.metrics import MetricsWriter, progress_line, step_metrics
 from runtime.trainer.model import DSparkDraft, SampleInputs
@@ -37,7 +41,6 @@ from runtime.trainer.resume import StartPlan, check_resume_compatible, plan_star
 from runtime.trainer.schedules import build_schedule
 from runtime.trainer.settings import RunSettings
 from runtime.trainer.sources import check_sample, open_sample_source
-from runtime.transport.contract import SampleConsumer, contract_problems, global_sample_index
 
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
 EXIT_STOPPED = 143
@@ -69,11 +72,18 @@ class Trainer:
         self.settings = settings
         self.trainer_cfg = self.recipe.trainer
         self.stop_requested = False
-        self._gate: dict[str, Any] = {}
-        """The smoke gate record being built (see :mod:`runtime.trainer.gate`)."""
+        self.gate = SmokeGate(
+            self.recipe,
+            job_dir=settings.job_dir,
+            rank=settings.rank,
+            world_size=settings.world_size,
+            enabled=settings.smoke,
+        )
         self._copy_stream: Any = None
-        self._contract: dict[str, Any] = {"samples": [], "fields": None, "problems": []}
-        """Smoke mode: the capture contract checked on every sample this rank received."""
+        self._prepared_layouts: dict[int, BlockLayout] = {}
+        """Layouts the prefetch thread built, by g (see :meth:`_fetcher`)."""
+        self._copied: dict[int, Any] = {}
+        """CUDA events marking the end of each prefetched sample's copy, by g."""
 
     # ------------------------------------------------------------------ setup
 
@@ -87,6 +97,7 @@ class Trainer:
                 num_aux_layers=self.recipe.num_aux_layers,
                 attention_backend=self.settings.attention_backend,
                 max_length=self.recipe.data.max_length,
+                compile_regions=self.settings.compile_regions,
             )
         embed, lm_head = load_frozen_vocab(
             self.resolved.resolve_path(self.recipe.capture.target_path),
@@ -123,8 +134,7 @@ class Trainer:
         try:
             return self._run(writer)
         except Exception as exc:
-            if s.smoke and s.is_main:
-                write_gate(s.job_dir, {**self._gate, "passed": False, "error": f"{type(exc).__name__}: {exc}"})
+            self.gate.on_failure(exc)
             raise
         finally:
             writer.close()
@@ -190,7 +200,7 @@ class Trainer:
             if done % cfg.checkpoint.every_steps == 0 or done == s.total_steps or s.smoke or stop:
                 last_saved = self._save(done, model, optimizer, schedule.state(), guard, writer)
             if s.smoke:
-                self._smoke_gate(done, outcome, model, last_saved)
+                self._smoke_step_done(done, outcome, model, last_saved)
             if stop:
                 writer.say(
                     f"[trainer] stopped after step {done} on request; checkpoint {last_saved.path if last_saved else None}"
@@ -201,10 +211,7 @@ class Trainer:
         if cfg.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
             export_draft(model, target, self.recipe, dtype=s.param_dtype, is_main=s.is_main)
             writer.say(f"[trainer] exported the draft for SGLang to {target}")
-            if s.smoke:
-                self._gate["export"] = str(target)
-                if s.is_main:
-                    write_gate(s.job_dir, self._gate)
+            self.gate.on_export(target)
         writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s")
         barrier()
         return 0
@@ -242,7 +249,45 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _fetcher(self, source: SampleConsumer) -> Any:
+    def _train_step(
+        self,
+        step: int,
+        model: DSparkDraft,
+        optimizer: torch.optim.Optimizer,
+        source: SampleConsumer,
+        guard: FiniteGuard,
+    ) -> StepOutcome:
+        """One optimizer step: fetch -> forward/backward (every micro-step) -> apply update -> report."""
+        s = self.settings
+        cfg = self.trainer_cfg
+        started = time.monotonic()
+        gs = step_sample_indices(step, s.rank, s.world_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+        local = self._zero_sums()
+        prefetch = StepPrefetcher(self._fetcher(source), gs)
+        consumed: list[tuple[int, int | None]] = []
+        try:
+            for _m in range(cfg.gradient_accumulation_steps):
+                samples = self._fetch_micro_batch(prefetch)
+                consumed += [(sample.g, sample.meta.get("row_index")) for sample in samples]
+                self._forward_backward(model, samples, local)
+        finally:
+            prefetch.close()
+        grad_norm, rank_terms, applied = self._apply_update(step, model, optimizer, guard, local)
+        sums, wait_s = self._reduce_sums(local, prefetch.wait_s)
+        return StepOutcome(
+            row_indices=self._row_indices(consumed),
+            sums=sums,
+            rank_terms=rank_terms,
+            grad_norm=grad_norm,
+            applied=applied,
+            wait_s=wait_s,
+            step_time_s=time.monotonic() - started,
+            samples=gs,
+        )
+
+    # fetch
+
+    def _fetcher(self, source: SampleConsumer) -> Callable[[int], CapturedSample]:
         """The prefetch thread's fetch. On CUDA the sample is copied to the GPU on a side stream
         inside the fetch (the Mooncake consumer stages it through pinned buffers), overlapping
         with the compute of the previous sample on the default stream."""
@@ -252,37 +297,64 @@ class Trainer:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device)
 
-        def fetch(g: int) -> Any:
+        def fetch(g: int) -> CapturedSample:
             torch.cuda.set_device(device)  # the current device is per thread
             with torch.cuda.stream(self._copy_stream):
-                return source.fetch(g, device)  # type: ignore[call-arg]
+                sample = source.fetch(g, device)
+                copied = self._copy_stream.record_event()
+                self._copied[g] = copied
+                # The layout (anchor sampling on the host) is built here, beside the previous
+                # sample's compute, once the copy is done: started earlier, its small device-to-host
+                # read of ids would sit in the driver behind the multi-GiB copy, and the compute
+                # thread's own small reads (loss scalars) behind it (seen in a trace: ~0.1 s of idle
+                # GPU in some 64K K3 micro-steps).
+                copied.synchronize()
+                self._prepared_layouts[g] = self._layout(sample)
+                return sample
 
         return fetch
 
-    def _received(self, sample: Any) -> Any:
+    def _received(self, sample: CapturedSample) -> CapturedSample:
         """Hand a prefetched sample's GPU tensors over to the compute stream."""
         if self.settings.device.type == "cuda":
             current = torch.cuda.current_stream(self.settings.device)
-            current.wait_stream(self._copy_stream)
+            # Wait for this sample's copy only: waiting on the copy stream as a whole would also
+            # wait for the next sample's copy, which the prefetch thread may have queued already
+            # (measured: ~0.1 s of idle GPU per 64K K3 micro-step).
+            copied = self._copied.pop(sample.g, None)
+            if copied is not None:
+                current.wait_event(copied)
+            else:
+                current.wait_stream(self._copy_stream)
             for tensor in sample.tensors().values():
                 if tensor.is_cuda:
                     tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
         return sample
 
-    def _check_contract(self, sample: Any) -> None:
-        """Smoke gate: record the sample's fields and any break of the capture contract."""
-        capture = self.recipe.capture
-        self._contract["samples"].append(sample.g)
-        if self._contract["fields"] is None:
-            self._contract["fields"] = {
-                name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                for name, t in sample.tensors().items()
-            }
-        self._contract["problems"] += contract_problems(
-            sample, capture.aux_layer_ids, capture.hidden_size, self.recipe.data.max_length
-        )
+    def _fetch_micro_batch(self, prefetch: StepPrefetcher) -> list[CapturedSample]:
+        """The next micro-batch's samples, received on the compute stream and checked."""
+        samples = [self._received(prefetch.next()) for _ in range(self.trainer_cfg.micro_batch_size)]
+        for sample in samples:
+            self.gate.on_sample(sample)
+            check_sample(
+                sample,
+                num_aux_layers=self.recipe.num_aux_layers,
+                hidden_size=self.recipe.capture.hidden_size,
+                vocab_size=self.recipe.capture.vocab_size,
+            )
+        return samples
 
-    def _layout(self, sample: Any) -> BlockLayout:
+    # forward / backward
+
+    def _zero_sums(self) -> dict[str, torch.Tensor]:
+        """This rank's float64 accumulators of one step (scalar sums, losses, per-slot sums)."""
+        device = self.settings.device
+        local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
+        block_size = self.trainer_cfg.draft.block_size
+        local.update({name: torch.zeros(block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
+        return local
+
+    def _layout(self, sample: CapturedSample) -> BlockLayout:
         cfg = self.trainer_cfg
         return build_layout(
             sample.ids,
@@ -294,109 +366,75 @@ class Trainer:
             generator=anchor_generator(cfg.seed, sample.g),
         )
 
-    def _train_step(
+    def _forward_backward(
+        self, model: DSparkDraft, samples: list[CapturedSample], local: dict[str, torch.Tensor]
+    ) -> None:
+        """One micro-step: every term divided by the global sum of slot weights of this micro-step
+        (one all-reduce), then forward and backward sample by sample, sums into ``local``."""
+        s = self.settings
+        cfg = self.trainer_cfg
+        device = s.device
+        accumulation = cfg.gradient_accumulation_steps
+        layouts = [self._prepared_layouts.pop(sample.g, None) or self._layout(sample) for sample in samples]
+        weight = torch.tensor(sum(float(x.weights.sum()) for x in layouts), dtype=torch.float64, device=device)
+        global_weight = float(all_reduce_sum(weight))
+        coefficients = loss_coefficients(
+            ce_weight=cfg.loss.ce_weight,
+            l1_weight=cfg.loss.l1_weight,
+            confidence_weight=cfg.loss.confidence_weight,
+            global_weight_sum=global_weight,
+            gradient_scale=s.world_size / accumulation,
+            chunk_rows=s.chunk_rows,
+        )
+        normaliser = max(global_weight, 1.0) * accumulation
+        for sample, layout in zip(samples, layouts, strict=True):
+            inputs = SampleInputs(hs=sample.hs.to(device), lhs=sample.lhs.to(device), layout=layout.to(device))
+            terms = model(inputs, coefficients)
+            terms.loss.backward()
+            for name, value in terms.sums.items():
+                local[name] += value
+            local["loss_ce"] += terms.sums["ce"] / normaliser
+            local["loss_l1"] += terms.sums["l1"] / normaliser
+            local["loss_confidence"] += terms.sums["confidence"] / normaliser
+            del inputs, terms
+
+    # apply update
+
+    def _apply_update(
         self,
         step: int,
         model: DSparkDraft,
         optimizer: torch.optim.Optimizer,
-        source: SampleConsumer,
         guard: FiniteGuard,
-    ) -> StepOutcome:
+        local: dict[str, torch.Tensor],
+    ) -> tuple[float, list[dict[str, bool]], bool]:
+        """Clip, check finiteness on every rank, let the guard decide, step the optimizer.
+        Returns the grad norm, every rank's term flags and whether the update was applied."""
         s = self.settings
-        cfg = self.trainer_cfg
-        started = time.monotonic()
-        accumulation, micro = cfg.gradient_accumulation_steps, cfg.micro_batch_size
-        gs = [
-            global_sample_index(step, m, s.rank, b, s.world_size, micro, accumulation)
-            for m in range(accumulation)
-            for b in range(micro)
-        ]
-        device = s.device
-        local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
-        local.update(
-            {name: torch.zeros(cfg.draft.block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS}
-        )
-        prefetch = StepPrefetcher(self._fetcher(source), gs)
-        consumed: list[tuple[int, int | None]] = []
-        try:
-            for _m in range(accumulation):
-                samples = [self._received(prefetch.next()) for _ in range(micro)]
-                consumed += [(sample.g, sample.meta.get("row_index")) for sample in samples]
-                for sample in samples:
-                    if s.smoke and self.recipe.trainer.sample_source == "mooncake":
-                        self._check_contract(sample)  # the capture contract is about captured samples
-                    check_sample(
-                        sample,
-                        num_aux_layers=self.recipe.num_aux_layers,
-                        hidden_size=self.recipe.capture.hidden_size,
-                        vocab_size=self.recipe.capture.vocab_size,
-                    )
-                layouts = [self._layout(sample) for sample in samples]
-                weight = torch.tensor(sum(float(x.weights.sum()) for x in layouts), dtype=torch.float64, device=device)
-                global_weight = float(all_reduce_sum(weight))
-                coefficients = loss_coefficients(
-                    ce_weight=cfg.loss.ce_weight,
-                    l1_weight=cfg.loss.l1_weight,
-                    confidence_weight=cfg.loss.confidence_weight,
-                    global_weight_sum=global_weight,
-                    gradient_scale=s.world_size / accumulation,
-                    chunk_rows=s.chunk_rows,
-                )
-                normaliser = max(global_weight, 1.0) * accumulation
-                for sample, layout in zip(samples, layouts, strict=True):
-                    inputs = SampleInputs(hs=sample.hs.to(device), lhs=sample.lhs.to(device), layout=layout.to(device))
-                    terms = model(inputs, coefficients)
-                    terms.loss.backward()
-                    for name, value in terms.sums.items():
-                        local[name] += value
-                    local["loss_ce"] += terms.sums["ce"] / normaliser
-                    local["loss_l1"] += terms.sums["l1"] / normaliser
-                    local["loss_confidence"] += terms.sums["confidence"] / normaliser
-                    del inputs, terms
-        finally:
-            prefetch.close()
-        wait_s = prefetch.wait_s
-
-        grad_norm_tensor = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.max_grad_norm)
+        grad_norm_tensor = torch.nn.utils.clip_grad_norm_(model.parameters(), self.trainer_cfg.optimizer.max_grad_norm)
         if hasattr(grad_norm_tensor, "full_tensor"):
             grad_norm_tensor = grad_norm_tensor.full_tensor()
         grad_norm = float(grad_norm_tensor)
-
-        flags = torch.tensor(
-            [[1.0 if math.isfinite(float(local[t])) else 0.0 for t in TERMS]], dtype=torch.float64, device=device
-        )
-        gathered = [torch.zeros_like(flags) for _ in range(s.world_size)]
-        if s.world_size > 1:
-            dist.all_gather(gathered, flags)
-        else:
-            gathered = [flags]
-        rank_terms = [{t: bool(row[0, i] > 0.5) for i, t in enumerate(TERMS)} for row in gathered]
+        flags = [{t: math.isfinite(float(local[t])) for t in TERMS}]
+        rank_terms = [terms for part in gather_objects(flags, s.world_size) for terms in part]
         check = inspect_update(step, rank_terms, grad_norm)
-        self._gate = {
-            "step": step + 1,
-            "world_size": s.world_size,
-            "update_finite": check.finite,
-            "grad_norm": grad_norm,
-            "problems": check.problems,
-        }
-        if s.smoke:
-            # Gathered before the guard may abort, so a failed gate still shows every rank's samples.
-            contracts: list[Any] = [None] * s.world_size
-            if s.world_size > 1:
-                dist.all_gather_object(contracts, self._contract)
-            else:
-                contracts = [self._contract]
-            self._gate["ranks"] = [
-                {"rank": r, "terms_finite": rank_terms[r], "sample_contract": contracts[r]} for r in range(s.world_size)
-            ]
+        self.gate.on_update_inspected(step, rank_terms, check, grad_norm)  # before the guard may abort
         applied = guard.decide(check)
         if applied:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return grad_norm, rank_terms, applied
 
+    # report
+
+    def _reduce_sums(self, local: dict[str, torch.Tensor], wait_s: float) -> tuple[dict[str, Any], float]:
+        """Sum the step's accumulators over all ranks (one all-reduce); returns the sums with the
+        weighted total loss, and the mean data-wait time per rank."""
+        s = self.settings
+        cfg = self.trainer_cfg
         names = list(SCALAR_SUMS + LOSS_SUMS)
         packed = torch.cat([torch.stack([local[n] for n in names])] + [local[n] for n in SLOT_SUMS])
-        packed = torch.cat([packed, torch.tensor([wait_s], dtype=torch.float64, device=device)])
+        packed = torch.cat([packed, torch.tensor([wait_s], dtype=torch.float64, device=s.device)])
         all_reduce_sum(packed)
         sums: dict[str, Any] = {n: float(packed[i]) for i, n in enumerate(names)}
         offset = len(names)
@@ -410,22 +448,12 @@ class Trainer:
             + loss.l1_weight * sums["loss_l1"]
             + loss.confidence_weight * sums["loss_confidence"]
         )
-        everyone: list[Any] = [None] * s.world_size
-        if s.world_size > 1:
-            dist.all_gather_object(everyone, consumed)
-        else:
-            everyone = [consumed]
-        row_indices = [row for _, row in sorted(pair for part in everyone for pair in part)]
-        return StepOutcome(
-            row_indices=row_indices,
-            sums=sums,
-            rank_terms=rank_terms,
-            grad_norm=grad_norm,
-            applied=applied,
-            wait_s=wait_sum / s.world_size,
-            step_time_s=time.monotonic() - started,
-            samples=gs,
-        )
+        return sums, wait_sum / s.world_size
+
+    def _row_indices(self, consumed: list[tuple[int, int | None]]) -> list[int | None]:
+        """The data row of every sample of the step on all ranks, in g order."""
+        everyone = gather_objects(consumed, self.settings.world_size)
+        return [row for _, row in sorted(pair for part in everyone for pair in part)]
 
     def _record(self, step: int, outcome: StepOutcome, lr: float, guard: FiniteGuard) -> dict[str, Any]:
         s = self.settings
@@ -466,11 +494,7 @@ class Trainer:
         s = self.settings
         cfg = self.trainer_cfg
         cursor = done * cfg.global_batch_size
-        rng = [None] * s.world_size
-        if s.world_size > 1:
-            dist.all_gather_object(rng, checkpoints.rng_state())
-        else:
-            rng = [checkpoints.rng_state()]
+        rng = gather_objects(checkpoints.rng_state(), s.world_size)
         state = {
             "step": done,
             "cursor": cursor,
@@ -502,64 +526,19 @@ class Trainer:
         )
         return saved
 
-    def _smoke_gate(
+    def _smoke_step_done(
         self, done: int, outcome: StepOutcome, model: DSparkDraft, saved: checkpoints.SavedCheckpoint | None
     ) -> None:
-        s = self.settings
-        finite_after = all(
-            bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p).all())
-            for p in model.parameters()
-        )
-        per_rank: list[Any] = [None] * s.world_size
-        mine = {
-            "rank": s.rank,
-            "terms_finite": outcome.rank_terms[s.rank],
-            "params_finite_after_update": finite_after,
-            "samples": outcome.samples,
-            "sample_contract": self._contract,
-        }
-        if s.world_size > 1:
-            dist.all_gather_object(per_rank, mine)
-        else:
-            per_rank = [mine]
-        reloaded = checkpoints.loaded_weights_sha256(saved.path, model) if saved else None
-        matches = saved is not None and reloaded == saved.weights_sha256
-        problems = list(self._gate.get("problems", []))
-        if not outcome.applied:
-            problems.append("the update was not applied")
-        if not all(r["params_finite_after_update"] for r in per_rank):
-            problems.append(
-                "parameters are not finite after the update on rank(s) "
-                + str([r["rank"] for r in per_rank if not r["params_finite_after_update"]])
-            )
-        if not matches:
-            problems.append("the checkpoint read back does not hash to the saved weights")
-        problems += [p for r in per_rank for p in r["sample_contract"]["problems"]]
         sums = outcome.sums
-        self._gate = {
-            "passed": not problems,
-            "step": done,
-            "world_size": s.world_size,
-            "update_finite": self._gate.get("update_finite", False),
-            "grad_norm": outcome.grad_norm,
-            "loss": {
-                "total": sums["loss_total"],
-                "ce": sums["loss_ce"],
-                "l1": sums["loss_l1"],
-                "confidence": sums["loss_confidence"],
-            },
-            "ranks": per_rank,
-            "problems": problems,
-            "checkpoint": {
-                "path": str(saved.path) if saved else None,
-                "weights_sha256": saved.weights_sha256 if saved else None,
-                "reloaded_sha256": reloaded,
-                "reload_matches": matches,
-            },
-            "export": None,
-            "error": None,
-        }
-        if s.is_main:
-            write_gate(s.job_dir, self._gate)
-        if problems:
-            raise NonFiniteUpdate("smoke gate failed: " + "; ".join(problems))
+        self.gate.on_step_done(
+            done,
+            applied=outcome.applied,
+            rank_terms=outcome.rank_terms,
+            samples=outcome.samples,
+            loss=LossRecord(
+                total=sums["loss_total"], ce=sums["loss_ce"], l1=sums["loss_l1"], confidence=sums["loss_confidence"]
+            ),
+            grad_norm=outcome.grad_norm,
+            model=model,
+            saved=saved,
+        )

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from runtime.recipe.schema import DraftConfig
 from runtime.trainer.attention_mask import dense_block_mask, flex_block_mask, padded_context_length
+from runtime.trainer.compiled import compiled
 from runtime.trainer.layout import BlockLayout
 from runtime.trainer.objective import LossCoefficients, SampleTerms, sample_objective
 from runtime.trainer.rope import apply_rotary, cos_sin, inverse_frequencies
@@ -102,7 +104,7 @@ class DraftAttention(nn.Module):
         v = torch.cat([v_ctx, v_draft], dim=0).transpose(0, 1).unsqueeze(0)
         q = q.transpose(0, 1).unsqueeze(0)
         if inputs.backend == "flex":
-            out = _compiled_flex_attention()(q, k, v, block_mask=inputs.mask, enable_gqa=True)
+            out = _flex_attention()(q, k, v, block_mask=inputs.mask, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, enable_gqa=True)
         out = out.squeeze(0).transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim)
@@ -112,12 +114,13 @@ class DraftAttention(nn.Module):
 _FLEX: Any = None
 
 
-def _compiled_flex_attention() -> Any:
-    """flex_attention compiled once per process (eager flex materialises the full score matrix)."""
+def _flex_attention() -> Any:
+    """flex_attention compiled once per process (eager flex materialises the full score matrix);
+    the plain function inside a region that is being compiled already (a compiled layer)."""
+    if torch.compiler.is_compiling():
+        return flex_attention
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 
@@ -145,9 +148,17 @@ class DraftDecoderLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        self.compile_forward = False
+        """Run :meth:`body` compiled (set by :meth:`DSparkDraft.compile_regions`)."""
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """One layer over the slots ``x [Q, H]``."""
+        if self.compile_forward:
+            return compiled(DraftDecoderLayer.body)(self, x, context, inputs)
+        return self.body(x, context, inputs)
+
+    def body(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """The layer's computation (what :meth:`forward` runs, eager or compiled)."""
         x = x + self.self_attn(self.input_layernorm(x), context, inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -230,6 +241,7 @@ class DSparkDraft(nn.Module):
         num_aux_layers: int,
         attention_backend: str,
         max_length: int,
+        compile_regions: bool = False,
     ) -> None:
         super().__init__()
         if attention_backend not in ("sdpa", "flex"):
@@ -255,6 +267,16 @@ class DSparkDraft(nn.Module):
         self.register_buffer("embed_weight", torch.empty(0), persistent=False)
         self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
         self.reset_parameters()
+        self.compile_regions(compile_regions)
+
+    def compile_regions(self, enabled: bool) -> None:
+        """Run the decoder layers, the context projection and the loss chunks' elementwise work
+        through ``torch.compile`` (GPU speed: fused norms, RoPE and softmax passes; the matmuls
+        stay cuBLAS calls and flex_attention its own kernels). Off, every op runs eagerly and CPU
+        numerics are those of plain PyTorch."""
+        self.compiled_regions = bool(enabled)
+        for layer in self.layers:
+            layer.compile_forward = self.compiled_regions
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -298,12 +320,17 @@ class DSparkDraft(nn.Module):
         dtype = self.fc.weight.dtype
         if self.embed_weight.numel() == 0:
             raise RuntimeError("the frozen embedding is not attached (call attach_frozen_vocab)")
-        context = self.hidden_norm(self.fc(hs.to(dtype)))
+        project = compiled(DSparkDraft.project_context) if self.compiled_regions else DSparkDraft.project_context
+        context = project(self, hs.to(dtype))
         x = F.embedding(layout.slot_token_ids.reshape(-1), self.embed_weight).to(dtype)
         inputs = self.attention_inputs(layout, dtype)
         for layer in self.layers:
             x = layer(x, context, inputs)
         return self.norm(x).view(layout.num_blocks, layout.block_size, -1)
+
+    def project_context(self, hs: torch.Tensor) -> torch.Tensor:
+        """``H_ctx = hidden_norm(fc(hs))`` [T, H]."""
+        return self.hidden_norm(self.fc(hs))
 
     def forward(self, sample: SampleInputs, coefficients: LossCoefficients) -> SampleTerms:
         """The DSpark loss of one sample (scaled by ``coefficients``) and its metric sums."""
@@ -316,4 +343,5 @@ class DSparkDraft(nn.Module):
             confidence_head=self.confidence_head,
             lm_head_weight=self.lm_head_weight,
             coefficients=coefficients,
+            fused=self.compiled_regions,
         )

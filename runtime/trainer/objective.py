@@ -100,8 +100,12 @@ def sample_objective(
     confidence_head: nn.Module | None,
     lm_head_weight: torch.Tensor,
     coefficients: LossCoefficients,
+    fused: bool = False,
 ) -> SampleTerms:
-    """Loss and metric sums of one sample from its post-norm draft hidden ``[N, S, H]``."""
+    """Loss and metric sums of one sample from its post-norm draft hidden ``[N, S, H]``.
+
+    ``fused``: the vocabulary terms' elementwise work runs compiled (see
+    :func:`runtime.trainer.vocab_objective.chunked_vocab_objective`)."""
     num_blocks, block_size, hidden_size = hidden.shape
     shape = (num_blocks, block_size)
     rows = torch.nonzero(layout.eval_mask.reshape(-1), as_tuple=False).squeeze(1)
@@ -124,6 +128,7 @@ def sample_objective(
         ce_coef=coefficients.ce,
         l1_coef=coefficients.l1,
         chunk_rows=coefficients.chunk_rows,
+        fused=fused,
     )
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
     sums: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runtime.transport.contract import CapturedSample
+from runtime.shared.contracts import CapturedSample
 
 
 class StepPrefetcher:

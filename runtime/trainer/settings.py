@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.capture.data_files import resolve_expected_sha256
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.contracts import ENV_JOB_DIR
+from runtime.shared.data_files import resolve_expected_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -46,6 +47,8 @@ class RunSettings:
     data_digest: str
     """SHA-256 of the training data (the recipe's, or its manifest's)."""
     smoke: bool
+    compile_regions: bool = False
+    """torch.compile the model's regions (``trainer.compile_regions``; auto: on CUDA)."""
 
     @property
     def is_main(self) -> bool:
@@ -129,7 +132,7 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         )
     total_steps = min(trainer.max_steps, steps_in_data) if trainer.max_steps else steps_in_data
 
-    job_dir = Path(env.get("DSPARK_JOB_DIR") or resolved.job_dir)
+    job_dir = Path(env.get(ENV_JOB_DIR) or resolved.job_dir)
     checkpoint_dir = (
         resolved.resolve_path(trainer.checkpoint.dir) if trainer.checkpoint.dir else job_dir / "checkpoints"
     )
@@ -149,4 +152,6 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
         checkpoint_dir=checkpoint_dir,
         data_digest=data_digest,
         smoke=resolved.smoke,
+        compile_regions=trainer.compile_regions == "on"
+        or (trainer.compile_regions == "auto" and device.type == "cuda"),
     )

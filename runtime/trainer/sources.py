@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.transport.contract import CapturedSample, SampleConsumer
+from runtime.shared.contracts import CapturedSample, SampleConsumer, field_problems, sample_num_tokens
 
 
 class SampleShapeError(ValueError):
@@ -33,21 +33,15 @@ def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int) -> 
 
 
 def check_sample(sample: CapturedSample, *, num_aux_layers: int, hidden_size: int, vocab_size: int) -> None:
-    """Raise :class:`SampleShapeError` naming the sample and the field when it breaks the contract."""
-    tokens = int(sample.ids.shape[0]) if sample.ids.ndim == 1 else -1
-    expected = {
-        "ids": (tokens,),
-        "mask": (tokens,),
-        "hs": (tokens, num_aux_layers * hidden_size),
-        "lhs": (tokens, hidden_size),
-    }
-    for name, tensor in sample.tensors().items():
-        if tuple(tensor.shape) != expected[name]:
-            raise SampleShapeError(
-                f"sample g={sample.g}: field {name} has shape {tuple(tensor.shape)}, expected {expected[name]} "
-                f"(T={tokens}, capture.aux_layer_ids has {num_aux_layers} layers, capture.hidden_size "
-                f"{hidden_size}); the capture and trainer recipes disagree"
-            )
+    """Raise :class:`SampleShapeError` naming the sample and the field when its shapes break the
+    contract (dtypes are the smoke gate's business: synthetic samples may carry other float types)."""
+    tokens = sample_num_tokens(sample)
+    problems = field_problems(sample, num_aux_layers, hidden_size, check_dtypes=False)
+    if problems:
+        raise SampleShapeError(
+            f"{problems[0]} (T={tokens}, capture.aux_layer_ids has {num_aux_layers} layers, capture.hidden_size "
+            f"{hidden_size}); the capture and trainer recipes disagree"
+        )
     if tokens < 2:
         raise SampleShapeError(f"sample g={sample.g}: has {tokens} tokens; a sample needs at least 2")
     if sample.ids.numel() and (int(sample.ids.min()) < 0 or int(sample.ids.max()) >= vocab_size):

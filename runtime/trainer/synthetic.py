@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from runtime.shared.contracts import CapturedSample
 from runtime.trainer.file_source import write_sample_file
-from runtime.transport.contract import CapturedSample
 
 
 def write_target_checkpoint(

@@ -17,7 +17,8 @@ import sys
 import threading
 
 from runtime.recipe.loader import load_resolved
-from runtime.transport.endpoints import ENV_BIND_ADDRESS, Endpoints
+from runtime.shared.contracts import ENV_BIND_ADDRESS
+from runtime.transport.endpoints import Endpoints
 
 
 def run_master(args: argparse.Namespace) -> int:
@@ -49,7 +50,7 @@ def run_master(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     """Print cursor, heartbeat and window presence."""
-    from runtime.transport.contract import META_FIELD, cursor_key, heartbeat_key, sample_key
+    from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key
     from runtime.transport.records import Cursor, Heartbeat
     from runtime.transport.store import ClientSettings, StoreClient
 

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from runtime.recipe.schema import Recipe
-from runtime.transport.contract import (
+from runtime.shared.contracts import (
     META_FIELD,
     TENSOR_FIELDS,
     CapturedSample,
     cursor_key,
-    global_sample_index,
     heartbeat_key,
     sample_key,
+    step_sample_indices,
 )
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
 from runtime.transport.records import Cursor, Heartbeat
@@ -39,7 +39,7 @@ CURSOR_CHECK_INTERVAL_S = 1.0
 
 
 class Consumer:
-    """Consumer API for one trainer rank (implements :class:`runtime.transport.contract.SampleConsumer`)."""
+    """Consumer API for one trainer rank (implements :class:`runtime.shared.contracts.SampleConsumer`)."""
 
     def __init__(
         self,
@@ -83,13 +83,7 @@ class Consumer:
     def samples_of_step(self, step: int) -> list[int]:
         """The g this rank consumes in optimizer step ``step``, in micro-step order."""
         t = self.recipe.trainer
-        return [
-            global_sample_index(
-                step, m, self.rank, b, self.world_size, t.micro_batch_size, t.gradient_accumulation_steps
-            )
-            for m in range(t.gradient_accumulation_steps)
-            for b in range(t.micro_batch_size)
-        ]
+        return step_sample_indices(step, self.rank, self.world_size, t.micro_batch_size, t.gradient_accumulation_steps)
 
     # -- SampleConsumer ---------------------------------------------------------------------
 

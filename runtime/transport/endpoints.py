@@ -11,11 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.recipe.schema import Recipe
-
-ENV_MASTER = "DSPARK_MOONCAKE_MASTER"
-ENV_METADATA = "DSPARK_MOONCAKE_METADATA"
-ENV_BIND_ADDRESS = "DSPARK_BIND_ADDRESS"
-ENV_CAPTURE_HOST = "DSPARK_CAPTURE_HOST"
+from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER, ENV_MOONCAKE_METADATA
 
 
 @dataclass(frozen=True)
@@ -73,17 +69,19 @@ class Endpoints:
                 "127.0.0.1 with --local); when running by hand, export DSPARK_BIND_ADDRESS=<this node's IP>"
             )
         host = env.get(ENV_CAPTURE_HOST, "")
-        master = env.get(ENV_MASTER) or (f"{host}:{recipe.transport.master_rpc_port}" if host else "")
-        metadata = env.get(ENV_METADATA) or (
+        master = env.get(ENV_MOONCAKE_MASTER) or (f"{host}:{recipe.transport.master_rpc_port}" if host else "")
+        metadata = env.get(ENV_MOONCAKE_METADATA) or (
             f"http://{host}:{recipe.transport.metadata_http_port}/metadata" if host else ""
         )
         if not master or not metadata:
             raise ValueError(
-                f"{ENV_MASTER} / {ENV_METADATA} are not set and neither is {ENV_CAPTURE_HOST}: this process "
+                f"{ENV_MOONCAKE_MASTER} / {ENV_MOONCAKE_METADATA} are not set and neither is {ENV_CAPTURE_HOST}: this process "
                 "cannot find the Mooncake master. The launcher sets them; when running by hand, export "
-                f"{ENV_MASTER}=<capture host>:{recipe.transport.master_rpc_port} and "
-                f"{ENV_METADATA}=http://<capture host>:{recipe.transport.metadata_http_port}/metadata"
+                f"{ENV_MOONCAKE_MASTER}=<capture host>:{recipe.transport.master_rpc_port} and "
+                f"{ENV_MOONCAKE_METADATA}=http://<capture host>:{recipe.transport.metadata_http_port}/metadata"
             )
         if ":" not in master or not master.rsplit(":", 1)[1].isdigit():
-            raise ValueError(f"{ENV_MASTER}={master!r} is not host:port; fix: set it to <capture host>:<rpc port>")
+            raise ValueError(
+                f"{ENV_MOONCAKE_MASTER}={master!r} is not host:port; fix: set it to <capture host>:<rpc port>"
+            )
         return cls(master_address=master, metadata_url=metadata, bind_address=bind)

@@ -11,14 +11,30 @@ context manager away::
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, load_resolved, write_resolved
-from runtime.transport.endpoints import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MASTER, ENV_METADATA, Endpoints
+from runtime.shared.contracts import (
+    ENV_BIND_ADDRESS,
+    ENV_CAPTURE_HOST,
+    ENV_MC_TCP_BIND_ADDRESS,
+    ENV_MC_TRANSFER_TIMEOUT,
+    ENV_MOONCAKE_MASTER,
+    ENV_MOONCAKE_METADATA,
+)
+from runtime.transport.endpoints import Endpoints
 from runtime.transport.master import MasterProcess, MasterSettings
 
 LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (the one helper tests and benchmarks use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
 
 
 def loopback_recipe(
@@ -47,12 +63,12 @@ def loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
     """The launcher's environment contract for a component on this machine."""
     endpoints = Endpoints.loopback(resolved.recipe)
     return {
-        ENV_MASTER: endpoints.master_address,
-        ENV_METADATA: endpoints.metadata_url,
+        ENV_MOONCAKE_MASTER: endpoints.master_address,
+        ENV_MOONCAKE_METADATA: endpoints.metadata_url,
         ENV_BIND_ADDRESS: LOOPBACK,
         ENV_CAPTURE_HOST: LOOPBACK,
-        "MC_TCP_BIND_ADDRESS": LOOPBACK,
-        "MC_TRANSFER_TIMEOUT": str(resolved.recipe.transport.transfer_timeout_s),
+        ENV_MC_TCP_BIND_ADDRESS: LOOPBACK,
+        ENV_MC_TRANSFER_TIMEOUT: str(resolved.recipe.transport.transfer_timeout_s),
     }
 
 

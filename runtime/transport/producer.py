@@ -32,7 +32,15 @@ import torch
 
 from runtime.recipe.loader import atomic_write_text
 from runtime.recipe.schema import Recipe
-from runtime.transport.contract import META_FIELD, TENSOR_FIELDS, cursor_key, heartbeat_key, sample_key
+from runtime.shared.contracts import (
+    CONTRACT_DTYPES,
+    META_FIELD,
+    TENSOR_FIELDS,
+    cursor_key,
+    dtype_name,
+    heartbeat_key,
+    sample_key,
+)
 from runtime.transport.errors import TransportError
 from runtime.transport.records import Cursor, Heartbeat
 from runtime.transport.sample_format import (
@@ -48,17 +56,9 @@ from runtime.transport.window import WindowLimits, WindowState
 
 log = logging.getLogger("dspark.transport.producer")
 
-CONTRACT_DTYPES: dict[str, torch.dtype] = {
-    "ids": torch.int64,
-    "mask": torch.uint8,
-    "hs": torch.bfloat16,
-    "lhs": torch.bfloat16,
-}
-"""DESIGN section 4: the dtype of every tensor field."""
-
 
 class Producer:
-    """Producer API (implements :class:`runtime.transport.contract.SampleProducer`)."""
+    """Producer API (implements :class:`runtime.shared.contracts.SampleProducer`)."""
 
     def __init__(
         self,
@@ -362,7 +362,7 @@ class Producer:
 
     def _to_host(self, g: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         expected = CONTRACT_DTYPES[name]
-        if tensor.dtype != expected:
+        if dtype_name(tensor.dtype) != expected:
             raise ValueError(
                 f"sample g={g}: field {name} has dtype {tensor.dtype}, the capture contract says {expected} "
                 "(DESIGN section 4); convert it before commit"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from runtime.transport.contract import META_FIELD, TENSOR_FIELDS
+from runtime.shared.contracts import META_FIELD, TENSOR_FIELDS
 from runtime.transport.errors import CorruptSampleError
 
 SAMPLE_FORMAT = "dspark-sample/1"
@@ -224,6 +224,6 @@ def field_layouts(meta: Mapping[str, Any]) -> list[FieldLayout]:
 
 def sample_keys(store_id: str, g: int) -> list[str]:
     """The five keys of sample ``g``: the tensor fields in write order, then ``meta``."""
-    from runtime.transport.contract import sample_key
+    from runtime.shared.contracts import sample_key
 
     return [sample_key(store_id, g, name) for name in (*TENSOR_FIELDS, META_FIELD)]

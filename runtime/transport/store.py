@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from runtime.recipe.schema import Recipe
+from runtime.shared.contracts import ENV_MC_TCP_BIND_ADDRESS, ENV_MC_TRANSFER_TIMEOUT
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import (
     NO_AVAILABLE_HANDLE,
@@ -174,8 +175,8 @@ class StoreClient:
         wait_for_master(s.endpoints, s.connect_timeout_s)
         # Mooncake's transfer engine reads these at setup; they follow the recipe and the endpoints
         # (the launcher exports the same values; explicit endpoints in tests must win).
-        os.environ["MC_TCP_BIND_ADDRESS"] = s.endpoints.bind_address
-        os.environ["MC_TRANSFER_TIMEOUT"] = str(s.transfer_timeout_s)
+        os.environ[ENV_MC_TCP_BIND_ADDRESS] = s.endpoints.bind_address
+        os.environ[ENV_MC_TRANSFER_TIMEOUT] = str(s.transfer_timeout_s)
         if s.protocol == "rdma" and not s.rdma_devices:
             raise StoreSetupError(
                 f"{self.name}: transport.protocol is rdma but transport.rdma_devices is empty ({s.describe()}); "

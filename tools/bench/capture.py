@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
+from runtime.capture.embedded_settings import EmbeddedSettings
 from runtime.capture.engine import CaptureRequest
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+from runtime.capture.engine_embedded import EmbeddedEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_TARGET = REPO_ROOT / ".cache/tiny/target"
@@ -263,8 +264,7 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
 
     from runtime.transport.dataplane import open_producer
     from runtime.transport.endpoints import Endpoints
-    from runtime.transport.loopback import loopback_master, loopback_recipe
-    from tools.bench.transport import free_port
+    from runtime.transport.loopback import free_port, loopback_master, loopback_recipe
 
     total = preset.batches * preset.batch_size * 64
     job = Path(tempfile.mkdtemp(prefix="bench-capture-"))

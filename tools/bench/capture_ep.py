@@ -7,7 +7,7 @@ requests (each replica always gets the same padded chunks, so forward shapes mat
 - ``hf1``: one GPU, the plain Hugging Face model (what ``capture.expert_parallel: 1`` runs);
 - ``ep1``: one GPU, the runtime/moe expert-parallel layer with a 1-rank exchange: same expert
   kernels and exchange bookkeeping as EP = N, no peer: the baseline for the exchange's cost;
-- ``epN``: N GPUs, ``capture.expert_parallel: N`` (:class:`runtime.moe.embedded_loader.ExpertParallelLoader`,
+- ``epN``: N GPUs, ``capture.expert_parallel: N`` (:class:`runtime.capture.model_loading.ExpertParallelLoader`,
   replicas as threads exchanging tokens through :mod:`runtime.moe.exchange_threads`);
 - ``dpN`` (``--configs``): N GPUs, N whole replicas (data parallel), when the model fits one GPU.
 
@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
+from runtime.capture.embedded_settings import EmbeddedSettings
 from runtime.capture.engine import CaptureRequest
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
-from runtime.moe.embedded_loader import ExpertParallelLoader
+from runtime.capture.engine_embedded import EmbeddedEngine
+from runtime.capture.model_loading import ExpertParallelLoader
 from tools.bench.capture import NullSink, Preset, make_batches, random_decoder, synchronize
 
 JSON_FORMAT = "dspark-bench-capture-ep/1"

@@ -74,8 +74,7 @@ def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
     """Sink-side commit (no segment, separate process) vs the owner's commit of the same sample."""
     from runtime.transport.dataplane import open_producer
     from runtime.transport.endpoints import Endpoints
-    from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
-    from tests.conftest import free_port
+    from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
 
     sample = _sample(tokens, hidden, num_aux)
     size = _nbytes(sample)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import loss_coefficients
 from runtime.trainer.vocab_objective import chunked_vocab_objective
+from runtime.transport.loopback import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -222,12 +222,6 @@ def microstep_flops(shapes: Shapes, layout: BlockLayout) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------
 # micro-step
 # ----------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def init_single_rank(device: torch.device) -> None:

@@ -44,16 +44,16 @@ import torch.distributed as dist
 from runtime.recipe import load_recipe
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
-from runtime.trainer.distributed import init_process_group, shard_model
+from runtime.shared.contracts import CapturedSample, step_sample_indices
+from runtime.trainer.distributed import gather_objects, init_process_group, shard_model
 from runtime.trainer.guard import FiniteGuard
 from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
-from runtime.transport.contract import CapturedSample, global_sample_index
+from runtime.transport.loopback import free_port
 from tools.bench.trainer import (
     GIB,
     Shapes,
-    free_port,
     matmul_tflops,
     microstep_flops,
     recipe_shapes,
@@ -105,9 +105,13 @@ def rank_setup() -> RankSetup:
     return RankSetup(rank, local_rank, world, device)
 
 
-def bench_recipe(shapes_name: str, world_size: int, accumulation: int, tokens: int | None) -> Recipe:
-    """The recipe behind the shapes, set to ``world_size`` ranks of one sample per micro-step."""
+def bench_recipe(
+    shapes_name: str, world_size: int, accumulation: int, tokens: int | None, extra: list[str] | None = None
+) -> Recipe:
+    """The recipe behind the shapes, set to ``world_size`` ranks of one sample per micro-step
+    (``extra``: further ``key=value`` overrides, e.g. ``trainer.compile_regions=off``)."""
     overrides = [
+        *(extra or []),
         "job.trainer.nodes=1",
         f"job.trainer.tasks_per_node={world_size}",
         "trainer.micro_batch_size=1",
@@ -146,6 +150,7 @@ def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSetti
         checkpoint_dir=REPO_ROOT,
         data_digest="synthetic",
         smoke=False,
+        compile_regions=cfg.compile_regions == "on" or (cfg.compile_regions == "auto" and on_gpu),
     )
 
 
@@ -161,6 +166,7 @@ def build_model(recipe: Recipe, settings: RunSettings) -> DSparkDraft:
             num_aux_layers=recipe.num_aux_layers,
             attention_backend=settings.attention_backend,
             max_length=recipe.data.max_length,
+            compile_regions=settings.compile_regions,
         )
     vocab, hidden = recipe.capture.vocab_size, cfg.draft.hidden_size
     embed = (torch.randn(vocab, hidden, device=settings.device) * 0.02).to(settings.param_dtype)
@@ -170,7 +176,7 @@ def build_model(recipe: Recipe, settings: RunSettings) -> DSparkDraft:
 
 
 class SyntheticSource:
-    """A :class:`~runtime.transport.contract.SampleConsumer` that serves one synthetic sample held
+    """A :class:`~runtime.shared.contracts.SampleConsumer` that serves one synthetic sample held
     in (pinned) host memory under every g; ``fetch(g, device)`` copies it to the GPU like the
     Mooncake consumer does."""
 
@@ -194,21 +200,13 @@ class SyntheticSource:
 # ----------------------------------------------------------------------------------------------
 
 
-def gather(value: Any, world_size: int) -> list[Any]:
-    """``value`` of every rank, in rank order."""
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, value)
-    return out
-
-
 def rank_flops(
     trainer: Trainer, source: SyntheticSource, shapes: Shapes, steps: range, setup: RankSetup, accumulation: int
 ) -> float:
     """Model FLOPs this rank computes over ``steps`` (each sample's own layout: anchors depend on g)."""
     total = 0.0
     for step in steps:
-        for m in range(accumulation):
-            g = global_sample_index(step, m, setup.rank, 0, setup.world_size, 1, accumulation)
+        for g in step_sample_indices(step, setup.rank, setup.world_size, 1, accumulation):
             total += sum(microstep_flops(shapes, trainer._layout(source.fetch(g))).values())
     return total
 
@@ -221,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         raise SystemExit(
             "--shapes k3 needs a CUDA GPU per rank (H200-class: tens of GiB each); on CPU use --shapes tiny"
         )
-    recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens)
+    recipe = bench_recipe(args.shapes, setup.world_size, args.accumulation, args.tokens, args.set)
     total_steps = args.warmup + args.steps
     settings = run_settings(recipe, setup, total_steps)
     init_process_group(settings, COLLECTIVE_TIMEOUT_S)
@@ -240,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     with contextlib.redirect_stdout(io.StringIO()):  # every rank times its own GPU; rank 0 prints them all
         matmul = matmul_tflops(shapes, setup.device)
-    matmuls = gather(matmul, setup.world_size)
+    matmuls = gather_objects(matmul, setup.world_size)
     say(
         f"[scaling] baseline {str(shapes.dtype).removeprefix('torch.')} {shapes.matmul_n}^3 matmul per rank: "
         + ", ".join(f"{t:.4g}" for t in matmuls)
@@ -316,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         torch.cuda.get_device_properties(setup.device).total_memory / GIB if setup.device.type == "cuda" else None
     )
     flops = rank_flops(trainer, source, shapes, range(args.warmup, total_steps), setup, args.accumulation)
-    per_rank = gather(
+    per_rank = gather_objects(
         {
             "step_s": step_s,
             "flops": flops,
@@ -523,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, help="tokens per sample T (default: the recipe's data.max_length)")
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
     parser.add_argument(
         "--compare",
         type=Path,

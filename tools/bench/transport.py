@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from runtime.transport.endpoints import Endpoints  # noqa: E402
+from runtime.transport.loopback import free_port  # noqa: E402
 from runtime.transport.master import MasterProcess, MasterSettings  # noqa: E402
 from runtime.transport.sample_format import build_meta, byte_view, crc32_chunks, describe_field, encode_meta  # noqa: E402
 from runtime.transport.store import ClientSettings, StoreClient  # noqa: E402
@@ -50,13 +51,6 @@ from runtime.transport.store import ClientSettings, StoreClient  # noqa: E402
 FIELDS = ("ids", "mask", "hs", "lhs")
 GB = 1e9
 MIB = 2**20
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def median_time(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:

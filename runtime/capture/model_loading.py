@@ -1,8 +1,9 @@
-"""Expert-parallel model loader for the embedded capture engine (``capture.expert_parallel > 1``).
+"""How the embedded capture engine loads its target: the plain Hugging Face loader, or the
+expert-parallel one (``capture.expert_parallel > 1``) built on runtime/moe.
 
 The engine (runtime/capture/engine_embedded.py) runs one replica per device as threads of one
-process and takes a ``model_loader(settings, device)``. This loader loads the target with the
-plain Hugging Face loader, then shards its routed experts: replica ``i`` is rank ``i % EP`` of
+process and takes a ``model_loader(settings, device)``. The expert-parallel loader loads the target
+with the plain Hugging Face loader, then shards its routed experts: replica ``i`` is rank ``i % EP`` of
 expert-parallel group ``i // EP`` and keeps ``num_experts / EP`` experts; attention, norms and
 router stay whole on every replica (attention data parallel). The replicas of a group exchange
 tokens through :mod:`runtime.moe.exchange_threads`.
@@ -20,9 +21,46 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.capture.embedded_settings import EmbeddedSettings, EngineError
 from runtime.moe.exchange import ExchangeUnavailableError
 from runtime.moe.exchange_threads import DEFAULT_RENDEZVOUS_TIMEOUT_S, ThreadGroupExchange, ThreadRendezvous
 from runtime.moe.hf_adapter import ExpertParallelModel, is_hf_moe_block, shard_moe_experts
+
+ModelLoader = Callable[[EmbeddedSettings, str], torch.nn.Module]
+"""``(settings, device) -> base decoder model`` in eval mode on ``device``. The default loads a
+local Hugging Face checkpoint; the expert-parallel loader below can replace it."""
+
+
+def load_hf_decoder(settings: EmbeddedSettings, device: str) -> torch.nn.Module:
+    """The target's base decoder (no lm_head) from a local Hugging Face folder."""
+    from transformers import AutoModel
+
+    if settings.expert_parallel > 1:
+        raise EngineError(
+            f"capture.expert_parallel is {settings.expert_parallel}, but this engine was started with the plain "
+            "Hugging Face loader; an expert-parallel target needs the runtime/moe loader. Fix: set "
+            "capture.expert_parallel: 1, or pass the expert-parallel model_loader to EmbeddedEngine"
+        )
+    if not (settings.target_path / "config.json").is_file():
+        raise EngineError(
+            f"capture.target_path {settings.target_path} has no config.json (not a Hugging Face checkpoint folder); "
+            "fix: point it at the target checkpoint (for recipes/tiny.yaml run tools/make_tiny_target first)"
+        )
+    from transformers.utils import logging as hf_logging
+
+    # Per-tensor progress bars are noise in a job log; the load report (e.g. "lm_head.weight
+    # UNEXPECTED": the base model has no lm_head, on purpose) stays.
+    hf_logging.disable_progress_bar()
+    model = AutoModel.from_pretrained(settings.target_path, dtype=settings.torch_dtype)
+    return model.to(device).eval()
+
+
+def default_loader(settings: EmbeddedSettings) -> ModelLoader:
+    """The plain Hugging Face loader, or the expert-parallel one when ``expert_parallel > 1``."""
+    if settings.expert_parallel <= 1:
+        return load_hf_decoder
+    return ExpertParallelLoader.for_settings(settings, settings.moe_exchange)
+
 
 BaseLoader = Callable[[Any, str], nn.Module]
 
@@ -66,8 +104,6 @@ class ExpertParallelLoader:
         """Load replica ``len(self.models)`` on ``device`` and shard its experts."""
         base_loader = self.base_loader
         if base_loader is None:
-            from runtime.capture.engine_embedded import load_hf_decoder
-
             base_loader = load_hf_decoder
         index = len(self.models)
         group, rank = divmod(index, self.expert_parallel)

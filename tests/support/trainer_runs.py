@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from runtime.recipe import load_recipe, write_resolved
 from runtime.trainer.synthetic import write_synthetic_samples, write_target_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN, N_AUX = 512, 64, 3
 DATA_SHA256 = "ab" * 32
 

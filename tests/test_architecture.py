@@ -1,0 +1,271 @@
+"""The house rules of the layout (DESIGN section 2), checked on the import graph.
+
+Every Python file of launcher/, runtime/, tools/ (scripts without a suffix too) and tests/ is parsed
+with ``ast``; every import counts, at module level or inside a function (a lazy import still runs on
+the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The rules:
+
+- launcher/ never reaches torch, directly or through the repo modules it imports;
+- the light shared layer (runtime/shared, runtime/recipe) never reaches torch and imports nothing
+  else of runtime/;
+- runtime/ imports neither launcher/, tools/ nor tests/; launcher/ does not import tools/ or tests/;
+- runtime/transport imports neither capture nor trainer; runtime/moe and runtime/trainer do not
+  import capture;
+- tools/ (benchmarks included) does not import tests/;
+- no import cycle among repo modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT
+
+ROOTS = ("launcher", "runtime", "tools", "tests")
+HEAVY = ("torch",)
+"""Third-party packages the launcher and the light layer must never reach."""
+LIGHT_LAYER = ("runtime.shared", "runtime.recipe")
+
+FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("runtime", ("launcher", "tools", "tests"), "runtime/ runs in the allocation and imports only runtime/"),
+    ("launcher", ("tools", "tests"), "tools/ are command-line wrappers: nothing imports them"),
+    ("runtime.transport", ("runtime.capture", "runtime.trainer"), "transport knows nothing of capture or trainer"),
+    ("runtime.moe", ("runtime.capture",), "moe knows nothing of engines"),
+    ("runtime.trainer", ("runtime.capture",), "the trainer never knows which engine produced a sample"),
+    ("tools", ("tests",), "tools (benchmarks too) do not depend on the test suite"),
+)
+"""(importer prefix, imported prefixes, why)."""
+
+
+@dataclass
+class Module:
+    """One repo module and what it imports."""
+
+    name: str
+    path: Path
+    repo_imports: dict[str, int] = field(default_factory=dict)
+    """Imported repo module -> line of the first import."""
+    external: dict[str, int] = field(default_factory=dict)
+    """Imported top-level third-party package -> line."""
+
+
+def _is_python(path: Path) -> bool:
+    """A ``.py`` file, or a script without a suffix whose shebang names python."""
+    if path.suffix == ".py":
+        return True
+    if path.suffix or not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        first = handle.readline()
+    return first.startswith(b"#!") and b"python" in first
+
+
+def module_name(path: Path, repo_root: Path) -> str:
+    """``runtime/shared/contracts.py`` -> ``runtime.shared.contracts``; a package's ``__init__``
+    is the package; a script ``tools/check_patch`` is ``tools.check_patch``."""
+    parts = list(path.relative_to(repo_root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks (imports there never run)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imported_names(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[str, int]]:
+    skipped = _type_checking_lines(tree)
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                yield f"{base}.{alias.name}", node.lineno  # a submodule, or a name in ``base``
+            yield base, node.lineno
+
+
+def build_graph(repo_root: Path = REPO_ROOT) -> dict[str, Module]:
+    """Every repo module with its repo and third-party imports."""
+    paths = [p for root in ROOTS for p in sorted((repo_root / root).rglob("*")) if _is_python(p)]
+    paths = [p for p in paths if "fixtures" not in p.parts and "__pycache__" not in p.parts]
+    modules = {module_name(p, repo_root): Module(module_name(p, repo_root), p) for p in paths}
+    for module in modules.values():
+        tree = ast.parse(module.path.read_text(), filename=str(module.path))
+        is_package = module.path.name == "__init__.py"
+        for name, line in _imported_names(tree, module.name, is_package):
+            top = name.split(".")[0]
+            if top in ROOTS or top == "conftest":
+                target = "tests.conftest" if name.split(".")[0] == "conftest" else name
+                if target in modules and target != module.name:
+                    module.repo_imports.setdefault(target, line)
+            elif top:
+                module.external.setdefault(top, line)
+    return modules
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _packages_of(name: str, modules: dict[str, Module]) -> list[str]:
+    """The package ``__init__`` modules importing ``name`` runs first."""
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
+
+
+def heavy_paths(start: str, modules: dict[str, Module]) -> list[str]:
+    """The shortest import chain from ``start`` to a heavy package (through parent packages too),
+    as ``a -> b -> torch (line N of b.py)``; empty when none is reached."""
+    seen = {start}
+    queue: list[list[str]] = [[start]]
+    while queue:
+        chain = queue.pop(0)
+        module = modules[chain[-1]]
+        for heavy in HEAVY:
+            if heavy in module.external:
+                return [" -> ".join([*chain, heavy]) + f" (line {module.external[heavy]} of {module.path.name})"]
+        for target in [*module.repo_imports, *_packages_of(chain[-1], modules)]:
+            for step in [*_packages_of(target, modules), target]:
+                if step not in seen:
+                    seen.add(step)
+                    queue.append([*chain, step])
+    return []
+
+
+def arrow_violations(modules: dict[str, Module], repo_root: Path = REPO_ROOT) -> list[str]:
+    """Every import that breaks one of :data:`FORBIDDEN`."""
+    problems = []
+    for module in modules.values():
+        for importer, banned, why in FORBIDDEN:
+            if not _within(module.name, importer):
+                continue
+            for target, line in module.repo_imports.items():
+                if any(_within(target, b) for b in banned) and not _within(target, importer):
+                    problems.append(f"{module.path.relative_to(repo_root)}:{line} imports {target}: {why}")
+    return problems
+
+
+def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(name: str) -> None:
+        nonlocal counter
+        index[name] = low[name] = counter
+        counter += 1
+        stack.append(name)
+        on_stack.add(name)
+        for target in modules[name].repo_imports:
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in on_stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == name:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+def test_the_graph_sees_the_repository() -> None:
+    modules = build_graph()
+    assert {"launcher.cli", "runtime.shared.contracts", "runtime.trainer.loop", "tools.check_patch"} <= set(modules)
+    assert "runtime.shared.contracts" in modules["runtime.trainer.loop"].repo_imports
+    assert "torch" in modules["runtime.trainer.loop"].external
+
+
+def test_launcher_never_reaches_torch() -> None:
+    modules = build_graph()
+    chains = [c for name in modules if _within(name, "launcher") for c in heavy_paths(name, modules)]
+    assert not chains, "the launcher must start without torch:\n" + "\n".join(chains)
+
+
+def test_the_light_layer_reaches_neither_torch_nor_the_rest_of_runtime() -> None:
+    modules = build_graph()
+    light = [name for name in modules if any(_within(name, p) for p in LIGHT_LAYER)]
+    chains = [c for name in light for c in heavy_paths(name, modules)]
+    assert not chains, "runtime/shared and runtime/recipe stay torch-free:\n" + "\n".join(chains)
+    inward = [
+        f"{name} imports {target}"
+        for name in light
+        for target in modules[name].repo_imports
+        if not any(_within(target, p) for p in LIGHT_LAYER) and _within(target, "runtime") and target != "runtime"
+    ]
+    assert not inward, "the light layer imports only itself:\n" + "\n".join(inward)
+
+
+def test_no_forbidden_arrows() -> None:
+    problems = arrow_violations(build_graph())
+    assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(build_graph())
+    assert not cycles, "import cycles among repo modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
+    """The rules fail on a small tree that breaks each of them (so a green run means something)."""
+    files = {
+        "launcher/__init__.py": "",
+        "launcher/cli.py": "from runtime.shared import helper\n",
+        "runtime/__init__.py": "",
+        "runtime/shared/__init__.py": "",
+        "runtime/shared/helper.py": "def f():\n    import runtime.capture.engine\n",
+        "runtime/capture/__init__.py": "",
+        "runtime/capture/engine.py": "import torch\nfrom runtime.moe import loader\n",
+        "runtime/moe/__init__.py": "",
+        "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
+        "def g():\n    from runtime.capture.engine import X\n",
+        "tools/__init__.py": "",
+        "tools/bench.py": "from tests.conftest import free_port\n",
+        "tests/__init__.py": "",
+        "tests/conftest.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    modules = build_graph(tmp_path)
+    chains = heavy_paths("launcher.cli", modules)
+    assert (
+        chains
+        and chains[0].startswith("launcher.cli -> ")
+        and chains[0].split(" (line")[0].endswith("runtime.capture.engine -> torch")
+    )
+    arrows = arrow_violations(modules, tmp_path)
+    assert any("runtime/moe/loader.py:5 imports runtime.capture.engine" in a for a in arrows), arrows
+    assert any("tools/bench.py:1 imports tests.conftest" in a for a in arrows), arrows
+    assert not any("tests.x" in a for a in arrows), "TYPE_CHECKING imports never run"
+    assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
