@@ -26,7 +26,14 @@ from tests.support.launcher_cli import probe_overrides
 from tests.test_e2e_tiny import final_weights, metrics, prompt_rows
 from tests.test_sglang_server import require_capture_venv
 
-pytestmark = [pytest.mark.sglang_server, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
+# Each run starts the CPU server (2-4 minutes on a busy 2-core machine) before the trainer can step.
+pytestmark = [
+    pytest.mark.sglang_server,
+    pytest.mark.slow,
+    pytest.mark.mooncake,
+    pytest.mark.distributed,
+    pytest.mark.timeout(2700),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 1500.0
