@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-from runtime.transport.contract import contract_problems
 
 from runtime.capture.engine import CaptureRequest
 from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
@@ -47,6 +46,7 @@ from runtime.capture.sglang_cpu import (
     tiny_asset_overrides,
 )
 from runtime.recipe.loader import ResolvedRecipe
+from runtime.shared.contracts import sample_problems
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.mooncake, pytest.mark.slow]
@@ -141,7 +141,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     with open_consumer(live.resolved, 0, recipe.trainer_world_size, endpoints=live.endpoints) as consumer:
         for request in requests:
             got = consumer.fetch(request.g)
-            assert contract_problems(got, aux, hidden, recipe.data.max_length) == []
+            assert sample_problems(got, aux, hidden, recipe.data.max_length) == []
             assert got.ids.tolist() == list(request.input_ids)
             assert got.mask.tolist() == list(request.loss_mask)
             assert got.meta["engine"] == "sglang" and got.meta["row_id"] == request.row_id
