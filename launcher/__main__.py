@@ -1,4 +1,4 @@
-"""``python -m launcher``: see launcher.cli."""
+"""``python3 -m launcher``: see launcher.cli."""
 
 import sys
 

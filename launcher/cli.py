@@ -1,12 +1,13 @@
 """Command line of the launcher.
 
-    python -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB] [--set k=v ...]
-    python -m launcher status JOB
-    python -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
-    python -m launcher cancel JOB
-    python -m launcher gate JOB              (the smoke gate's table for a --smoke job)
-    python -m launcher render [RECIPE ...] [--check]
-    python -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
+    python3 -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB] [--set k=v ...]
+    python3 -m launcher status JOB
+    python3 -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
+    python3 -m launcher cancel JOB
+    python3 -m launcher gate JOB              (the smoke gate's table for a --smoke job)
+    python3 -m launcher plots JOB             (plots/ of a job's metrics: losses, per-slot accuracy, tau, ...)
+    python3 -m launcher render [RECIPE ...] [--check]
+    python3 -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
 
 RECIPE is a name in recipes/ (``tiny``) or a path. JOB is a job id, a job folder, or ``latest``.
 """
@@ -15,21 +16,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from launcher import control, gate, jobs
 from launcher.environment import COMPONENTS
+from launcher.inputs import InputPreparationError, prepare_missing_inputs
 from launcher.plan import make_plan
+from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
+from launcher.slurm_state import SLURM_FIX
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
 from runtime.recipe.loader import atomic_write_text, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
-SUBCOMMANDS = ("status", "logs", "cancel", "gate", "render", "resolve")
+SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "render", "resolve")
 
 
 class LaunchError(RuntimeError):
@@ -64,9 +67,9 @@ def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _submit_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher",
+        prog="python3 -m launcher",
         description="Submit a DSpark recipe as one heterogeneous Slurm job (capture + trainer).",
-        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | render [RECIPE...] | resolve RECIPE",
+        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | plots JOB | render [RECIPE...] | resolve RECIPE",
     )
     _add_recipe_arguments(parser)
     mode = parser.add_mutually_exclusive_group()
@@ -164,6 +167,8 @@ def submit(args: argparse.Namespace) -> int:
             print(f"# plan blocker: {finding.message}")
         return 0
     _check_environment_references(loaded)
+    if not args.probe:  # the probe reads neither the target nor the data
+        prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
         return run_smoke_gate(loaded, args)
     _refuse_on_preflight_failure(loaded, args.allow_blockers)
@@ -191,7 +196,7 @@ def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace) -> int:
     else:
         record = submit_slurm(loaded, job_dir, args.probe)
         if args.no_wait:
-            print(f"not waiting: python -m launcher gate {record.job_id} prints the gate once the job ended")
+            print(f"not waiting: python3 -m launcher gate {record.job_id} prints the gate once the job ended")
             return 0
         _wait_for_job(record)
     return _finish_gate(record)
@@ -207,10 +212,10 @@ def _wait_for_job(record: jobs.JobRecord, report_every_s: float = 30.0, poll_s: 
             return report.state
         now = time.monotonic()
         if now - last_report >= report_every_s:
-            states = ", ".join(f"{c.name} {c.state}" for c in report.components)
+            states = ", ".join(c.describe() for c in report.components)
             print(
                 f"[gate] waiting for job {record.job_id} ({states}); {now - started:.0f} s so far; Ctrl-C stops "
-                f"waiting (the job keeps running: python -m launcher gate {record.job_id})",
+                f"waiting (the job keeps running: python3 -m launcher gate {record.job_id})",
                 flush=True,
             )
             last_report = now
@@ -247,17 +252,9 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
 
 def _plot_metrics(job_dir: Path) -> None:
     """Plots of the run's metrics into ``plots/`` (tools/compare_runs with one run)."""
-    if not (job_dir / "metrics.jsonl").exists():
-        return
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / "plots")],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        print(f"  (plots failed: {done.stderr.strip()[-300:]})")
+    ok, message = plot_metrics(job_dir, REPO_ROOT)
+    if not ok and (job_dir / "metrics.jsonl").exists():
+        print(f"  ({message})")
 
 
 def _print_outputs(job_dir: Path) -> None:
@@ -296,9 +293,9 @@ def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRe
     jobs.write_record(record, _runs_dir(loaded))
     print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer hetjob")
     print(f"  folder  {_display_path(job_dir)}")
-    print(f"  status  python -m launcher status {job.job_id}")
-    print(f"  logs    python -m launcher logs {job.job_id} --follow")
-    print(f"  cancel  python -m launcher cancel {job.job_id}")
+    print(f"  status  python3 -m launcher status {job.job_id}")
+    print(f"  logs    python3 -m launcher logs {job.job_id} --follow")
+    print(f"  cancel  python3 -m launcher cancel {job.job_id}")
     return record
 
 
@@ -306,7 +303,7 @@ def resolve(argv: list[str]) -> int:
     """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
     from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
 
-    parser = argparse.ArgumentParser(prog="python -m launcher resolve")
+    parser = argparse.ArgumentParser(prog="python3 -m launcher resolve")
     _add_recipe_arguments(parser)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
@@ -334,7 +331,7 @@ def resolve(argv: list[str]) -> int:
 
 def render(argv: list[str]) -> int:
     """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
-    parser = argparse.ArgumentParser(prog="python -m launcher render")
+    parser = argparse.ArgumentParser(prog="python3 -m launcher render")
     parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
     parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
     parser.add_argument("--stdout", action="store_true", help="print instead of writing")
@@ -355,14 +352,14 @@ def render(argv: list[str]) -> int:
             atomic_write_text(target, text)
             print(f"wrote {_display_path(target)}")
     if stale:
-        print(f"out of date: {', '.join(stale)}; run `python -m launcher render`", file=sys.stderr)
+        print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
         return 1
     return 0
 
 
 def job_command(command: str, argv: list[str]) -> int:
     """``status`` / ``logs`` / ``cancel``."""
-    parser = argparse.ArgumentParser(prog=f"python -m launcher {command}")
+    parser = argparse.ArgumentParser(prog=f"python3 -m launcher {command}")
     parser.add_argument("job", help="job id, job folder, or 'latest' (the most recent submission)")
     parser.add_argument(
         "--runs-dir",
@@ -378,6 +375,12 @@ def job_command(command: str, argv: list[str]) -> int:
     record = jobs.find_record(args.job, args.runs_dir)
     if command == "status":
         report = control.job_report(record)
+        if report.slurm_unreachable:
+            print(
+                f"error: cannot tell the state of job {record.job_id}: {report.note}\n  {SLURM_FIX}",
+                file=sys.stderr,
+            )
+            return 3
         print(report.render())
         return 1 if report.failed else 0
     if command == "cancel":
@@ -385,6 +388,13 @@ def job_command(command: str, argv: list[str]) -> int:
         return 0
     if command == "gate":
         return _finish_gate(record)
+    if command == "plots":
+        ok, message = plot_metrics(Path(record.job_dir), REPO_ROOT)
+        print(message if ok else f"error: {message}", file=sys.stdout if ok else sys.stderr)
+        if ok:
+            for png in sorted((Path(record.job_dir) / "plots").glob("*.png")):
+                print(f"  {_display_path(png)}")
+        return 0 if ok else 1
     control.print_logs(record, args.component, args.rank, args.follow)
     return 0
 
@@ -401,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 return resolve(rest)
             return job_command(command, rest)
         return submit(_submit_parser().parse_args(argv))
-    except (RecipeError, LaunchError, FileNotFoundError) as exc:
+    except (RecipeError, LaunchError, InputPreparationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,7 +14,7 @@ from submitit.core import utils
 
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, read_local_status
-from launcher.slurm_state import ComponentState, fold_state, parse_sacct, query_sacct
+from launcher.slurm_state import ComponentState, SlurmUnreachableError, fold_state, parse_sacct, query_sacct
 
 TERMINAL_JOB_STATES = {
     "COMPLETED",
@@ -44,6 +44,12 @@ class ComponentReport:
     exit_code: str = ""
     nodes: str = ""
     elapsed: str = ""
+    reason: str = ""
+    """Why a pending component waits (sacct's Reason), empty otherwise."""
+
+    def describe(self) -> str:
+        """``trainer PENDING (Resources)``, or ``capture RUNNING``."""
+        return f"{self.name} {self.state}" + (f" ({self.reason})" if self.reason else "")
 
 
 @dataclass
@@ -54,6 +60,8 @@ class JobReport:
     state: str
     components: list[ComponentReport]
     note: str = ""
+    slurm_unreachable: bool = False
+    """sacct could not be asked: the state is unknown, not merely pending."""
 
     @property
     def failed(self) -> bool:
@@ -98,15 +106,17 @@ def job_report(record: JobRecord) -> JobReport:
     if record.mode == "local":
         return _local_report(record)
     note = ""
+    unreachable = False
     try:
         components = parse_sacct(query_sacct(record.job_id), record.job_id)
-    except RuntimeError as exc:
-        components, note = {}, str(exc)
+    except SlurmUnreachableError as exc:
+        components, note, unreachable = {}, str(exc), True
     reports = []
     for group, (name, tasks) in enumerate(record.components.items()):
         sacct: ComponentState | None = components.get(group)
         results = _task_results(record, name, tasks)
-        state = sacct.state.split()[0] if sacct else "UNKNOWN"
+        # Not listed yet right after submission: the job waits to be scheduled.
+        state = sacct.state.split()[0] if sacct else ("UNKNOWN" if unreachable else "PENDING")
         if any(r == "error" for r in results.values()) and state in {"RUNNING", "COMPLETING", "UNKNOWN"}:
             state = "FAILED"
         reports.append(
@@ -119,6 +129,7 @@ def job_report(record: JobRecord) -> JobReport:
                 exit_code=sacct.exit_code if sacct else "",
                 nodes=sacct.nodes if sacct else "",
                 elapsed=sacct.elapsed if sacct else "",
+                reason=sacct.reason if sacct and state in {"PENDING", "REQUEUED"} else "",
             )
         )
     if components:
@@ -129,7 +140,7 @@ def job_report(record: JobRecord) -> JobReport:
         state = "UNKNOWN"
     if any(r.state == "FAILED" for r in reports) and state not in TERMINAL_JOB_STATES:
         state = "FAILED"
-    return JobReport(record=record, state=state, components=reports, note=note)
+    return JobReport(record=record, state=state, components=reports, note=note, slurm_unreachable=unreachable)
 
 
 def _local_report(record: JobRecord) -> JobReport:

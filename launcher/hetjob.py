@@ -139,7 +139,7 @@ class ComponentJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         raise RuntimeError(
-            "a hetjob payload runs through `python -m launcher.worker --component NAME`, one per srun task"
+            "a hetjob payload runs through `python3 -m launcher.worker --component NAME`, one per srun task"
         )
 
     def checkpoint(self, *args: tp.Any, **kwargs: tp.Any) -> utils.DelayedSubmission:

@@ -9,6 +9,7 @@ manual sbatch)::
     submitit/              payload and per-task result pickles
     logs/{job}_{component}_{rank}.out   one log per component task
     local_status.json      component states of a --local run
+    capture.stop           the trainer has ended: capture workers stop (Slurm mode)
 
 ``{runs_dir}/jobs/{job id}`` links to the folder so that ``status JOB`` can find it by id.
 """
@@ -26,6 +27,9 @@ from runtime.recipe.loader import atomic_write_text
 
 JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
+CAPTURE_STOP_FILENAME = "capture.stop"
+"""Written into the job folder by the batch script once the trainer has ended: the capture
+workers stop their component and end successfully (the step ends COMPLETED, not CANCELLED)."""
 INDEX_DIRNAME = "jobs"
 LATEST_ALIAS = "latest"
 """``{runs_dir}/jobs/latest`` links to the most recently submitted job."""

@@ -275,33 +275,82 @@ def _capture_fit(recipe: Recipe, plan: Plan) -> None:
 
 
 def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:
+    """What to do about a target that does not fit, most practical first, each with the exact
+    ``--set`` line (or why it is not available)."""
     from runtime.shared.sglang_fit import offload_support_0_5_23
 
-    if "offloaded_expert_bytes" in numbers:
-        offload = (
-            f"offload routed experts to host memory: {numbers['offloaded_expert_bytes'] / GB:,.0f} GB of experts "
-            f"off HBM, {numbers['host_bytes_offload'] / GB:,.0f} GB of host RAM with the Mooncake segment, "
-            f"{numbers['pcie_bytes_per_prefill'] / GB:,.0f} GB over PCIe per prefill "
-            f"(about {numbers['pcie_seconds_per_prefill']:.1f} s)"
+    options = []
+    two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")
+    gpus = recipe.job.capture.gpus_per_node
+    if recipe.capture.engine == "sglang" and gpus:
+        per_gpu = f" ({two_nodes / GB:,.1f} GB of weights per GPU)" if two_nodes else ""
+        options.append(
+            f"two capture nodes, TP across them{per_gpu}: --set job.capture.nodes=2 "
+            f"--set capture.sglang.tp_size={2 * gpus * recipe.job.capture.nodes}"
         )
-    else:
-        offload = (
-            f"offload routed experts to host memory (at least {shortfall / GB:,.0f} GB of experts, plus "
-            "PCIe traffic on every prefill)"
+        options.append(
+            "larger-memory GPUs (8 x 288 GB B300): --set plan.accelerator=B300 "
+            "--set plan.accelerator_memory_bytes=288GB --set capture.sglang.moe_runner_backend=flashinfer_mxfp4"
         )
+    experts = numbers.get("offloaded_expert_bytes", shortfall)
+    offload = f"expert offload to host memory ({experts / GB:,.0f} GB of experts"
+    if "pcie_seconds_per_prefill" in numbers:
+        offload += f", about {numbers['pcie_seconds_per_prefill']:.1f} s of PCIe per prefill"
+    offload += ")"
     reasons = offload_support_0_5_23(recipe) if recipe.capture.engine == "sglang" else []
     if reasons:
-        offload += "; SGLang 0.5.23 cannot do it for this recipe: " + "; ".join(reasons)
-    two_nodes = numbers.get("weights_per_gpu_two_nodes_bytes")
-    second = "a second capture node (TP16 / two nodes, as published H200 serving setups use)"
-    if two_nodes:
-        second += f": {two_nodes / GB:,.1f} GB of weights per GPU"
-    return (
-        offload,
-        second,
-        "larger-memory GPUs on the capture node (8 x 288 GB B300 hold it; MXFP4 Marlin needs SM90/SM120, "
-        "so use --moe-runner-backend flashinfer_mxfp4 there)",
+        offload += f": not possible with SGLang 0.5.23 here ({len(reasons)} reasons: patches/sglang/README.md)"
+    options.append(offload)
+    return tuple(options)
+
+
+def _commit_overlap(
+    recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], sample: SampleSize, capture_units: int
+) -> None:
+    """The capture side's commit (the Mooncake put of each sample): hidden behind the next forward
+    by the commit pipeline, or added to the capture time without it."""
+    cap = recipe.capture
+    commit_s = sample.total_bytes / (recipe.plan.store_put_gbps * 1e9)
+    # SGLang: one sink per server (TP group); embedded: one pipeline per replica, one batch each.
+    slots = cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else capture_units)
+    if slots:
+        stages["capture"] = max(stages["capture"], commit_s)
+        how = (
+            f"overlapped with the next forward ({slots} staging slot(s), capture.commit_staging_slots; "
+            f"{format_bytes(slots * sample.feature_bytes)} pinned host memory)"
+        )
+    else:
+        stages["capture"] += commit_s
+        how = "added to the capture: capture.commit_staging_slots is 0 (no pipeline)"
+    rows.append(
+        (
+            "commit s/sample",
+            f"{commit_s:.3f} s  (Mooncake put at {recipe.plan.store_put_gbps:g} GB/s, checksums on the GPU), {how}",
+        )
     )
+
+
+def _capture_once_projection(
+    recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], plan: Plan, steps: int
+) -> None:
+    """What capturing each row once would give (the node-local feature cache of DESIGN section 9,
+    not built yet): the first epoch at the capture rate, later epochs at the trainer's."""
+    rows_count = recipe.data.num_rows or 0
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    later = samples - first
+    later_s = stages["train"]  # a lower bound: reading the cache off local disk is not modelled
+    seconds = first * stages["capture"] + later * later_s
+    idle = 1.0 - samples * stages["train"] / seconds if seconds else 0.0
+    rows.append(
+        (
+            "if each row were captured once",
+            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%} ({first} captures at {stages['capture']:.3f} s, then "
+            f"{later} samples at the trainer's {later_s:.3f} s, cache reads not modelled: a lower bound; needs the "
+            "node-local feature cache, NOT BUILT: this recipe captures every epoch again)",
+        )
+    )
+    plan.numbers.update(capture_once_run_seconds=seconds, capture_once_trainer_idle_fraction=idle)
 
 
 def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
@@ -327,6 +376,8 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
                 f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
             )
         )
+    if "capture" in stages:
+        _commit_overlap(recipe, rows, stages, sample, capture_units)
     link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
     stages["transfer"] = sample.total_bytes / link_bytes_s
     rows.append(
@@ -362,6 +413,8 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
             ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
         )
         plan.numbers.update(steps=steps, run_seconds=seconds)
+        if "capture" in stages and recipe.trainer.epochs > 1:
+            _capture_once_projection(recipe, rows, stages, plan, steps)
     plan.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
     plan.numbers.update(trainer_idle_fraction=idle)
     plan.sections.append(("throughput model", rows))

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.environment import COMPONENTS
+from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import Recipe
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
 
 PREEMPT_SIGNAL = "USR2"
+CAPTURE_STOP_WAIT_S = 60
+"""How long the batch script waits for the capture workers to stop after the trainer ended."""
 """Signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default)."""
 
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -73,8 +76,8 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
     lines = [
         "#!/bin/bash",
         f"# DSpark job '{job.name}': one heterogeneous Slurm job, two components.",
-        f"# Rendered by `python -m launcher render` from {options.recipe_file}. Do not edit by hand:",
-        "# change the recipe and render again (tests/test_launcher_golden.py keeps sbatch/ equal).",
+        f"# Rendered by `python3 -m launcher render` from {options.recipe_file}. Do not edit by hand:",
+        "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
     ]
     if manual:
         lines += [
@@ -182,6 +185,7 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
     lines += [
         f'export {contracts.ENV_SLURM_JOB_ID}="$SLURM_JOB_ID"',
         'mkdir -p "$DSPARK_JOB_DIR/logs"',
+        f'rm -f "$DSPARK_JOB_DIR/{CAPTURE_STOP_FILENAME}"',
         "# The launcher resolves the recipe before submitting; a manual sbatch resolves it here.",
         'if [ ! -f "$DSPARK_JOB_DIR/recipe.resolved.json" ]; then',
         f'  {python} -m launcher resolve "$DSPARK_RECIPE_FILE" --job-dir "$DSPARK_JOB_DIR" '
@@ -231,6 +235,10 @@ def _supervision() -> list[str]:
         '  if ! kill -0 "$TRAINER_PID" 2>/dev/null; then',
         '    wait "$TRAINER_PID"; rc=$?',
         '    echo "[dspark] trainer finished with exit code $rc; stopping capture"',
+        "    # The capture workers see the stop file, stop their component and end with success; a",
+        "    # signal to srun would end the step CANCELLED. Signal only if they do not end in time.",
+        f'    touch "$DSPARK_JOB_DIR/{CAPTURE_STOP_FILENAME}"',
+        f'    for _ in $(seq {CAPTURE_STOP_WAIT_S // 2}); do kill -0 "$CAPTURE_PID" 2>/dev/null || break; sleep 2; done',
         '    kill -TERM "$CAPTURE_PID" 2>/dev/null; wait "$CAPTURE_PID" 2>/dev/null',
         "    exit $rc",
         "  fi",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList", "Reason")
 
 PENDING_STATES = {"PENDING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
 ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
@@ -29,6 +29,8 @@ class ComponentState:
     exit_code: str = ""
     elapsed: str = ""
     nodes: str = ""
+    reason: str = ""
+    """Why a pending component waits (sacct's Reason: ``Resources``, ``Priority`` ...)."""
     steps: dict[str, str] = field(default_factory=dict)
     """Step id (``batch``, ``0`` ...) -> state."""
 
@@ -76,6 +78,7 @@ def parse_sacct(text: str, job_id: str) -> dict[int, ComponentState]:
             exit_code=row.get("ExitCode", ""),
             elapsed=row.get("Elapsed", ""),
             nodes=row.get("NodeList", ""),
+            reason="" if row.get("Reason", "") in ("", "None") else row.get("Reason", ""),
         )
     for offset, step, state in steps:
         if offset in components:
@@ -102,15 +105,27 @@ def fold_state(components: dict[int, ComponentState]) -> str:
     return "RUNNING"
 
 
+class SlurmUnreachableError(RuntimeError):
+    """sacct is missing, does not answer, or cannot reach the Slurm database."""
+
+
+SLURM_FIX = (
+    "fix: run this on a login node of the cluster that ran the job; on this machine's test cluster, "
+    "start it with `tools/slurm_local up` (`tools/slurm_local status` says what runs)"
+)
+"""What to do when Slurm cannot be reached."""
+
+
 def query_sacct(job_id: str, timeout_s: float = 30.0) -> str:
-    """Run sacct for ``job_id`` (all components and steps); raises RuntimeError when unavailable."""
+    """Run sacct for ``job_id`` (all components and steps); raises SlurmUnreachableError when unavailable."""
     command = ["sacct", "-j", job_id, "-o", ",".join(SACCT_FIELDS), "--parsable2", "--noconvert"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError as exc:
-        raise RuntimeError("sacct is not installed here: run status on a Slurm login node") from exc
+        raise SlurmUnreachableError("sacct is not installed here") from exc
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"sacct did not answer within {timeout_s:.0f} s") from exc
+        raise SlurmUnreachableError(f"sacct did not answer within {timeout_s:.0f} s") from exc
     if done.returncode != 0:
-        raise RuntimeError(f"sacct failed ({done.returncode}): {done.stderr.strip()}")
+        first = next((line for line in done.stderr.splitlines() if line.strip()), "no error text")
+        raise SlurmUnreachableError(f"sacct cannot reach Slurm (exit {done.returncode}: {first.strip()})")
     return done.stdout

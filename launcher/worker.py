@@ -1,4 +1,4 @@
-"""``python -m launcher.worker --component NAME --job-dir DIR``: one srun task of a hetjob.
+"""``python3 -m launcher.worker --component NAME --job-dir DIR``: one srun task of a hetjob.
 
 Loads the submitit payload, derives the task's environment from its own het group's Slurm
 variables, runs the component's runtime entry point as a child, and writes a submitit result file
@@ -23,9 +23,13 @@ from submitit.slurm.slurm import SlurmJobEnvironment
 from launcher.component import signal_group, start_component, stop_process
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
+from launcher.jobs import CAPTURE_STOP_FILENAME
+from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 from runtime.shared import contracts
 
+STOP_POLL_S = 1.0
+"""How often a capture task looks for the batch script's stop file."""
 SUBMISSION_WAIT_S = 120.0
 """How long a task waits for the payload pickle (submitit writes it just after sbatch returns)."""
 
@@ -81,7 +85,7 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"waited {SUBMISSION_WAIT_S:.0f} s for the job payload {path}; it is written by "
-                "`python -m launcher` after sbatch returns, or by `launcher resolve` in a manual sbatch"
+                "`python3 -m launcher` after sbatch returns, or by `launcher resolve` in a manual sbatch"
             )
         time.sleep(1)
     return utils.DelayedSubmission.load(path)
@@ -89,7 +93,7 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one component task; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m launcher.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m launcher.worker", description=__doc__)
     parser.add_argument("--component", required=True, choices=COMPONENTS)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--probe", action="store_true", help="run the environment probe instead of the runtime")
@@ -130,7 +134,17 @@ def main(argv: list[str] | None = None) -> int:
             requeue_count=max(payload.requeue_count, int(env.get("SLURM_RESTART_COUNT") or 0)),
         )
         handler.child = child
-        code = child.wait()
+        stopped_on_request = False
+        stop_file = job_dir / CAPTURE_STOP_FILENAME
+        while (code := child.poll()) is None:
+            if args.component == "capture" and not stopped_on_request and stop_file.exists():
+                # The trainer is done; the capture component has nothing left to serve.
+                print(f"{log} the trainer has ended ({stop_file.name}); stopping the capture component", flush=True)
+                stopped_on_request = True
+                stop_process(child)
+            time.sleep(STOP_POLL_S)
+        if stopped_on_request:
+            code = 0
         if handler.stopped_by_signal:
             print(f"{log} stopped by a signal (exit {code}); no result file", flush=True)
             return 128 + signal.SIGTERM
@@ -146,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)
         print(f"{log} finished in {result['elapsed_s']} s", flush=True)
+        if args.component == "trainer" and placement.rank == 0:
+            ok, message = plot_metrics(job_dir, resolved.repo_root)
+            print(f"{log} {message}", flush=True)
         return 0
     except Exception:
         trace = traceback.format_exc()

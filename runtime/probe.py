@@ -1,4 +1,4 @@
-"""``python -m runtime.probe --recipe RESOLVED --component NAME``: check the environment contract.
+"""``python3 -m runtime.probe --recipe RESOLVED --component NAME``: check the environment contract.
 
 A probe job has the shape of the real job but runs this instead of the runtime. Each task records
 what it received into ``{job_dir}/probe/{component}_{rank}.json``, and the probe exercises the
@@ -108,7 +108,7 @@ def _trainer_all_reduce() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the probe for one task; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.probe", description=__doc__)
     parser.add_argument("--recipe", required=True, type=Path)
     parser.add_argument("--component", required=True, choices=("capture", "trainer"))
     args = parser.parse_args(argv)

@@ -121,3 +121,16 @@ def sglang_tiny_assets(request: pytest.FixtureRequest) -> Path:
     another process holds the shared cache's build lock)."""
     prebuilt = os.environ.get("DSPARK_TINY_ASSETS_DIR")
     return Path(prebuilt) if prebuilt else request.getfixturevalue("tiny_assets")
+
+
+def copy_repository(destination: Path, share_cache: bool) -> Path:
+    """A copy of the checkout's sources (no .git, .venv, runs/), so that a test's jobs never write into
+    the user's runs/. ``share_cache`` links its .cache to the checkout's (the built tiny target);
+    without it the copy starts like a fresh clone."""
+    import shutil
+
+    ignored = shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "__pycache__", "*.egg-info", ".*_cache")
+    shutil.copytree(REPO_ROOT, destination, ignore=ignored, symlinks=True)
+    if share_cache:
+        (destination / ".cache").symlink_to(REPO_ROOT / ".cache")
+    return destination

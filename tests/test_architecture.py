@@ -201,7 +201,7 @@ def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
 
 def test_the_graph_sees_the_repository() -> None:
     modules = build_graph()
-    assert {"launcher.cli", "runtime.shared.contracts", "runtime.trainer.loop", "tools.check_patch"} <= set(modules)
+    assert {"launcher.cli", "runtime.shared.contracts", "runtime.trainer.loop", "tools.patch_check"} <= set(modules)
     assert "runtime.shared.contracts" in modules["runtime.trainer.loop"].repo_imports
     assert "torch" in modules["runtime.trainer.loop"].external
 

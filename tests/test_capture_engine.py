@@ -259,3 +259,57 @@ def test_gpu_bf16_capture_matches_a_reference_forward(target: Path) -> None:
         assert tensors["hs"].dtype == torch.bfloat16
     finally:
         gpu.close()
+
+
+def test_pipelined_commits_equal_the_synchronous_ones(target: Path) -> None:
+    """The same samples, byte for byte and in the same order, with 2 staging slots as without any;
+    ``capture`` returns what finished, ``pending`` names the rest, ``flush`` waits for them."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.committed: list[tuple[int, dict, dict]] = []
+
+        def commit(self, g, tensors, meta):
+            self.committed.append((g, {k: v.clone() for k, v in tensors.items()}, dict(meta)))
+            return 10 + g
+
+    batches = [_requests(seed=1), [dataclasses.replace(r, g=r.g + 10) for r in _requests((9, 20), seed=2)]]
+    recorded = {}
+    for slots in (0, 2):
+        sink = Recorder()
+        engine = EmbeddedEngine(_settings(target, commit_staging_slots=slots), sink)
+        engine.start()
+        try:
+            refs = [ref for batch in batches for ref in engine.capture(batch)]
+            assert engine.pending() <= {r.g for batch in batches for r in batch}
+            refs += engine.flush()
+            assert engine.pending() == set() and engine.flush() == []
+        finally:
+            engine.close()
+        assert [r.g for r in refs] == [r.g for batch in batches for r in batch]
+        assert [r.bytes_written for r in refs] == [10 + r.g for r in refs]
+        recorded[slots] = sink.committed
+    assert [c[0] for c in recorded[0]] == [c[0] for c in recorded[2]]
+    for (_, sync_tensors, sync_meta), (_, piped_tensors, piped_meta) in zip(recorded[0], recorded[2], strict=True):
+        assert sync_meta == piped_meta
+        for name, tensor in sync_tensors.items():
+            assert torch.equal(piped_tensors[name], tensor), name
+
+
+def test_a_failed_pipelined_commit_stops_the_next_capture(target: Path) -> None:
+    from runtime.capture.commit_pipeline import CommitError
+
+    class Refuses:
+        def commit(self, g, tensors, meta):
+            raise OSError(f"store full at g={g}")
+
+    engine = EmbeddedEngine(_settings(target, commit_staging_slots=1), Refuses())
+    engine.start()
+    try:
+        with pytest.raises(CommitError, match="committing sample g=100 failed: store full at g=100"):
+            engine.capture(_requests())
+            engine.flush()
+        with pytest.raises(CommitError, match="g=100"):
+            engine.capture(_requests())
+    finally:
+        engine.close()

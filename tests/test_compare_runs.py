@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from tools.compare_runs import deviations, load_run, write_plots
+from tools.compare_runs import deviations, load_run, smooth, write_plots
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,3 +86,44 @@ def test_single_run_plots(tmp_path: Path) -> None:
     run = load_run(make_run(tmp_path / "a", [2.0, 1.0, 0.5, 0.2], "h"))
     written = write_plots([run], tmp_path / "plots")
     assert (tmp_path / "plots" / "loss.png") in written
+
+
+def test_learning_metrics_come_before_timing_noise(tmp_path: Path) -> None:
+    a = load_run(make_run(tmp_path / "a", [2.0, 1.5, 2.5, 1.0], "h"))
+    b = load_run(make_run(tmp_path / "b", [2.0, 1.5, 2.0, 1.0], "h"))
+    for values in b.steps.values():  # timing differs far more than the loss (50% against 20%)
+        values["tokens_per_s"] = 50.0
+    order = [d.metric for d in deviations(a, b)]
+    assert order.index("loss") < order.index("tokens_per_s") and set(order[-2:]) == {
+        "data_wait_fraction",
+        "tokens_per_s",
+    }
+
+
+def test_smoothing_is_a_trailing_mean_and_per_slot_metrics_get_small_multiples(tmp_path: Path) -> None:
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rows = [{"step": s, "loss": 3 - s / 100, **{f"acc@{k}": 0.9 - 0.1 * k for k in range(7)}} for s in range(1, 101)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = write_plots([load_run(folder)], tmp_path / "plots")
+    assert {p.name for p in written} == {"loss.png", "accuracy.png"}
+
+
+def test_launcher_plots_draws_a_jobs_plots(tmp_path: Path) -> None:
+    import sys
+
+    from launcher.jobs import JobRecord, write_record
+
+    runs = tmp_path / "runs"
+    job_dir = make_run(runs / "tiny" / "stamp", [2.0, 1.5, 1.2, 1.0], "h")
+    write_record(JobRecord("91", "slurm", "tiny", str(job_dir), "recipes/tiny.yaml", "0" * 64, False, False), runs)
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "plots", "91", "--runs-dir", str(runs)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (job_dir / "plots" / "loss.png").exists() and "loss.png" in done.stdout

@@ -6,6 +6,7 @@ by a second submission with resume_from: auto reaches the same weights as an uni
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def run_tiny(mode: str, runs: Path, *overrides: str) -> Path:
     done = launch([*args, "--local"] if mode == "local" else args)
     assert done.returncode == 0, done.stdout + done.stderr
     (job_dir,) = set((runs / "tiny").iterdir()) - before
+    if mode == "local":
+        assert_healthy_console(done.stdout + done.stderr, job_dir)
     if mode == "slurm":
         record = find_record(str(job_dir), runs)
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -39,7 +42,24 @@ def run_tiny(mode: str, runs: Path, *overrides: str) -> Path:
             assert time.monotonic() < deadline, f"job {record.job_id} still {state}"
             time.sleep(3)
         assert state == "COMPLETED", launch(["logs", str(job_dir)]).stdout[-4000:]
+        # Both components end cleanly: the capture is stopped through the stop file, not cancelled.
+        states = {c.name: (c.state, c.results) for c in job_report(record).components}
+        assert states["capture"] == ("COMPLETED", {0: "success"}), states
+        assert states["trainer"][0] == "COMPLETED", states
+        assert_healthy_console(launch(["logs", str(job_dir)]).stdout, job_dir)
     return job_dir
+
+
+GLOG_LINE = re.compile(r"^(\[\w+\] )?[EWF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
+
+
+def assert_healthy_console(console: str, job_dir: Path) -> None:
+    """A healthy run's console has no glog error/warning lines, no cancelled step and no transformers
+    load report; Mooncake's native output went to the task's native log instead."""
+    assert not GLOG_LINE.findall(console), [m for m in console.splitlines() if GLOG_LINE.match(m)][:5]
+    assert "UNEXPECTED" not in console and "CANCELLED" not in console and "REPLICA_IS_NOT_READY" not in console
+    native = job_dir / "logs" / "native_capture_0.log"
+    assert native.exists() and "metadata not found" in native.read_text(errors="replace"), "glog lines are kept there"
 
 
 def metrics(job_dir: Path) -> list[dict]:

@@ -3,11 +3,15 @@ in order, as one script from the repository root, on the real local Slurm cluste
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import copy_repository
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 
@@ -34,11 +38,26 @@ def test_runbook_has_the_tiny_procedure() -> None:
         assert command in script, f"RUNBOOK.md's tested blocks lack {command!r}"
 
 
-def test_runbook_runbook_blocks_run_as_written(slurm_cluster, tiny_assets) -> None:
+def runs_state(repo: Path) -> tuple[list[str], str | None]:
+    """What a user sees of the repository's runs/: its job folders and where jobs/latest points."""
+    runs = repo / "runs"
+    folders = sorted(str(p.relative_to(runs)) for p in runs.glob("*/*")) if runs.exists() else []
+    latest = runs / "jobs" / "latest"
+    return folders, (os.readlink(latest) if latest.is_symlink() else None)
+
+
+def test_runbook_runbook_blocks_run_as_written(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
+    before = runs_state(REPO)
+    copy = copy_repository(tmp_path / "repo", share_cache=True)
     script = "set -euo pipefail\n" + "\n".join(runbook_blocks())
-    done = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    # The interpreter running the tests (the project venv) is the runbook's python3, as after
+    # `source .venv/bin/activate`.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "-c", script], cwd=copy, env=env, capture_output=True, text=True, timeout=1800)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
+    assert runs_state(REPO) == before, "the runbook test must leave the user's runs/ and runs/jobs/latest alone"
+    assert (copy / "runs" / "jobs" / "latest").is_symlink()
     assert "smoke gate: PASS" in output
     assert "BLOCKER" in output and "exceed the capture node's HBM" in output, "the K3 plan is honest"
     assert "#SBATCH hetjob" in output

@@ -18,6 +18,7 @@ from runtime.capture.sglang_sink import (
     SinkSettings,
     capture_from_sglang,
     close_sinks,
+    flush_sinks,
     row_span,
     slice_rows,
     split_packed,
@@ -197,6 +198,44 @@ def test_only_the_output_rank_commits_and_every_rank_reports_the_same_shapes() -
         assert meta["capture_patch"] == "kimi_k3_dspark_sglang_0.5.23/1" and meta["target_revision"] == "tiny-v1"
 
 
+def test_a_pipelined_sink_queues_commits_in_order_and_reports_a_failed_one() -> None:
+    lengths = [4, 9, 2]
+    aux, last = _packed(lengths, 3 * H, seed=4), _packed(lengths, H, seed=5)
+
+    class FailsAt21(RecordingProducer):
+        def commit(self, g, tensors, meta):
+            if g == 21:
+                raise OSError("segment full")
+            return super().commit(g, tensors, meta)
+
+    producer = FailsAt21()
+    sink = CaptureSink(_settings(), producer, commit_slots=2)
+    try:
+        receipts = []
+        start = 0
+        for i, n in enumerate(lengths[:2]):
+            receipts.append(
+                sink.capture(
+                    ticket=_ticket(20 + i, [1] * n),
+                    input_ids=list(range(n)),
+                    aux_rows=slice_rows(aux, start, n),
+                    last_rows=slice_rows(last, start, n),
+                )
+            )
+            start += n
+        assert [r["status"] for r in receipts] == ["queued", "queued"]
+        assert receipts[0]["bytes_written"] == 4 * (8 + 1 + 4 * H * 2)
+        sink.pipeline.drain(timeout_s=30)
+        assert [g for g, _, _ in producer.commits] == [20]
+        assert torch.equal(producer.commits[0][1]["hs"], aux[:4])
+        with pytest.raises(
+            CaptureSinkError, match="sample g=22 not queued: .*committing sample g=21 failed: segment full"
+        ):
+            sink.capture(ticket=_ticket(22, [1, 1]), input_ids=[1, 2], aux_rows=aux[13:], last_rows=last[13:])
+    finally:
+        sink.pipeline.close()
+
+
 def test_discard_sink_checks_and_describes_without_committing() -> None:
     sink = CaptureSink(SinkSettings("discard", None, None, None, None, None))
     receipt = sink.capture(
@@ -267,8 +306,10 @@ def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
                 assert skipped["status"] == "skipped"
                 assert producer.client.exist(sample_keys("sinktest", g)) == [False] * 5
                 receipt = capture_from_sglang(**common, is_commit_rank=True)
-                assert receipt["status"] == "committed" and receipt["bytes_written"] > n * 4 * H * 2
+                # capture.commit_staging_slots defaults to one batch: commits run behind the receipt
+                assert receipt["status"] == "queued" and receipt["bytes_written"] > n * 4 * H * 2
                 start += n
+            flush_sinks(timeout_s=60)
             producer.refresh()
             assert set(producer.window.resident) == {0, 1} and not producer.window.in_flight
             with open_consumer(resolved, 0, 1, endpoints=endpoints) as consumer:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.recipe import load_recipe
 from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
@@ -29,7 +30,7 @@ CHECKS = [
 
 
 def run_gate(runs: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
-    """``python -m launcher tiny --local --smoke``; returns (exit code, gate.json, stdout)."""
+    """``python3 -m launcher tiny --local --smoke``; returns (exit code, gate.json, stdout)."""
     args = ["tiny", "--local", "--smoke", *probe_overrides(runs)]
     for item in overrides:
         args += ["--set", item]
@@ -97,3 +98,18 @@ def test_nan_on_one_rank_fails_the_update_check_naming_the_rank(tmp_path: Path, 
     assert code != 0 and failure["name"] == "finite update on every rank", output
     assert "loss term 'ce' is not finite on rank(s) [1]" in failure["detail"]
     assert statuses(gate)["captured sample contract"] == "PASS"
+
+
+def test_allowed_blockers_need_no_sglang_on_the_login_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--allow-blockers on a login node without SGLang: the patch is checked against the pinned wheel."""
+    from launcher import gate
+    from runtime.shared import sglang_patch
+
+    if not sorted((REPO / ".cache" / "sglang").glob("sglang-0.5.23-*.whl")):
+        pytest.skip("the pinned SGLang wheel is not cached (tools/bootstrap caches it)")
+    monkeypatch.setattr(sglang_patch, "installed_sglang_root", lambda: None)
+    loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml")
+    checks = {c.name: c for c in gate.preflight_checks(loaded, REPO, allow_blockers=True)}
+    assert checks["plan"].status == gate.PASS and "--allow-blockers" in checks["plan"].detail
+    assert checks["sglang patch"].status == gate.PASS, checks["sglang patch"]
+    assert "pinned wheel" in checks["sglang patch"].detail

@@ -1,4 +1,4 @@
-"""Real multi-process trainer runs over gloo (``python -m runtime.trainer`` ranks, FSDP2):
+"""Real multi-process trainer runs over gloo (``python3 -m runtime.trainer`` ranks, FSDP2):
 4 ranks == 1 rank, resume == uninterrupted, weights-only warm start, resume mismatch errors."""
 
 from __future__ import annotations

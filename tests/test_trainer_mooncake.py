@@ -1,5 +1,5 @@
 """The trainer on the real data plane: a mooncake_master on loopback, the transport's synthetic
-producer process, and two ``python -m runtime.trainer`` ranks over gloo reading through Mooncake
+producer process, and two ``python3 -m runtime.trainer`` ranks over gloo reading through Mooncake
 (the default sample source); then a restart that resumes from its checkpoint and republishes the
 cursor while the producer keeps running."""
 

@@ -438,3 +438,59 @@ def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
                 assert _owner(consumer.client, key) == owner.client.hostname, key
         assert _owner(consumer.client, "placement/cursor") == consumer.client.hostname
         assert consumer.fetch(3).g == 3
+
+
+def test_sum16_checksums_from_the_capture_side_are_verified_by_the_reader(
+    master: MasterProcess, tmp_path: Path, ports
+) -> None:
+    from runtime.transport.checksum import sum16_values
+    from runtime.transport.errors import CorruptSampleError
+
+    resolved = _plane(tmp_path, ports, "sum16", ["transport.max_retries=1"])
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
+        sample = _sample(0, 65)
+        checksums = {name: sum16_values(sample[name]) for name in ("hs", "lhs")}
+        producer.commit(producer.next_to_capture(), sample, {}, checksums=checksums)
+        got = consumer.fetch(0)
+        assert got.meta["fields"]["hs"]["sum16"] == list(checksums["hs"]) and got.meta["fields"]["hs"]["crc32"] is None
+        assert got.meta["fields"]["ids"]["crc32"] is not None  # fields without one get CRC-32s as before
+        for name, tensor in sample.items():
+            assert torch.equal(getattr(got, name), tensor), name
+        bad = sample["hs"].clone()
+        bad[64, 0] = 3.0 if bad[64, 0] != 3.0 else 4.0
+        producer.client.put_tensors(["sum16/s/000000000000/hs"], [bad])
+        with pytest.raises(CorruptSampleError, match=r"sample g=0: field hs differs .*sum16 checksum on cpu"):
+            consumer.fetch(0)
+
+
+@pytest.mark.gpu
+def test_pipelined_cuda_commit_is_exact_and_verified_on_the_gpu(master: MasterProcess, tmp_path: Path, ports) -> None:
+    from runtime.capture.commit_pipeline import CommitPipeline
+
+    resolved = _plane(tmp_path, ports, "piped")
+    endpoints = Endpoints.loopback(resolved.recipe)
+    with (
+        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+    ):
+        pipeline = CommitPipeline(producer, slots=2)
+        sent = {}
+        try:
+            for tokens in (64, 2048, 3000):
+                g = producer.next_to_capture()
+                sample = _sample(g, tokens)
+                sent[g] = sample
+                pipeline.submit(g, {**sample, "hs": sample["hs"].cuda(), "lhs": sample["lhs"].cuda()}, {})
+            results = pipeline.drain(timeout_s=120)
+        finally:
+            pipeline.close()
+        assert [r.error for r in results] == [None] * 3
+        for g, sample in sent.items():
+            got = consumer.fetch(g, device="cuda")
+            assert got.meta["fields"]["lhs"]["sum16"] is not None
+            for name, tensor in sample.items():
+                assert torch.equal(getattr(got, name).cpu(), tensor), (g, name)

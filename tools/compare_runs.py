@@ -18,14 +18,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 IGNORED_KEYS = {"step", "time", "epoch"}
-PLOTS: dict[str, tuple[str, ...]] = {
-    "loss": ("loss", "loss_ce", "loss_l1", "loss_confidence"),
-    "accuracy": tuple(f"acc@{k}" for k in range(16)),
-    "tau": ("tau",),
-    "lr": ("lr",),
-    "tokens_per_s": ("tokens_per_s",),
-    "data_wait": ("data_wait_fraction",),
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """One PNG: the metrics on it and the y-axis label with its unit."""
+
+    keys: tuple[str, ...]
+    ylabel: str
+    per_slot: bool = False
+    """One small panel per draft slot (``acc@0``, ``acc@1`` ...) instead of one axis."""
+
+
+SLOTS = 16
+PLOTS: dict[str, PlotSpec] = {
+    "loss": PlotSpec(
+        ("loss", "loss_ce", "loss_l1", "loss_confidence"), "loss per supervised slot (CE and BCE in nats, L1 in [0, 2])"
+    ),
+    "accuracy": PlotSpec(tuple(f"acc@{k}" for k in range(SLOTS)), "top-1 accuracy", per_slot=True),
+    "accept": PlotSpec(tuple(f"accept@{k}" for k in range(SLOTS)), "accept rate", per_slot=True),
+    "tau": PlotSpec(("tau",), "tau (tokens accepted per draft block)"),
+    "grad_norm": PlotSpec(("grad_norm",), "gradient norm (before clipping)"),
+    "lr": PlotSpec(("lr",), "learning rate"),
+    "tokens_per_s": PlotSpec(("tokens_per_s",), "throughput (tokens/s)"),
+    "data_wait": PlotSpec(("data_wait_fraction",), "share of step time waiting for samples"),
 }
+TIMING_METRICS = ("tokens", "tokens_per_s", "samples_per_s", "step_time_s", "data_wait_s", "data_wait_fraction")
+"""Metrics that measure the machine, not the learning: listed last when two runs are compared."""
+SMOOTHING_POINTS = 10
+"""Curves are smoothed over about len(steps) / SMOOTHING_POINTS steps; the raw curve stays, faint."""
+
+
+def metric_rank(metric: str) -> tuple[int, str]:
+    """Sort key of the deviation table: learning metrics, then the rest, then timing noise."""
+    if metric in TIMING_METRICS:
+        return 2, metric
+    learning = metric.startswith(("loss", "acc@", "accept@", "tau", "confidence"))
+    return (0 if learning else 1), metric
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (NaN-free input; the first points average fewer)."""
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out
 
 
 @dataclass
@@ -111,7 +151,10 @@ def deviations(a: Run, b: Run) -> list[Deviation]:
                 worst, worst_gap = Deviation(metric, step, va, vb), gap
         if worst is not None:
             out.append(worst)
-    return sorted(out, key=lambda d: (-(math.inf if math.isnan(d.relative) else d.relative), d.metric))
+    # Learning metrics first, timing noise last; inside a group the largest relative deviation first.
+    return sorted(
+        out, key=lambda d: (metric_rank(d.metric)[0], -(math.inf if math.isnan(d.relative) else d.relative), d.metric)
+    )
 
 
 def render_table(a: Run, b: Run, rows: list[Deviation], top: int) -> str:
@@ -148,8 +191,28 @@ def render_checkpoints(runs: list[Run]) -> list[str]:
     return lines
 
 
+def _series(run: Run, key: str) -> tuple[list[int], list[float]]:
+    points = [(step, run.steps[step][key]) for step in sorted(run.steps) if key in run.steps[step]]
+    points = [(x, y) for x, y in points if math.isfinite(y)]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _draw(axis: object, run: Run, key: str, label: str, color: str, style: str) -> None:
+    """The raw curve faint, its moving average solid on top."""
+    xs, ys = _series(run, key)
+    if not xs:
+        return
+    window = max(1, len(xs) // SMOOTHING_POINTS)
+    axis.plot(xs, ys, style, color=color, alpha=0.25 if window > 1 else 0.9, linewidth=0.8)  # type: ignore[attr-defined]
+    if window > 1:
+        axis.plot(xs, smooth(ys, window), style, color=color, linewidth=1.6, label=label)  # type: ignore[attr-defined]
+    else:
+        axis.lines[-1].set_label(label)  # type: ignore[attr-defined]
+
+
 def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
-    """One PNG per metric group, every run overlaid; returns the files written."""
+    """One PNG per metric group (per-slot metrics as small multiples), runs overlaid when there are
+    two; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,22 +221,46 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     styles = ["-", "--", ":"]
-    for name, keys in PLOTS.items():
-        present = [k for k in keys if any(k in values for run in runs for values in run.steps.values())]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    several = len(runs) > 1
+    for name, spec in PLOTS.items():
+        present = [k for k in spec.keys if any(k in values for run in runs for values in run.steps.values())]
         if not present:
             continue
-        figure, axis = plt.subplots(figsize=(8, 4.5))
-        for run_index, run in enumerate(runs):
-            steps = sorted(run.steps)
-            for key in present:
-                points = [(s, run.steps[s][key]) for s in steps if key in run.steps[s]]
-                if points:
-                    xs, ys = zip(*points, strict=True)
-                    axis.plot(xs, ys, styles[run_index % len(styles)], label=f"{run.label}: {key}")
-        axis.set_xlabel("optimizer step")
-        axis.set_title(name.replace("_", " "))
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, ncol=2)
+        if spec.per_slot:
+            columns = min(4, len(present))
+            rows = math.ceil(len(present) / columns)
+            figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), sharex=True, sharey=True)
+            panels = list(getattr(axes, "flat", [axes]))
+            for axis, key in zip(panels, present, strict=False):
+                for run_index, run in enumerate(runs):
+                    label = run.label if several else key
+                    _draw(axis, run, key, label, colors[run_index % len(colors)], styles[run_index % len(styles)])
+                axis.set_title(f"slot {key.split('@')[1]}", fontsize=9)
+                axis.grid(alpha=0.3)
+                axis.set_ylim(0, 1)
+            for axis in panels[len(present) :]:
+                axis.set_visible(False)
+            figure.supxlabel("optimizer step")
+            figure.supylabel(spec.ylabel)
+            figure.suptitle(
+                f"{spec.ylabel} per draft slot" + (f" ({' vs '.join(r.label for r in runs)})" if several else "")
+            )
+            if several:
+                panels[0].legend(fontsize=7)
+        else:
+            figure, axis = plt.subplots(figsize=(8, 4.5))
+            for run_index, run in enumerate(runs):
+                for key_index, key in enumerate(present):
+                    label = f"{run.label}: {key}" if several else key
+                    color = colors[(key_index if not several or len(present) > 1 else run_index) % len(colors)]
+                    _draw(axis, run, key, label, color, styles[run_index % len(styles)])
+            axis.set_xlabel("optimizer step")
+            axis.set_ylabel(spec.ylabel)
+            axis.set_title(name.replace("_", " "))
+            axis.grid(alpha=0.3)
+            if several or len(present) > 1:
+                axis.legend(fontsize=8, ncol=2)
         target = out_dir / f"{name}.png"
         tmp = target.with_name(f".{target.stem}.tmp.png")
         figure.savefig(tmp, dpi=110, bbox_inches="tight")

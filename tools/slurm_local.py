@@ -1,4 +1,4 @@
-"""``python -m tools.slurm_local up|down|status``: the real local Slurm cluster used by the tests."""
+"""``python3 -m tools.slurm_local up|down|status``: the real local Slurm cluster used by the tests."""
 
 from __future__ import annotations
 

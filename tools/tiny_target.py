@@ -41,6 +41,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 """Plain-text turns: ``<|role|> content <|end|>``; the generation prompt is ``<|assistant|>``."""
+PROGRESS_INTERVAL_S = 5.0
+"""A build prints a progress line at least this often (tokenizing, training, evaluating)."""
 BUILD_PROCEDURE_VERSION = 1
 """Bump when the code that turns the content into a model changes (model class, training loop,
 tokenizer construction): the cache key covers the content itself, not the source text."""
@@ -182,6 +184,21 @@ def _batches(
             yield ids, attention, labels
 
 
+class _Progress:
+    """Progress lines at most every ``interval_s`` (a user waiting on a build sees it move)."""
+
+    def __init__(self, log: Any, interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.log = log
+        self.interval_s = interval_s
+        self.last = time.monotonic()
+
+    def maybe(self, message: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.interval_s:
+            self.log(f"[make_tiny_target] {message}")
+            self.last = now
+
+
 def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     """Initialise the tiny target from ``init_seed`` and train it on the generated corpus."""
     import torch
@@ -193,10 +210,12 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     conversations = tiny_corpus.generate_conversations(
         vocabulary, spec.train_conversations, spec.train_corpus_seed, id_prefix="train"
     )
+    progress = _Progress(log)
     samples = []
-    for row in conversations:
+    for index, row in enumerate(conversations):
         chat = chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], spec.max_position_embeddings)
         samples.append((chat.input_ids, chat.loss_mask))
+        progress.maybe(f"tokenizing the training corpus: {index + 1}/{len(conversations)} conversations")
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
 
     def lr_factor(step: int) -> float:
@@ -218,14 +237,12 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        if done % 20 == 0 or done == spec.train_steps:
-            elapsed = time.monotonic() - started
-            rate = done / elapsed
-            eta = (spec.train_steps - done) / rate
-            log(
-                f"[make_tiny_target] step {done}/{spec.train_steps} loss {loss.item():.3f} "
-                f"{rate:.2f} steps/s, ETA {eta:.0f} s"
-            )
+        rate = done / (time.monotonic() - started)
+        progress.maybe(
+            f"training: step {done}/{spec.train_steps} loss {loss.item():.3f}, {rate:.2f} steps/s, "
+            f"ETA {(spec.train_steps - done) / rate:.0f} s",
+            force=done == spec.train_steps,
+        )
     model.eval()
     return model
 
@@ -301,6 +318,7 @@ def make_tiny_target(
     log: Any = print,
 ) -> dict[str, Any]:
     """Build (or reuse) the tiny target and its chat corpus; returns the build record."""
+    log("[make_tiny_target] loading torch and transformers")
     import torch
 
     spec = spec or TinyTargetSpec()
@@ -313,11 +331,12 @@ def make_tiny_target(
             log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
             return record
         log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
-        started = time.monotonic()
+        started, started_cpu = time.monotonic(), time.process_time()
         tokenizer = build_tokenizer(spec)
         model = train_model(spec, tokenizer, log)
         vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
         chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
+        log(f"[make_tiny_target] evaluating on the {len(chat_rows)} chat rows, then saving")
         quality = evaluate_peakedness(model, chat_rows, tokenizer, spec.max_position_embeddings)
         target_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp", dir=target_dir.parent))
@@ -331,6 +350,8 @@ def make_tiny_target(
             "quality": quality,
             "chat_sha256": chat_sha,
             "build_seconds": round(time.monotonic() - started, 1),
+            # CPU seconds of this process (all its threads): what the build costs on a loaded machine.
+            "build_cpu_seconds": round(time.process_time() - started_cpu, 1),
             "torch": torch.__version__,
         }
         atomic_write_text(staging / BUILD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -343,7 +364,8 @@ def make_tiny_target(
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         log(
-            f"[make_tiny_target] done in {record['build_seconds']} s: assistant top-1 accuracy "
+            f"[make_tiny_target] done in {record['build_seconds']} s ({record['build_cpu_seconds']} CPU s): "
+            "assistant top-1 accuracy "
             f"{quality['assistant_top1_accuracy']:.3f}, mean top-1 probability "
             f"{quality['assistant_mean_top1_probability']:.3f}"
         )

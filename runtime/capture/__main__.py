@@ -1,4 +1,4 @@
-"""``python -m runtime.capture --recipe RESOLVED``: the capture component (see runtime/capture/producer.py)."""
+"""``python3 -m runtime.capture --recipe RESOLVED``: the capture component (see runtime/capture/producer.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import logging
 import os
 import sys
 
+from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
 from runtime.shared.contracts import ENV_RECIPE
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, read the resolved recipe, run the capture loop."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.capture", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.capture", description=__doc__)
     parser.add_argument(
         "--recipe",
         default=os.environ.get(ENV_RECIPE),
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.recipe:
         parser.error("no resolved recipe: pass --recipe PATH or set DSPARK_RECIPE")
+    route_native_output()
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s [%(name)s] %(message)s",

@@ -32,28 +32,43 @@ class EmbeddedSettings:
     target_revision: str | None = None
     expert_parallel: int = 1
     moe_exchange: str = "nccl"
+    commit_staging_slots: int = 0
+    """Samples staged or being committed at once while the next forward runs; 0: commit every
+    sample before :meth:`EmbeddedEngine.capture` returns (no pipeline)."""
+    staging_slot_bytes: int = 0
+    """Size each staging slot is pinned at on first use (the largest sample of the recipe), so
+    the slots are not re-pinned as longer samples come; 0: grow to the largest sample seen."""
 
     @classmethod
     def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
         """Settings of the resolved recipe's ``capture`` section (devices picked here)."""
         c = resolved.recipe.capture
+        devices = tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype))
         return cls(
             target_path=resolved.resolve_path(c.target_path),
             aux_layer_ids=tuple(c.aux_layer_ids),
             hidden_size=c.hidden_size,
             pad_id=c.special_tokens.pad_id,
             compute_dtype=c.compute_dtype,
-            devices=tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype)),
+            devices=devices,
             batch_size=c.batch_size,
             target_revision=c.target_revision,
             expert_parallel=c.expert_parallel,
             moe_exchange=c.moe_exchange,
+            commit_staging_slots=c.effective_commit_staging_slots(len(devices)),
+            staging_slot_bytes=max_sample_feature_bytes(resolved),
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The forward's dtype."""
         return COMPUTE_DTYPES[self.compute_dtype]
+
+
+def max_sample_feature_bytes(resolved: ResolvedRecipe) -> int:
+    """Bytes of the ``hs`` + ``lhs`` fields of the recipe's longest sample (bf16)."""
+    c = resolved.recipe.capture
+    return resolved.recipe.data.max_length * (len(c.aux_layer_ids) + 1) * c.hidden_size * 2 + 2 * 64
 
 
 def pick_devices(device: str, engines_per_node: int | None, compute_dtype: str = "bfloat16") -> list[str]:

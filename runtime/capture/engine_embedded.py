@@ -3,8 +3,11 @@ through transformers, prefill only, one model replica per GPU (data parallel) or
 
 A batch from the producer is dealt out to the replicas in contiguous chunks of up to
 ``capture.batch_size`` samples; each replica runs one right-padded forward per chunk (its own
-thread: the forward releases the GIL), and every sample is committed through the sink, meta last,
-before :meth:`EmbeddedEngine.capture` returns.
+thread: the forward releases the GIL). Every sample is committed through the sink, meta last:
+with ``commit_staging_slots`` 0 before :meth:`EmbeddedEngine.capture` returns; otherwise through a
+:class:`runtime.capture.commit_pipeline.CommitPipeline`, so the commits of one batch run while the
+next batch's forward does (``capture`` returns the samples whose commits finished, :meth:`pending`
+names those still running, :meth:`flush` waits for them).
 
 Expert parallelism (``capture.expert_parallel > 1``) is not built here: the expert-sharding loader
 of :mod:`runtime.capture.model_loading` (built on runtime/moe) plugs in through the ``model_loader``
@@ -24,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.capture.commit_pipeline import CommitPipeline, CommitResult
 from runtime.capture.embedded_settings import EmbeddedSettings, EngineError
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.hidden_states import HiddenStateCapture, SampleFeatures
@@ -63,6 +67,8 @@ class EmbeddedEngine:
         )
         self.forward_seconds = 0.0
         """Wall time spent in forwards (for the benchmark's share-outside-the-forward figure)."""
+        self._pipeline: CommitPipeline | None = None
+        self._submitted: dict[int, SampleRef] = {}
 
     @property
     def max_batch(self) -> int:
@@ -82,6 +88,10 @@ class EmbeddedEngine:
                 )
             self.replicas.append(replica)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="dspark-capture")
+        if self.settings.commit_staging_slots > 0 and self.sink is not None:
+            self._pipeline = CommitPipeline(
+                self.sink, self.settings.commit_staging_slots, self.settings.staging_slot_bytes, name="embedded"
+            )
         log.info(
             "embedded engine ready: %d replica(s) on %s, %s, batch %d per replica, loaded in %.1f s",
             len(self.replicas),
@@ -101,8 +111,11 @@ class EmbeddedEngine:
                 raise EngineError(f"the target on {device} produced non-finite hidden states on a probe input")
 
     def request_stop(self) -> None:
-        """Stop committing: a running :meth:`capture` returns after the sample it is writing."""
+        """Stop committing: a running :meth:`capture` returns after the sample it is writing (a
+        pipeline finishes the commit in progress and skips the queued ones)."""
         self._stop.set()
+        if self._pipeline is not None:
+            self._pipeline.request_stop()
 
     def features(self, batch: Sequence[CaptureRequest]) -> list[SampleFeatures]:
         """Features of every request in the forward's dtype (fp32 on CPU gives the exact tests),
@@ -131,15 +144,20 @@ class EmbeddedEngine:
         for future in idle:
             future.result()
         for device in {d for d in self.settings.devices if d.startswith("cuda")}:
-            torch.cuda.synchronize(device)
+            # The forward's stream only: the staging copies of earlier samples run on a side stream.
+            torch.cuda.current_stream(device).synchronize()
         self.forward_seconds += time.monotonic() - started
         return results
 
     def capture(self, batch: list[CaptureRequest]) -> list[SampleRef]:
         """Capture and commit every request (never mixing samples); after :meth:`request_stop`,
-        stop before the next sample and return the ones committed so far."""
+        stop before the next sample. Without a pipeline: returns the samples of ``batch``, all
+        committed. With one: hands them to it and returns the samples whose commits finished
+        meanwhile (this batch's or earlier ones'); raises when a commit failed."""
         if self.sink is None:
             raise EngineError("the embedded engine has no sink to commit to")
+        if self._pipeline is not None:
+            self._pipeline.raise_if_failed()
         features = self.features(batch)
         device_type = self.settings.devices[0].split(":")[0]
         refs: list[SampleRef] = []
@@ -148,14 +166,52 @@ class EmbeddedEngine:
                 break
             tensors = sample_tensors(request, feature)
             meta = sample_meta(request, self.identity, device_type)
+            if self._pipeline is not None:
+                self._submitted[request.g] = SampleRef(
+                    g=request.g, num_tokens=len(request.input_ids), bytes_written=0, meta=meta
+                )
+                self._pipeline.submit(request.g, tensors, meta)
+                continue
             written = self.sink.commit(request.g, tensors, meta)
             refs.append(
                 SampleRef(g=request.g, num_tokens=len(request.input_ids), bytes_written=int(written or 0), meta=meta)
             )
+        if self._pipeline is not None:
+            return self._finished(self._pipeline.completed())
+        return refs
+
+    def pending(self) -> set[int]:
+        """The g handed to the commit pipeline whose commits have not finished."""
+        return self._pipeline.pending() if self._pipeline is not None else set()
+
+    def flush(self) -> list[SampleRef]:
+        """Wait for every pipelined commit; returns the samples committed since the last report."""
+        if self._pipeline is None:
+            return []
+        return self._finished(self._pipeline.drain())
+
+    def _finished(self, results: list[CommitResult]) -> list[SampleRef]:
+        refs = []
+        for result in results:
+            submitted = self._submitted.pop(result.g, None)
+            if result.error is None and not result.skipped and submitted is not None:
+                refs.append(
+                    SampleRef(
+                        g=result.g,
+                        num_tokens=submitted.num_tokens,
+                        bytes_written=result.bytes_written,
+                        meta=submitted.meta,
+                    )
+                )
+        if self._pipeline is not None:
+            self._pipeline.raise_if_failed()
         return refs
 
     def close(self) -> None:
-        """Drop the replicas and free their memory."""
+        """Finish the pipelined commits, drop the replicas and free their memory."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

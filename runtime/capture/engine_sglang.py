@@ -131,7 +131,7 @@ def server_command(
     node_rank: int = 0,
     dist_init_addr: str | None = None,
 ) -> list[str]:
-    """The full argv: ``python -m sglang.launch_server ...``."""
+    """The full argv: ``python3 -m sglang.launch_server ...``."""
     return [
         python or sys.executable,
         "-m",

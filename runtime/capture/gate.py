@@ -60,11 +60,13 @@ class NanInjectingSink:
         self._sink = sink
         self._g = g
 
-    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Any:
-        """Commit through the producer, poisoning sample ``g``."""
+    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], **kwargs: Any) -> Any:
+        """Commit through the producer, poisoning sample ``g`` (whose checksums are then recomputed
+        from the poisoned bytes: the gate must see the NaN, not a checksum error)."""
         if g == self._g:
             tensors = {**tensors, "hs": torch.full_like(tensors["hs"], float("nan"))}
-        return self._sink.commit(g, tensors, meta)
+            kwargs.pop("checksums", None)
+        return self._sink.commit(g, tensors, meta, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sink, name)

@@ -48,10 +48,16 @@ def load_hf_decoder(settings: EmbeddedSettings, device: str) -> torch.nn.Module:
         )
     from transformers.utils import logging as hf_logging
 
-    # Per-tensor progress bars are noise in a job log; the load report (e.g. "lm_head.weight
-    # UNEXPECTED": the base model has no lm_head, on purpose) stays.
+    # Per-tensor progress bars are noise in a job log, and so is the load report: the engine loads
+    # the base model without its lm_head on purpose, which transformers reports as
+    # "lm_head.weight | UNEXPECTED" at warning level. Errors still show.
     hf_logging.disable_progress_bar()
-    model = AutoModel.from_pretrained(settings.target_path, dtype=settings.torch_dtype)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(settings.target_path, dtype=settings.torch_dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return model.to(device).eval()
 
 

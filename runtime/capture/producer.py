@@ -1,6 +1,6 @@
 """The capture component's main loop: keep the data-plane window full of captured samples.
 
-``python -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
+``python3 -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
 
 1. start the Mooncake master when ``capture.owns_master`` says this node owns it;
 2. check the data file against the recipe (SHA-256, rows) and open it for random access;
@@ -133,6 +133,8 @@ class CaptureLoop:
         self.stop = stop or threading.Event()
         self.progress = CaptureProgress(total_samples=source.order.total_samples)
         self._beyond_end: set[int] = set()
+        self._awaiting: set[int] = set()
+        """Claimed g handed to the engine whose commit has not been reported yet."""
         self._last_report = 0.0
 
     def finished(self) -> bool:
@@ -150,32 +152,65 @@ class CaptureLoop:
             self.source.order.prompt_seed,
         )
         while not self.stop.is_set():
-            claimed = self.producer.wait_next(max_count=self.batch_size, timeout_s=POLL_S)
+            # With commits still running in the engine's pipeline, look for work without waiting:
+            # when there is none, those commits are flushed at once (the trainer may wait on them).
+            in_pipeline = bool(self._engine_pending())
+            claimed = self.producer.wait_next(max_count=self.batch_size, timeout_s=0.0 if in_pipeline else POLL_S)
             # A g past the run's end is left claimed for good, so the window never offers it again.
             work = [g for g in claimed if g < self.source.order.total_samples]
             self._beyond_end.update(g for g in claimed if g >= self.source.order.total_samples)
             if work:
                 self._capture(work)
+            elif in_pipeline:
+                self._flush()
             elif self.finished():
                 self.report("finished: the trainer consumed every sample of the run", force=True)
                 return "finished"
             self.report("capturing" if work else self.producer.describe_wait())
+        self._flush()
         self.report("stopped on request", force=True)
         return "stopped"
 
+    def _engine_pending(self) -> set[int]:
+        pending = getattr(self.engine, "pending", None)
+        return set(pending()) if pending is not None else set()
+
     def _capture(self, work: list[int]) -> None:
-        committed: set[int] = set()
+        refs: list[Any] = []
+        self._awaiting.update(work)
         try:
             requests = [self.source.request(g) for g in work]
             refs = self.engine.capture(requests)
-            committed = {ref.g for ref in refs}
+        finally:
+            self._settle(refs)
+
+    def _flush(self) -> None:
+        """Wait for the engine's pipelined commits (engines without a pipeline have none)."""
+        flush = getattr(self.engine, "flush", None)
+        refs: list[Any] = []
+        try:
+            if flush is not None:
+                refs = flush()
+        finally:
+            self._settle(refs)
+
+    def _settle(self, refs: list[Any]) -> None:
+        """Record the committed samples; release every awaited g that is neither committed nor
+        still in the engine's pipeline (a failed or skipped capture: the window offers it again)."""
+        committed = {ref.g for ref in refs}
+        if refs:
             self.progress.record(
                 [r.g for r in refs], sum(r.num_tokens for r in refs), sum(r.bytes_written for r in refs)
             )
-        finally:
-            for g in work:
-                if g not in committed:
-                    self.producer.release(g)
+        # A commit that finished after the engine reported is neither here nor pending: releasing
+        # it is harmless (the producer marked it committed; release only drops a claim).
+        pending = self._engine_pending()
+        for g in sorted(self._awaiting):
+            if g in committed:
+                self._awaiting.discard(g)
+            elif g not in pending:
+                self._awaiting.discard(g)
+                self.producer.release(g)
 
     def report(self, state: str, force: bool = False) -> None:
         """Log a progress line and refresh the heartbeat's stats, every ``progress_interval_s``."""

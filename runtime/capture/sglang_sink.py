@@ -7,10 +7,15 @@ here, so it can be tested without SGLang:
 1. the request's ``dspark_capture`` ticket is parsed and checked against the server's tensors;
 2. the request's rows are sliced out of the packed batch (``[tokens of all requests, width]``) with
    int64 offsets (Python ints and ``narrow``: a K3 ``hs`` slice starts past 2**31 elements);
-3. the rows are copied device -> pinned host on a side CUDA stream, into one reused buffer;
-4. on the TP group's output rank only, ``ids``, ``mask``, ``hs``, ``lhs`` and then ``meta`` are
-   committed through the data-plane producer API (:func:`runtime.transport.dataplane.open_producer`);
-5. a receipt (keys, shapes, dtypes, bytes, timings, or the error) goes back in the response.
+3. on the TP group's output rank only, ``ids``, ``mask``, ``hs``, ``lhs`` and then ``meta`` are
+   committed through the data-plane producer API (:func:`runtime.transport.dataplane.open_producer`)
+   by a :class:`runtime.capture.commit_pipeline.CommitPipeline`: the rows are copied device ->
+   pinned host on a side CUDA stream into one of ``capture.commit_staging_slots`` staging slots,
+   checksummed on the GPU, and committed on a worker thread while the server runs its next
+   prefill (the receipt says ``queued``; a failed commit turns the next capture into an error
+   receipt, and its g is captured again). With 0 slots (or the ``discard`` sink) the rows are staged
+   synchronously and committed before the receipt is returned (``committed``);
+4. a receipt (keys, shapes, dtypes, bytes, timings, or the error) goes back in the response.
 
 Residual stream (DESIGN section 4): SGLang 0.5.23's DSPARK capture hook already hands over the
 full stream at each layer boundary -- on the standard path the residual output of the fused
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 
+from runtime.capture.commit_pipeline import CommitPipeline, staging_layout
 from runtime.capture.sglang_wire import CaptureTicket
 from runtime.shared.contracts import SampleProducer
 from runtime.transport.sample_format import sample_keys
@@ -42,7 +48,6 @@ SERVED_DTYPES = (torch.bfloat16, torch.float32)
 """Dtypes the server may compute in: bf16 (production) or float32 (exact CPU tests of a tiny
 target, like the embedded engine's ``compute_dtype: float32``), rounded to bf16 when staged --
 the same rounding the embedded engine applies. float16 would lose range, so it is refused."""
-STAGING_ALIGN_BYTES = 64
 ENGINE_NAME = "sglang"
 
 
@@ -91,22 +96,6 @@ def split_packed(packed: torch.Tensor, lengths: Sequence[int]) -> list[torch.Ten
 # ----------------------------------------------------------------------------------------------
 # device -> pinned host staging
 # ----------------------------------------------------------------------------------------------
-
-
-def staging_layout(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, int], int]:
-    """Byte offset of each field in one staging buffer (64-byte aligned) and the total bytes.
-
-    Python ints: a 64K K3 ``hs`` field alone is 4.7e9 bytes.
-    """
-    offsets, cursor = {}, 0
-    for name, (shape, dtype) in tensors.items():
-        cursor = -(-cursor // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
-        offsets[name] = cursor
-        count = 1
-        for dim in shape:
-            count *= int(dim)
-        cursor += count * torch.empty((), dtype=dtype).element_size()
-    return offsets, cursor
 
 
 class HostStager:
@@ -215,12 +204,19 @@ class CaptureSink:
         settings: SinkSettings,
         producer: SampleProducer | None = None,
         stager: HostStager | None = None,
+        commit_slots: int = 0,
     ) -> None:
         if settings.kind == "mooncake" and producer is None:
             raise CaptureSinkError("the mooncake sink needs a producer")
         self.settings = settings
         self.producer = producer
         self.stager = stager or HostStager()
+        # SGLang's output tensors may be preallocated and overwritten by the next forward.
+        self.pipeline = (
+            CommitPipeline(producer, commit_slots, name="sglang-sink", source_reused=True)
+            if producer is not None and commit_slots > 0
+            else None
+        )
         self.captured = 0
 
     def check(
@@ -304,6 +300,8 @@ class CaptureSink:
         }
         if not is_commit_rank:
             return {**receipt, "status": "skipped", "reason": "not the output rank of its TP group"}
+        if self.pipeline is not None:
+            return self._queue(ticket, ids, aux_rows, last_rows, patch, receipt)
         t0 = time.perf_counter()
         host = self.stager.stage({"hs": aux_rows.to(FEATURE_DTYPE), "lhs": last_rows.to(FEATURE_DTYPE)})
         t1 = time.perf_counter()
@@ -325,6 +323,32 @@ class CaptureSink:
             "bytes_written": written,
             "timings_s": {"d2h": round(t1 - t0, 4), "commit": round(t2 - t1, 4)},
         }
+
+    def _queue(
+        self,
+        ticket: CaptureTicket,
+        ids: torch.Tensor,
+        aux_rows: torch.Tensor,
+        last_rows: torch.Tensor,
+        patch: str | None,
+        receipt: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Hand the sample to the commit pipeline; the receipt says ``queued``."""
+        assert self.pipeline is not None
+        t0 = time.perf_counter()
+        tensors = {"ids": ids, "mask": loss_mask_tensor(ticket.loss_mask), "hs": aux_rows, "lhs": last_rows}
+        try:
+            self.pipeline.submit(ticket.g, tensors, capture_meta(ticket, self.settings, patch))
+        except Exception as exc:
+            raise CaptureSinkError(f"sample g={ticket.g} not queued: {exc}") from exc
+        t1 = time.perf_counter()
+        for result in self.pipeline.completed():
+            if not result.error:
+                log.info("sample g=%d committed, %d bytes", result.g, result.bytes_written)
+        self.captured += 1
+        queued_bytes = sum(int(f["bytes"]) for f in receipt["fields"].values())
+        log.info("sample g=%d (%d tokens): queued for commit; stage %.3f s", ticket.g, ticket.num_tokens, t1 - t0)
+        return {**receipt, "status": "queued", "bytes_written": queued_bytes, "timings_s": {"stage": round(t1 - t0, 4)}}
 
 
 def _describe(ids: torch.Tensor, aux_rows: torch.Tensor, last_rows: torch.Tensor) -> dict[str, dict[str, Any]]:
@@ -375,6 +399,7 @@ def open_sink(kind: str, recipe_path: str | None, is_commit_rank: bool) -> Captu
         raise CaptureSinkError(f"--dspark-capture-sink {kind!r}: expected 'mooncake' or 'discard'")
     producer = None
     store_id = layer_ids = hidden = revision = None
+    commit_slots = 0
     if recipe_path:
         from runtime.recipe.loader import load_resolved
 
@@ -388,19 +413,30 @@ def open_sink(kind: str, recipe_path: str | None, is_commit_rank: bool) -> Captu
             from runtime.transport.dataplane import open_producer
 
             producer = open_producer(resolved, segment_bytes=0, auto_heartbeat=False, start_cursor=None)
+            commit_slots = recipe.capture.effective_commit_staging_slots(1)
     elif kind == "mooncake":
         raise CaptureSinkError("--dspark-capture-sink mooncake needs --dspark-capture-recipe (the resolved recipe)")
     if kind == "mooncake" and not is_commit_rank:
         kind = "discard"  # this rank only checks
     settings = SinkSettings(kind, store_id, layer_ids, hidden, revision, _sglang_version())
-    sink = CaptureSink(settings, producer)
+    sink = CaptureSink(settings, producer, commit_slots=commit_slots)
     _SINKS[key] = sink
     return sink
+
+
+def flush_sinks(timeout_s: float | None = None) -> None:
+    """Wait until every queued commit of every sink has finished (raises when one failed)."""
+    for sink in _SINKS.values():
+        if sink.pipeline is not None:
+            sink.pipeline.drain(timeout_s)
+            sink.pipeline.raise_if_failed()
 
 
 def close_sinks() -> None:
     """Close every sink's producer (its Mooncake client) and forget the sinks."""
     for sink in _SINKS.values():
+        if sink.pipeline is not None:
+            sink.pipeline.close()  # the queued commits finish first
         close = getattr(sink.producer, "close", None)
         if close is not None:
             close()

@@ -19,8 +19,10 @@ TICKET_FORMAT = "dspark-capture-ticket/1"
 """Version of the ``dspark_capture`` request payload; the sink refuses any other."""
 RESPONSE_META_KEY = "dspark_capture"
 """Key of the capture receipt in the response's ``meta_info`` (the patch's DSPARK_CAPTURE_META_KEY)."""
-RECEIPT_STATUSES = ("committed", "below_cursor", "discarded", "skipped", "error")
-"""committed: in the store; below_cursor: the trainer moved past g, nothing written; discarded:
+RECEIPT_STATUSES = ("committed", "queued", "below_cursor", "discarded", "skipped", "error")
+"""committed: in the store; queued: staged, committed by the sink's pipeline while the server runs
+its next prefill (the window sees it when its meta lands); below_cursor: the trainer moved past g,
+nothing written; discarded:
 checked but not stored (``--dspark-capture-sink discard``); skipped: a rank that does not commit;
 error: see ``error``."""
 

@@ -232,7 +232,7 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"resolved recipe {path} does not exist; the launcher writes it into the job folder "
-            "(python -m launcher RECIPE, or python -m launcher resolve RECIPE --job-dir DIR)"
+            "(python3 -m launcher RECIPE, or python3 -m launcher resolve RECIPE --job-dir DIR)"
         ) from None
     except json.JSONDecodeError as exc:
         raise RecipeError(

@@ -239,6 +239,11 @@ class CaptureSection(Section):
     """Samples per embedded-engine forward (padded with attention masks, never mixed)."""
     engines_per_node: int | None = Field(None, ge=1)
     """Data-parallel embedded engines on the capture node; null: one per GPU, or one on CPU."""
+    commit_staging_slots: int | None = Field(None, ge=0)
+    """Embedded engine: samples staged in page-locked host memory or being committed while the next
+    forward runs (each slot is pinned at the recipe's largest ``hs`` + ``lhs`` size, so this bounds
+    the pipeline's host memory). Null: one batch (``batch_size`` x replicas); 0: no pipeline, each
+    sample is committed before the next forward starts."""
     expert_parallel: int = Field(1, ge=1)
     """Expert-parallel degree of the embedded engine for MoE targets."""
     moe_exchange: Literal["nccl", "deepep", "mooncake"] = "nccl"
@@ -252,6 +257,12 @@ class CaptureSection(Section):
     """Seconds between producer progress lines in a non-TTY log."""
     sglang: SGLangSettings = Field(default_factory=SGLangSettings)
     """Server settings for ``engine: sglang``."""
+
+    def effective_commit_staging_slots(self, replicas: int) -> int:
+        """``commit_staging_slots``, or one batch of ``replicas`` engines when it is null."""
+        if self.commit_staging_slots is not None:
+            return self.commit_staging_slots
+        return self.batch_size * max(1, replicas)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,6 +548,10 @@ class DataSection(Section):
     """Longest sequence in tokens (rows were truncated to it)."""
     chat_path: str | None = None
     """Source chat JSONL that ``tools/prepare_data`` tokenizes into ``train_path``."""
+    prepare_commands: list[str] = Field(default_factory=list)
+    """Shell commands, run from the repository root on the submitting machine before the launcher
+    checks anything, when ``capture.target_path`` or ``train_path`` does not exist yet (for the tiny
+    recipe: build the tiny target, then tokenize its data). Each must be idempotent."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,6 +577,9 @@ class PlanSection(Section):
     """Capture-to-trainer network speed in Gbit/s."""
     link_efficiency: float = Field(0.7, gt=0, le=1)
     """Fraction of the link a Mooncake transfer reaches."""
+    store_put_gbps: float = Field(5.2, gt=0)
+    """GB/s of the capture side's commit: a Mooncake put into the producer's own segment, a local
+    copy (5.2 GB/s measured on our H200 host for a 5.25 GiB sample)."""
     capture_host_memory_bytes: ByteSize = 2 * 2**40
     """Host memory of the capture node (holds the Mooncake segment and any offloaded experts)."""
 

@@ -1,5 +1,5 @@
 """The DSpark trainer (DESIGN sections 5-7): draft model and loss, FSDP2, LR schedules, checkpoints,
-metrics. Entry point: ``python -m runtime.trainer --recipe RESOLVED``.
+metrics. Entry point: ``python3 -m runtime.trainer --recipe RESOLVED``.
 
 Modules, one job each:
 

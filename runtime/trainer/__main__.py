@@ -1,4 +1,4 @@
-"""``python -m runtime.trainer --recipe RESOLVED``: one DSpark trainer rank.
+"""``python3 -m runtime.trainer --recipe RESOLVED``: one DSpark trainer rank.
 
 Reads only the resolved recipe and the launcher's environment contract (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DSPARK_JOB_DIR).
@@ -12,15 +12,17 @@ import argparse
 import os
 import sys
 
+from runtime.native_log import route_native_output
 from runtime.recipe import load_resolved
 from runtime.trainer.settings import derive_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one trainer rank; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.trainer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.trainer", description=__doc__)
     parser.add_argument("--recipe", required=True, help="resolved recipe JSON written by the launcher")
     args = parser.parse_args(argv)
+    route_native_output()
     resolved = load_resolved(args.recipe)
     settings = derive_settings(resolved)
 

@@ -62,7 +62,7 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
         if default is None:
             raise TrainerSetupError(
                 f"environment variable {name} is not set; the launcher sets RANK, LOCAL_RANK, WORLD_SIZE, "
-                "MASTER_ADDR and MASTER_PORT for every trainer rank (python -m launcher ...)"
+                "MASTER_ADDR and MASTER_PORT for every trainer rank (python3 -m launcher ...)"
             )
         return default
     try:

@@ -1,7 +1,7 @@
-"""``python -m runtime.transport``: run the master by hand, or look at a running data plane.
+"""``python3 -m runtime.transport``: run the master by hand, or look at a running data plane.
 
-    python -m runtime.transport master --recipe RESOLVED [--host IP]
-    python -m runtime.transport status --recipe RESOLVED
+    python3 -m runtime.transport master --recipe RESOLVED [--host IP]
+    python3 -m runtime.transport status --recipe RESOLVED
 
 ``status`` prints the cursor, the producer's heartbeat and which samples of the window are
 committed; endpoints come from the launcher's environment contract (DSPARK_MOONCAKE_MASTER, ...).
@@ -86,7 +86,7 @@ def run_status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m runtime.transport", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.transport", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     master = sub.add_parser("master", help="run mooncake_master from the recipe")
     master.add_argument("--recipe", required=True)

@@ -45,6 +45,8 @@ RPC_FAIL = -900
 # Codes worth a retry with backoff: the master or the segment owner may be restarting, a replica
 # may still be in flight, or (NO_AVAILABLE_HANDLE) consumers may free space in a moment.
 TRANSIENT_CODES: frozenset[int] = frozenset({-1, -10, -200, -703, -707, -712, -800, -900, -1010})
+EXPECTED_RETRY_CODES: frozenset[int] = frozenset({-703})
+"""Transient codes that a healthy run meets (a reader behind a writer): retried quietly."""
 
 
 def code_name(code: int) -> str:

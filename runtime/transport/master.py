@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -151,7 +152,10 @@ class MasterProcess:
     def start(self, ready_timeout_s: float = 30.0) -> MasterProcess:
         """Start the master and wait until it answers; MasterStartError names the port on failure."""
         s = self.settings
-        binary = shutil.which(s.binary)
+        # A venv's console scripts sit next to its interpreter; `.venv/bin/python3 -m ...` without an
+        # activated venv does not put them on PATH.
+        beside_python = Path(sys.executable).parent / s.binary
+        binary = str(beside_python) if beside_python.is_file() else shutil.which(s.binary)
         if binary is None:
             raise MasterStartError(
                 f"{s.binary} is not on PATH; install the Mooncake wheel (pip install "

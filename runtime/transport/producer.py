@@ -83,6 +83,8 @@ class Producer:
         self._bytes: dict[int, int] = {}
         self._lock = threading.RLock()
         self._staging: dict[str, torch.Tensor] = {}
+        self._committed_during_scan: dict[int, int] | None = None
+        """Commits that finished while :meth:`refresh` scanned (a commit thread runs beside it)."""
         self._started = time.time()
         self._sequence = 0
         self._committed_total = 0
@@ -139,11 +141,23 @@ class Producer:
             time.sleep(self.poll_interval_s)
         return []
 
-    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+    accepts_checksums = True
+    """:meth:`commit` takes ``sum16`` checksums computed by the caller (see CommitPipeline)."""
+
+    def commit(
+        self,
+        g: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        checksums: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> int:
         """Write every tensor field of sample g, then ``meta`` last (idempotent upsert).
 
+        ``checksums``: the ``sum16`` values of some fields, computed where the tensors were made
+        (on the capture GPU, before the device-to-host copy); the other fields get CRC-32s here.
         Returns the bytes written (0 when ``g`` is already below the cursor: nobody needs it).
         """
+        checksums = checksums or {}
         try:
             missing = [name for name in TENSOR_FIELDS if name not in tensors]
             if missing:
@@ -158,7 +172,9 @@ class Producer:
                 self._follow_owner_segment()
             host = [self._to_host(g, name, tensors[name]) for name in TENSOR_FIELDS]
             # The checksums run on their own threads while the fields are put; meta waits for both.
-            crc_futures = [submit_crc32_chunks(t) for t in host]
+            crc_futures = [
+                [] if name in checksums else submit_crc32_chunks(t) for name, t in zip(TENSOR_FIELDS, host, strict=True)
+            ]
             keys = [sample_key(self.store_id, g, name) for name in TENSOR_FIELDS]
             meta_key = sample_key(self.store_id, g, META_FIELD)
             if self.client.exist([meta_key])[0]:
@@ -167,7 +183,9 @@ class Producer:
                 self.client.remove([meta_key])
             self.client.put_tensors(keys, host, what=f"sample g={g}")
             layouts = [
-                describe_field(name, t, crc32=tuple(f.result() for f in futures))
+                describe_field(name, t, sum16=tuple(checksums[name]))
+                if name in checksums
+                else describe_field(name, t, crc32=tuple(f.result() for f in futures))
                 for name, t, futures in zip(TENSOR_FIELDS, host, crc_futures, strict=True)
             ]
             full_meta = build_meta(g, layouts, meta)
@@ -185,6 +203,8 @@ class Producer:
         with self._lock:
             self._bytes[g] = total
             self.window.committed(g, total)
+            if self._committed_during_scan is not None:
+                self._committed_during_scan[g] = total
             self._committed_total += 1
             self._last_commit_time = now
             self._commit_times = [t for t in self._commit_times if now - t < 60.0] + [now]
@@ -228,6 +248,12 @@ class Producer:
             with self._lock:
                 self._waiting_for = "the trainer to publish the cursor"
             return
+        with self._lock:
+            # A pipelined commit (another thread) may finish while the store is scanned: its sample
+            # is then complete but missing from the scan, or looks half-written. Neither may be
+            # dropped from the picture or removed from the store.
+            in_flight_before = set(self.window.in_flight)
+            self._committed_during_scan = {}
         for _ in range(3):
             present, partial = self._scan(cursor)
             again = self._current_cursor()
@@ -235,11 +261,18 @@ class Producer:
                 break
             cursor = again  # a rank committed a step while we scanned; its deletions are not holes
             if cursor is None:
+                with self._lock:
+                    self._committed_during_scan = None
                 return
         with self._lock:
+            late = self._committed_during_scan or {}
+            self._committed_during_scan = None
+            present.update(late)
             was_paused = self.window.paused
             self.window.observe(cursor, present)
-            partial = [g for g in partial if g not in self.window.in_flight]
+            partial = [
+                g for g in partial if g not in self.window.in_flight and g not in in_flight_before and g not in late
+            ]
             garbage = self.window.garbage()
         if partial:
             log.info("removing %d half-written samples (fields without meta): %s", len(partial), partial[:8])

@@ -3,9 +3,11 @@
 Each tensor field is stored as its contiguous bytes, nothing else (no pickling, no header), so a
 put and a get move exactly ``numel * itemsize`` bytes straight from and into tensor memory. The
 ``meta`` object, written last, carries what a reader needs to rebuild the tensors (dtype, shape,
-bytes) and the CRC-32 of every 64 MiB chunk of every field (chunks, so that both sides compute
-them on several cores: one CRC-32 stream runs at about 4.5 GB/s, a 5.25 GiB K3 sample would take
-over a second), next to the capture's own metadata (epoch, row id, T, H, ...).
+bytes) and a checksum of every field, next to the capture's own metadata (epoch, row id, T, H, ...).
+A field's checksum is either the CRC-32 of every 64 MiB chunk (host tensors: chunks, so that both
+sides compute them on several cores; one CRC-32 stream runs at about 4.5 GB/s) or ``sum16``
+(:mod:`runtime.transport.checksum`), which the capture GPU computes on the device for the big
+``hs`` / ``lhs`` fields so the host pays no checksum at all; a reader verifies whichever is recorded.
 All sizes are Python ints (int64 on the wire): a K3 ``hs`` field is above 2**31 bytes.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from runtime.shared.contracts import META_FIELD, TENSOR_FIELDS
+from runtime.transport.checksum import SUM16_CHUNK_BYTES, sum16_values
 from runtime.transport.errors import CorruptSampleError
 
 SAMPLE_FORMAT = "dspark-sample/1"
@@ -61,6 +64,8 @@ class FieldLayout:
     crc32: tuple[int, ...] | None
     """CRC-32 of each ``crc32_chunk_bytes`` chunk of the field's bytes (None: not recorded)."""
     crc32_chunk_bytes: int = CRC_CHUNK_BYTES
+    sum16: tuple[int, ...] | None = None
+    """``s1, s2`` of each ``SUM16_CHUNK_BYTES`` chunk (None: not recorded)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,13 +74,16 @@ class FieldLayout:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored in ``meta['fields']``."""
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "bytes": self.num_bytes,
             "crc32": None if self.crc32 is None else list(self.crc32),
             "crc32_chunk_bytes": self.crc32_chunk_bytes,
         }
+        if self.sum16 is not None:
+            out.update(sum16=list(self.sum16), sum16_chunk_bytes=SUM16_CHUNK_BYTES)
+        return out
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -122,13 +130,18 @@ def crc32_chunks(tensor: torch.Tensor, chunk_bytes: int = CRC_CHUNK_BYTES) -> tu
 
 
 def describe_field(
-    name: str, tensor: torch.Tensor, with_checksum: bool = True, crc32: tuple[int, ...] | None = None
+    name: str,
+    tensor: torch.Tensor,
+    with_checksum: bool = True,
+    crc32: tuple[int, ...] | None = None,
+    sum16: tuple[int, ...] | None = None,
 ) -> FieldLayout:
-    """The layout of one host tensor as ``meta`` records it (``crc32``: chunk CRCs already computed)."""
+    """The layout of one host tensor as ``meta`` records it (``crc32`` / ``sum16``: a checksum
+    already computed; with neither, the chunk CRC-32s are computed here)."""
     dtype_name = DTYPE_NAMES.get(tensor.dtype)
     if dtype_name is None:
         raise ValueError(f"field {name}: dtype {tensor.dtype} is not storable; use one of {sorted(DTYPES)}")
-    if crc32 is None and with_checksum:
+    if crc32 is None and sum16 is None and with_checksum:
         crc32 = crc32_chunks(tensor)
     return FieldLayout(
         name=name,
@@ -136,14 +149,24 @@ def describe_field(
         shape=tuple(int(d) for d in tensor.shape),
         num_bytes=tensor_nbytes(tuple(tensor.shape), tensor.dtype),
         crc32=crc32,
+        sum16=sum16,
     )
 
 
 def verify_field(g: int, layout: FieldLayout, tensor: torch.Tensor) -> None:
-    """Raise CorruptSampleError when the tensor's chunk CRCs differ from the layout's."""
+    """Raise CorruptSampleError when the tensor's checksum differs from the layout's (CRC-32 on the
+    host; ``sum16`` on the tensor's own device, so a GPU reader verifies where the bytes landed)."""
+    if layout.sum16 is not None:
+        got_sum = sum16_values(tensor)
+        if got_sum != layout.sum16:
+            bad = next((i for i, (a, b) in enumerate(zip(got_sum, layout.sum16, strict=False)) if a != b), 0) // 2
+            raise CorruptSampleError(
+                f"sample g={g}: field {layout.name} differs from what was committed in the chunk at byte "
+                f"{bad * SUM16_CHUNK_BYTES} (sum16 checksum on {tensor.device.type})"
+            )
     if layout.crc32 is None:
         return
-    got = crc32_chunks(tensor, layout.crc32_chunk_bytes)
+    got = crc32_chunks(tensor.cpu(), layout.crc32_chunk_bytes)
     if got != layout.crc32:
         bad = next(
             (i for i, (a, b) in enumerate(zip(got, layout.crc32, strict=False)) if a != b),
@@ -218,7 +241,23 @@ def field_layouts(meta: Mapping[str, Any]) -> list[FieldLayout]:
             )
         crc = info.get("crc32")
         chunk = int(info.get("crc32_chunk_bytes", CRC_CHUNK_BYTES))
-        out.append(FieldLayout(name, dtype, shape, num_bytes, None if crc is None else tuple(crc), chunk))
+        sums = info.get("sum16")
+        if sums is not None and int(info.get("sum16_chunk_bytes", SUM16_CHUNK_BYTES)) != SUM16_CHUNK_BYTES:
+            raise CorruptSampleError(
+                f"sample g={meta['g']}: field {name} records sum16 chunks of {info['sum16_chunk_bytes']} bytes, this "
+                f"reader uses {SUM16_CHUNK_BYTES}; the producer and the trainer run different versions of runtime/transport"
+            )
+        out.append(
+            FieldLayout(
+                name,
+                dtype,
+                shape,
+                num_bytes,
+                None if crc is None else tuple(crc),
+                chunk,
+                None if sums is None else tuple(int(v) for v in sums),
+            )
+        )
     return out
 
 

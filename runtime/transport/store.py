@@ -37,6 +37,7 @@ from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import ENV_MC_TCP_BIND_ADDRESS, ENV_MC_TRANSFER_TIMEOUT
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import (
+    EXPECTED_RETRY_CODES,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
@@ -455,7 +456,12 @@ class StoreClient:
     def _backoff(self, attempt: int, op: str, failures: list[tuple[str, int]]) -> None:
         delay = self.settings.retry_backoff_s * (2**attempt)
         first_key, first_code = failures[0]
-        log.warning(
+        # A replica still being written (-703) is the normal race of a reader behind a writer:
+        # debug until the last retries, so a healthy run's log stays quiet.
+        expected = all(code in EXPECTED_RETRY_CODES for _, code in failures)
+        level = logging.DEBUG if expected and attempt + 2 < self.settings.max_retries else logging.WARNING
+        log.log(
+            level,
             "%s: %s of %d object(s) failed (%s: %s); retry %d/%d in %.1f s",
             self.name,
             op,

@@ -4,8 +4,8 @@ Samples are pure functions of g (seeded generator), so a reader can check every 
 The fault tests run these as real processes and kill them; an operator can run them between the
 two nodes of an allocation to check the data plane before loading a target:
 
-    python -m runtime.transport.synthetic produce --recipe RESOLVED
-    python -m runtime.transport.synthetic train --recipe RESOLVED --state-dir DIR --steps 10
+    python3 -m runtime.transport.synthetic produce --recipe RESOLVED
+    python3 -m runtime.transport.synthetic train --recipe RESOLVED --state-dir DIR --steps 10
 
 Endpoints come from the launcher's environment contract (DSPARK_MOONCAKE_MASTER, ...). The
 trainer runs one rank per process with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
@@ -148,7 +148,7 @@ def run_trainer(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line interface."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.transport.synthetic", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.transport.synthetic", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("produce", "train"):
         p = sub.add_parser(name)

@@ -2,6 +2,6 @@
 
 - ``tiny_moe``: the one factory of small random Qwen3-MoE configs and checkpoints;
 - ``trainer_runs``: a tiny synthetic target and sample folder, resolved trainer recipes, and real
-  trainer ranks started as ``python -m runtime.trainer`` processes;
-- ``launcher_cli``: ``python -m launcher ...`` as a subprocess with fresh loopback ports.
+  trainer ranks started as ``python3 -m runtime.trainer`` processes;
+- ``launcher_cli``: ``python3 -m launcher ...`` as a subprocess with fresh loopback ports.
 """

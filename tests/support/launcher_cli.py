@@ -1,4 +1,4 @@
-"""``python -m launcher ...`` as a subprocess of the tests, with fresh loopback ports."""
+"""``python3 -m launcher ...`` as a subprocess of the tests, with fresh loopback ports."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def probe_overrides(runs_dir: Path) -> list[str]:
 
 
 def launch(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m launcher ARGS`` from the repository root."""
+    """Run ``python3 -m launcher ARGS`` from the repository root."""
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs
     )  # type: ignore[call-overload]

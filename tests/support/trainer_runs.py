@@ -1,6 +1,6 @@
 """Helpers for the trainer's multi-process tests (no tests here): a tiny synthetic target and sample
 folder, resolved recipes derived from recipes/tiny.yaml, and real trainer ranks started as
-``python -m runtime.trainer`` processes with the launcher's environment contract."""
+``python3 -m runtime.trainer`` processes with the launcher's environment contract."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class Launch:
 
 
 def start(run: Run, port: int, env_extra: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
-    """Start every rank of ``run`` as ``python -m runtime.trainer`` (the launcher's env contract)."""
+    """Start every rank of ``run`` as ``python3 -m runtime.trainer`` (the launcher's env contract)."""
     processes = []
     for rank in range(run.world_size):
         env = {

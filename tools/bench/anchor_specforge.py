@@ -32,9 +32,9 @@ wiring of both sides; its times mean nothing.
 
 Examples::
 
-    python -m tools.bench.anchor_specforge --anchors ../shared/anchors/specforge-a6b6b02
-    python -m tools.bench.anchor_specforge --anchors PATH --variants ours,specforge --profile ours
-    python -m tools.bench.anchor_specforge --quick --anchors PATH --json out.json
+    python3 -m tools.bench.anchor_specforge --anchors ../shared/anchors/specforge-a6b6b02
+    python3 -m tools.bench.anchor_specforge --anchors PATH --variants ours,specforge --profile ours
+    python3 -m tools.bench.anchor_specforge --quick --anchors PATH --json out.json
 """
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ def profile_step(step: Any, device: Any, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench.anchor_specforge",
+        prog="python3 -m tools.bench.anchor_specforge",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

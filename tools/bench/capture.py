@@ -1,23 +1,29 @@
 """Capture benchmark: the embedded engine vs a plain transformers forward of the same batches.
 
-Both sides run the same right-padded batches through the same weights, interleaved batch by batch
-(so a noisy neighbour slows both alike), and the report gives tokens/s of each and their ratio:
+Both sides run the same right-padded batches through the same weights; each repeat times all
+batches of one side, then all of the other (the order alternates between repeats, so a noisy
+neighbour slows both alike), and the report gives tokens/s of each and their ratio:
 
 - ``forward``: a plain forward of the base decoder (``AutoModel``: layers + final norm, no lm_head),
   the least any capture must run;
-- ``capture``: :meth:`EmbeddedEngine.capture`: the same forward through the engine plus everything
-  it adds (hooks, concatenating aux layers, bf16 contract tensors, meta) and a sink that does what
-  the producer's commit does before the network: copy each field to host memory and CRC-32 it
-  (``--sink null`` skips that, ``--sink store`` commits into a real mooncake_master on loopback).
+- ``capture``: :meth:`EmbeddedEngine.capture` over the same batches, then :meth:`EmbeddedEngine.flush`
+  (the last commits count): the same forward through the engine plus everything it adds (hooks,
+  concatenating aux layers, bf16 contract tensors, meta) and a sink that does what the producer's
+  commit does before the network. ``--sink host`` (default): the engine's commit pipeline (pinned
+  staging slots filled on a side stream, ``sum16`` checksums on the GPU, commits on a worker thread
+  while the next forward runs; the sink CRC-32s the small CPU fields as the producer does);
+  ``--sink host-sync``: the old path, each sample copied to pageable host memory and CRC-32'd
+  before the next forward; ``--sink null`` skips all of it; ``--sink store`` commits into a real
+  mooncake_master on loopback through the pipeline.
 
 It also reports the share of the capture's time spent outside the forward. Target: overhead <= 10%.
 
 Modes::
 
-    python -m tools.bench.capture                      # CPU: the tiny target (.cache/tiny/target) or,
+    python3 -m tools.bench.capture                      # CPU: the tiny target (.cache/tiny/target) or,
                                                        # without it, a random model of the same shape
-    python -m tools.bench.capture --preset h200        # GPU: a random ~0.5B-parameter Qwen3-MoE, bf16
-    python -m tools.bench.capture --quick              # seconds: proves the tool runs
+    python3 -m tools.bench.capture --preset h200        # GPU: a random ~0.5B-parameter Qwen3-MoE, bf16
+    python3 -m tools.bench.capture --quick              # seconds: proves the tool runs
 """
 
 from __future__ import annotations
@@ -99,18 +105,30 @@ def random_decoder(preset: Preset, device: str) -> torch.nn.Module:
 
 
 class HostSink:
-    """What the producer does with a sample before the network: host copy + CRC-32 per field."""
+    """What the producer does with a sample before the network: host copy + checksums.
 
-    def __init__(self, checksum: bool = True) -> None:
-        self.checksum = checksum
+    With ``accepts_checksums`` (the pipelined path) the fields arrive in pinned host memory with
+    their ``sum16`` checksums computed on the GPU, and only the fields without one (``ids``,
+    ``mask``) are CRC-32'd here, as :meth:`runtime.transport.producer.Producer.commit` does.
+    Without it (``host-sync``), every field is copied to host and CRC-32'd on one core.
+    """
+
+    def __init__(self, pipelined: bool) -> None:
+        self.accepts_checksums = pipelined
         self.samples = 0
 
-    def commit(self, g: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
-        """Copy every field to host memory and checksum it; returns the bytes."""
+    def commit(
+        self,
+        g: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        checksums: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> int:
+        """Copy every field to host memory and checksum what has no checksum yet; returns the bytes."""
         total = 0
-        for tensor in tensors.values():
+        for name, tensor in tensors.items():
             host = tensor.to("cpu", non_blocking=False).contiguous()
-            if self.checksum:
+            if not checksums or name not in checksums:
                 zlib.crc32(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
             total += host.numel() * host.element_size()
         self.samples += 1
@@ -158,9 +176,16 @@ def timed(fn: Callable[[], Any], device: str) -> float:
 
 
 def run(
-    preset: Preset, target: Path | None, sink_name: str, repeats: int, log: Callable[[str], None] = print
+    preset: Preset,
+    target: Path | None,
+    sink_name: str,
+    repeats: int,
+    log: Callable[[str], None] = print,
+    slots: int | None = None,
 ) -> dict[str, float]:
-    """Time both sides on every batch ``repeats`` times (interleaved); returns the summary numbers."""
+    """Time both sides over all batches ``repeats`` times (alternating which goes first); returns
+    the summary numbers. ``slots``: the engine's commit staging slots (default: one batch; 0 for
+    ``host-sync`` and ``null``)."""
     device = "cuda:0" if preset.device == "cuda" else "cpu"
     if target is not None:
         from transformers import AutoModel
@@ -179,6 +204,8 @@ def run(
     engine_model = copy.deepcopy(loaded)
     del loaded
     params = sum(p.numel() for p in baseline_model.parameters())
+    if slots is None:
+        slots = 0 if sink_name in ("host-sync", "null") else preset.batch_size
     settings = EmbeddedSettings(
         target_path=target or Path("random"),
         aux_layer_ids=preset.aux,
@@ -187,8 +214,10 @@ def run(
         compute_dtype=preset.dtype,
         devices=(device,),
         batch_size=preset.batch_size,
+        commit_staging_slots=slots,
+        staging_slot_bytes=preset.max_len * (len(preset.aux) + 1) * hidden * 2 + 128,
     )
-    sink = {"host": HostSink(), "null": NullSink()}.get(sink_name)
+    sink = {"host": HostSink(pipelined=True), "host-sync": HostSink(pipelined=False), "null": NullSink()}.get(sink_name)
     store_context = None
     if sink_name == "store":
         sink, store_context = _store_sink(hidden, len(preset.aux), preset)
@@ -200,7 +229,7 @@ def run(
     log(
         f"capture bench: {source}, {params / 1e6:.1f}M parameters, {preset.dtype} on {device}, {len(batches)} batches "
         f"x {preset.batch_size} samples ({tokens} tokens, lengths {preset.min_len}..{preset.max_len}), aux {preset.aux}, "
-        f"sink {sink_name}, {repeats} repeats"
+        f"sink {sink_name}, {slots} commit staging slots, {repeats} repeats"
     )
 
     def forward(batch: list[CaptureRequest]) -> None:
@@ -209,25 +238,34 @@ def run(
         with torch.no_grad():
             baseline_model(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    try:
-        for batch in batches[:2]:  # warm-up: allocator, kernels, first-touch pages
+    def forward_all() -> None:
+        for batch in batches:
             forward(batch)
+
+    def capture_all() -> None:
+        for batch in batches:
             engine.capture(batch)
+        engine.flush()  # the last batch's commits belong to this side's time
+
+    try:
+        # Warm-up, one whole pass of each side: every batch length is a new shape (kernel choice,
+        # allocator growth), and the staging slots are pinned on first use.
+        forward_all()
+        capture_all()
         forward_s: list[float] = []
         capture_s: list[float] = []
         inside_s: list[float] = []
         started = time.monotonic()
         for repeat in range(repeats):
             f_total = c_total = inside = 0.0
-            for index, batch in enumerate(batches):
-                # Alternate which side goes first: the second of a pair finds warmer caches.
-                for side in ("forward", "capture") if index % 2 == 0 else ("capture", "forward"):
-                    if side == "forward":
-                        f_total += timed(lambda b=batch: forward(b), device)
-                    else:
-                        before = engine.forward_seconds
-                        c_total += timed(lambda b=batch: engine.capture(b), device)
-                        inside += engine.forward_seconds - before
+            # Alternate which side goes first: the second finds warmer caches.
+            for side in ("forward", "capture") if repeat % 2 == 0 else ("capture", "forward"):
+                if side == "forward":
+                    f_total += timed(forward_all, device)
+                else:
+                    before = engine.forward_seconds
+                    c_total += timed(capture_all, device)
+                    inside += engine.forward_seconds - before
             forward_s.append(f_total)
             capture_s.append(c_total)
             inside_s.append(inside)
@@ -300,14 +338,15 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.capture", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tools.bench.capture", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--quick", action="store_true", help="same as --preset quick --repeats 1")
     parser.add_argument("--target", type=Path, help="HF checkpoint to benchmark (cpu preset default: the tiny target)")
     parser.add_argument(
         "--random", action="store_true", help="random weights of the preset's shape, even if a target exists"
     )
-    parser.add_argument("--sink", choices=("host", "null", "store"), default="host")
+    parser.add_argument("--sink", choices=("host", "host-sync", "null", "store"), default="host")
+    parser.add_argument("--slots", type=int, help="commit staging slots (default: one batch; 0 for host-sync/null)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, help="override the preset's batch count")
     parser.add_argument("--batch-size", type=int, help="override the preset's samples per batch")
@@ -327,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is None and preset_name == "cpu" and not args.random and (TINY_TARGET / "config.json").is_file():
         target = TINY_TARGET
     torch.set_grad_enabled(False)
-    run(preset, target, args.sink, 1 if args.quick else args.repeats)
+    run(preset, target, args.sink, 1 if args.quick else args.repeats, slots=args.slots)
     return 0
 
 

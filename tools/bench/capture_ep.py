@@ -375,7 +375,7 @@ def report(everything: list[dict[str, Any]], log: Callable[[str], None]) -> None
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.capture_ep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tools.bench.capture_ep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--quick", action="store_true", help="the quick preset on CPU: EP = 2 over two CPU replicas")
     parser.add_argument("--ep", type=int, help="N of epN/dpN (default: the GPU count; 2 with --quick)")

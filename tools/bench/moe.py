@@ -14,8 +14,8 @@ Modes (each prints a ratio against a baseline timed in the same run):
 
 Examples::
 
-    python -m tools.bench.moe --quick
-    python -m tools.bench.moe --mode experts --mode exchange-local
+    python3 -m tools.bench.moe --quick
+    python3 -m tools.bench.moe --mode experts --mode exchange-local
     torchrun --nproc-per-node 2 -m tools.bench.moe --mode exchange-multi
     torchrun --nproc-per-node 2 -m tools.bench.moe --quick --mode exchange-multi   # CPU, gloo
 """

@@ -11,9 +11,9 @@ the same run.
 
 Examples::
 
-    python -m tools.bench.sglang_sink --mode commit --tokens 65536 --hidden 256 --repeats 3
-    python -m tools.bench.sglang_sink --mode stage --tokens 65536        # K3 widths, on a GPU
-    python -m tools.bench.sglang_sink --quick                            # tiny shapes, proves it runs
+    python3 -m tools.bench.sglang_sink --mode commit --tokens 65536 --hidden 256 --repeats 3
+    python3 -m tools.bench.sglang_sink --mode stage --tokens 65536        # K3 widths, on a GPU
+    python3 -m tools.bench.sglang_sink --quick                            # tiny shapes, proves it runs
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def bench_stage(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``--mode commit|stage`` (repeatable), shapes, ``--quick``."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.sglang_sink")
+    parser = argparse.ArgumentParser(prog="python3 -m tools.bench.sglang_sink")
     parser.add_argument("--mode", action="append", choices=["commit", "stage"])
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--hidden", type=int, default=None, help="default: 7168 for stage, 256 for commit")

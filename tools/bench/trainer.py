@@ -19,9 +19,9 @@ memory statistics are reported on GPU only.
 
 Examples::
 
-    python -m tools.bench.trainer --quick
-    python -m tools.bench.trainer                      # H200; about 2-4 minutes
-    python -m tools.bench.trainer --section loss
+    python3 -m tools.bench.trainer --quick
+    python3 -m tools.bench.trainer                      # H200; about 2-4 minutes
+    python3 -m tools.bench.trainer --section loss
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python3 -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, to prove the tool runs")
     parser.add_argument(

@@ -502,7 +502,7 @@ def compare(one_path: Path, many_path: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench.trainer_scaling",
+        prog="python3 -m tools.bench.trainer_scaling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -13,8 +13,8 @@ does NOT own the segment (TCP instead of the local copy), one batched get of the
 four single gets, fresh vs reused destination buffers, and the raw loopback TCP bandwidth between
 two processes (the ceiling of any TCP transfer on this machine).
 
-    python -m tools.bench.transport                       # T = 256, 1024, 3072 at H = 7168
-    python -m tools.bench.transport --tokens 1024,8192,65536 --reps 3 --device cuda   # H200 box
+    python3 -m tools.bench.transport                       # T = 256, 1024, 3072 at H = 7168
+    python3 -m tools.bench.transport --tokens 1024,8192,65536 --reps 3 --device cuda   # H200 box
 
 K3 shapes: n_aux = 5, H = 7,168, so one token is 86,025 bytes and T = 65,536 is 5.25 GiB. On a
 small machine the benchmark scales T (never H); ``--hidden`` exists to scale H if memory says so.
@@ -420,7 +420,7 @@ def report(rows: list[dict], setup: dict, tcp_bps: float, args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.transport", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tools.bench.transport", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="256,1024,3072", help="comma-separated T values")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--aux", type=int, default=5)
