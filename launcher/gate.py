@@ -82,15 +82,24 @@ def check_plan(loaded: LoadedRecipe, allow_blockers: bool = False) -> Check:
     return Check("plan", FAIL, text, fix + ", or pass --allow-blockers")
 
 
-def check_sglang_patch(loaded: LoadedRecipe) -> Check:
-    """The installed SGLang carries the recipe's patch target (embedded engine: skipped)."""
+def check_sglang_patch(loaded: LoadedRecipe, repo_root: Path) -> Check:
+    """The installed SGLang (of ``capture.sglang.python`` when set) carries the recipe's patch
+    target (embedded engine: skipped)."""
     recipe = loaded.recipe
     if recipe.capture.engine != "sglang":
         return Check("sglang patch", SKIP, f"capture.engine is {recipe.capture.engine}: no SGLang involved")
-    from runtime.shared.sglang_patch import check_installed, check_wheel, installed_sglang_root
+    from runtime.shared.sglang_patch import PatchError, check_installed, check_wheel, installed_sglang_root
 
     target = recipe.capture.sglang.patch_target
-    if installed_sglang_root() is None:
+    python = recipe.capture.sglang.python
+    if python:  # the server runs in its own interpreter (e.g. the capture venv): check that one
+        try:
+            report = check_installed(target, python=resolve_recipe_path(python, repo_root))
+        except PatchError as exc:
+            return Check(
+                "sglang patch", FAIL, str(exc), "fix capture.sglang.python (tools/bootstrap_sglang builds one)"
+            )
+    elif installed_sglang_root() is None:
         # A login node needs neither torch nor SGLang: check that the patch applies to the pinned
         # wheel; the capture component checks its own installed SGLang when the engine starts.
         report = check_wheel(target)
@@ -102,7 +111,8 @@ def check_sglang_patch(loaded: LoadedRecipe) -> Check:
                 "(the capture node's SGLang is checked when its engine starts)",
             )
         return Check("sglang patch", FAIL, "; ".join(report.problems), report.fix or "run tools/check_patch")
-    report = check_installed(target)
+    else:
+        report = check_installed(target)
     if report.ok:
         return Check("sglang patch", PASS, f"{report.tree}: sglang {report.version}, target {report.target}")
     return Check("sglang patch", FAIL, "; ".join(report.problems), report.fix)
@@ -139,7 +149,7 @@ def preflight_checks(loaded: LoadedRecipe, repo_root: Path, allow_blockers: bool
     """Checks 1-3, stopping at the first failure."""
     checks = [check_plan(loaded, allow_blockers)]
     if checks[-1].status != FAIL:
-        checks.append(check_sglang_patch(loaded))
+        checks.append(check_sglang_patch(loaded, repo_root))
     if checks[-1].status != FAIL:
         checks.append(check_data(loaded, repo_root))
     return checks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,15 @@ def tiny_assets() -> Path:
         if done.returncode != 0:
             pytest.fail(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
     return REPO_ROOT / ".cache" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def sglang_tiny_assets(request: pytest.FixtureRequest) -> Path:
+    """The tiny target and its data: ``tiny_assets`` (built and cached by tools/make_tiny_target),
+    or a folder of the same layout named by DSPARK_TINY_ASSETS_DIR (a prebuilt copy, e.g. while
+    another process holds the shared cache's build lock)."""
+    prebuilt = os.environ.get("DSPARK_TINY_ASSETS_DIR")
+    return Path(prebuilt) if prebuilt else request.getfixturevalue("tiny_assets")
 
 
 def copy_repository(destination: Path, share_cache: bool) -> Path:

@@ -517,3 +517,38 @@ def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
         server.shutdown()
         server.server_close()
         close_sinks()
+
+
+def test_a_cpu_server_gets_its_interpreter_device_library_path_and_environment(tmp_path: Path) -> None:
+    from runtime.capture.sglang_cpu import cpu_server_overrides
+
+    engine = SGLangEngine(
+        _resolved(tmp_path, [*cpu_server_overrides(31234), "job.capture.gpus_per_node=0"]),
+        env={"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"},
+        launch=False,
+        patch_check=None,
+    )
+    assert engine.command[:3] == [str(REPO / ".cache" / "sgl-venv" / "bin" / "python"), "-m", "sglang.launch_server"]
+    assert engine.command[engine.command.index("--device") + 1] == "cpu"
+    assert engine.command[engine.command.index("--dtype") + 1] == "float32"
+    assert engine.env["LD_LIBRARY_PATH"].split(os.pathsep) == [
+        str(REPO / ".cache" / "sgl-venv" / "cuda-stub"),
+        "/opt/lib",
+    ]
+    assert engine.env["SGLANG_USE_CPU_ENGINE"] == "1" and "SGLANG_USE_CPU_ENGINE" not in os.environ
+    # a GPU server of the same recipe gets none of it
+    gpu = SGLangEngine(_resolved(tmp_path / "gpu"), env={"PATH": "/usr/bin"}, launch=False, patch_check=None)
+    assert "--device" not in gpu.command and "LD_LIBRARY_PATH" not in gpu.env
+
+
+def test_the_patch_check_looks_at_the_servers_interpreter(tmp_path: Path) -> None:
+    """``capture.sglang.python`` set: the check runs against that interpreter's sglang (here one
+    that has none), not this process's."""
+    from runtime.shared.sglang_patch import check_installed
+
+    other = tmp_path / "python"
+    other.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    other.chmod(0o755)
+    report = check_installed(None, python=other)
+    assert not report.ok and report.state == "missing" and str(other) in report.problems[0]
+    assert report.fix.endswith(f"{other} tools/check_patch --apply")

@@ -140,7 +140,7 @@ def test_sink_refuses_what_would_store_the_wrong_sample() -> None:
     refuse("prefilled 4 tokens but the loss mask has 5", input_ids=ids[:4])
     refuse(r"aux hidden states are \(5, 512\), expected \(5, 768\)", aux_rows=aux[:, : 2 * H])
     refuse(r"final hidden states are \(4, 256\)", last_rows=last[:4])
-    refuse("are torch.float32, the capture contract stores torch.bfloat16", aux_rows=aux.float())
+    refuse("are torch.float16, the capture contract stores torch.bfloat16", aux_rows=aux.half())
     refuse("ticket is for store 'other'", ticket=_ticket(3, mask, store="other"))
     refuse(r"aux layers \[1, 3\], the recipe says \[1, 3, 5\]", ticket=_ticket(3, mask, layers=(1, 3)))
     assert sink.producer.commits == []
@@ -149,6 +149,18 @@ def test_sink_refuses_what_would_store_the_wrong_sample() -> None:
 # ----------------------------------------------------------------------------------------------
 # commits and TP gating
 # ----------------------------------------------------------------------------------------------
+
+
+def test_a_float32_server_is_rounded_to_the_bf16_contract_like_the_embedded_engine() -> None:
+    gen = torch.Generator().manual_seed(4)
+    aux, last = torch.randn(6, 3 * H, generator=gen), torch.randn(6, H, generator=gen)
+    producer = RecordingProducer()
+    receipt = CaptureSink(_settings(), producer).capture(
+        ticket=_ticket(5, [1] * 6), input_ids=list(range(6)), aux_rows=aux, last_rows=last
+    )
+    assert receipt["status"] == "committed" and receipt["fields"]["lhs"]["dtype"] == "bfloat16"
+    ((_, tensors, _),) = producer.commits
+    assert torch.equal(tensors["hs"], aux.to(torch.bfloat16)) and torch.equal(tensors["lhs"], last.to(torch.bfloat16))
 
 
 def test_only_the_output_rank_commits_and_every_rank_reports_the_same_shapes() -> None:

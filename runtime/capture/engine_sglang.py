@@ -95,6 +95,8 @@ def server_arguments(
         "--max-mamba-cache-size", str(s.max_mamba_cache_size),
         "--chunked-prefill-size", str(s.chunked_prefill_size),
     ]  # fmt: skip
+    if s.device != "cuda":
+        args += ["--device", s.device]
     if s.disable_cuda_graph:
         args += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if s.skip_tokenizer_init:
@@ -145,14 +147,26 @@ def server_command(
     ]
 
 
-def server_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def _prepend_paths(env: dict[str, str], name: str, first: Sequence[str]) -> None:
+    paths = [p for p in env.get(name, "").split(os.pathsep) if p]
+    env[name] = os.pathsep.join([*first, *(p for p in paths if p not in first)])
+
+
+def server_environment(
+    base: Mapping[str, str] | None = None,
+    *,
+    library_dirs: Sequence[str | Path] = (),
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The server's environment: the component's (Mooncake endpoints, bind address) plus this
-    repository on PYTHONPATH, so SGLang's scheduler processes can import the capture sink."""
+    repository on PYTHONPATH, so SGLang's scheduler processes can import the capture sink;
+    ``library_dirs`` in front of LD_LIBRARY_PATH and ``extra`` (``capture.sglang.library_dirs`` and
+    ``server_env``) for this process only."""
     env = dict(os.environ if base is None else base)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(REPO_ROOT) not in paths:
-        paths.insert(0, str(REPO_ROOT))
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra or {})
+    _prepend_paths(env, "PYTHONPATH", [str(REPO_ROOT)])
+    if library_dirs:
+        _prepend_paths(env, "LD_LIBRARY_PATH", [str(d) for d in library_dirs])
     return env
 
 
@@ -286,10 +300,18 @@ def _find_key(tree: Any, key: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def _default_patch_check(target: str) -> Any:
-    from runtime.shared.sglang_patch import check_installed
+def installed_patch_check(python: str | Path | None = None) -> Callable[[str], Any]:
+    """The patch check of the SGLang that ``python`` (default: this interpreter) imports."""
 
-    return check_installed(target)
+    def check(target: str) -> Any:
+        from runtime.shared.sglang_patch import check_installed
+
+        return check_installed(target, python=python)
+
+    return check
+
+
+_default_patch_check = installed_patch_check()
 
 
 class SGLangEngine:
@@ -319,17 +341,25 @@ class SGLangEngine:
         self.nnodes = nnodes or self.recipe.job.capture.nodes
         self.node_rank = node_rank
         dist_init_addr = f"{dist_init_host}:{self.settings.dist_init_port}" if dist_init_host else None
+        self.python = str(resolved.resolve_path(self.settings.python)) if self.settings.python else None
         self.command = list(command) if command is not None else server_command(
             self.recipe,
             recipe_path=resolved.path,
             model_path=resolved.resolve_path(self.recipe.capture.target_path),
+            python=self.python,
             nnodes=self.nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
         )  # fmt: skip
-        self.env = server_environment(env)
+        self.env = server_environment(
+            env,
+            library_dirs=[resolved.resolve_path(d) for d in self.settings.library_dirs],
+            extra=self.settings.server_env,
+        )
         self.launch = launch
         self.base_url = (base_url or f"http://{self.settings.host}:{self.settings.port}").rstrip("/")
+        if patch_check is _default_patch_check and self.python is not None:
+            patch_check = installed_patch_check(self.python)  # the server's interpreter, not ours
         self.patch_check = patch_check
         self.sleep = sleep
         self.process: ServerProcess | None = None

@@ -44,6 +44,10 @@ log = logging.getLogger("dspark.capture.sglang_sink")
 
 FEATURE_DTYPE = torch.bfloat16
 """DESIGN section 4: ``hs`` and ``lhs`` are bf16."""
+SERVED_DTYPES = (torch.bfloat16, torch.float32)
+"""Dtypes the server may compute in: bf16 (production) or float32 (exact CPU tests of a tiny
+target, like the embedded engine's ``compute_dtype: float32``), rounded to bf16 when staged --
+the same rounding the embedded engine applies. float16 would lose range, so it is refused."""
 ENGINE_NAME = "sglang"
 
 
@@ -264,7 +268,7 @@ class CaptureSink:
                 f"({num_tokens}, {ticket.hidden_size})"
             )
         for name, rows in (("aux", aux_rows), ("final", last_rows)):
-            if rows.dtype != FEATURE_DTYPE:
+            if rows.dtype not in SERVED_DTYPES:
                 raise CaptureSinkError(
                     f"sample g={g}: {name} hidden states are {rows.dtype}, the capture contract stores "
                     f"{FEATURE_DTYPE} (DESIGN section 4); serve the target in bfloat16 (--dtype bfloat16)"
@@ -299,7 +303,7 @@ class CaptureSink:
         if self.pipeline is not None:
             return self._queue(ticket, ids, aux_rows, last_rows, patch, receipt)
         t0 = time.perf_counter()
-        host = self.stager.stage({"hs": aux_rows, "lhs": last_rows})
+        host = self.stager.stage({"hs": aux_rows.to(FEATURE_DTYPE), "lhs": last_rows.to(FEATURE_DTYPE)})
         t1 = time.perf_counter()
         tensors = {"ids": ids, "mask": loss_mask_tensor(ticket.loss_mask), "hs": host["hs"], "lhs": host["lhs"]}
         written = 0

@@ -225,7 +225,7 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
     duplicates = sorted({x for x in c.aux_layer_ids if c.aux_layer_ids.count(x) > 1})
     if duplicates:
         out.append(Problem("capture.aux_layer_ids", f"repeats layer ids {duplicates}", "list each layer once"))
-    if c.engine == "sglang":
+    if c.engine == "sglang" and c.sglang.device == "cuda":
         gpus = recipe.job.capture.gpus_per_node * recipe.job.capture.nodes
         if c.sglang.tp_size > gpus:
             out.append(

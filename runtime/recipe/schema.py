@@ -246,6 +246,20 @@ class SGLangSettings(Section):
     """``paged_experts``: routed experts per MoE layer kept on the GPU (``--paged-experts-num-resident``)."""
     extra_args: list[str] = Field(default_factory=list)
     """Further ``sglang.launch_server`` arguments, verbatim."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Where the server computes (``--device``): ``cuda`` on GPU nodes; ``cpu`` serves a tiny target
+    without a GPU (tests, CI), with ``tp_size`` 1 and no GPUs requested for the capture component."""
+    python: str | None = None
+    """Interpreter that runs the server (relative to the repository unless absolute), e.g. the
+    capture venv ``.cache/sgl-venv/bin/python`` that ``tools/bootstrap_sglang`` builds; the patch
+    check looks at that interpreter's SGLang. Null: the capture component's own interpreter."""
+    library_dirs: list[str] = Field(default_factory=list)
+    """Folders put in front of the server's ``LD_LIBRARY_PATH`` (relative to the repository unless
+    absolute). For CPU test servers only: ``.cache/sgl-venv/cuda-stub`` holds the stub
+    ``libcuda.so.1`` that lets the kernel package load without a GPU driver; never on GPU nodes."""
+    server_env: EnvironmentMapping = Field(default_factory=dict)
+    """Extra environment variables of the server process only (e.g. ``SGLANG_USE_CPU_ENGINE: 1``
+    for a CPU server); the producer does not see them."""
 
 
 class ExpertStreamingSettings(Section):

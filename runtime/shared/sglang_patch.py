@@ -665,36 +665,66 @@ def installed_sglang_root() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]).resolve().parent
 
 
-def check_installed(target_name: str | None = None, manifest: Manifest | None = None) -> PatchReport:
+SGLANG_ROOT_PROBE = (
+    "import importlib.util as u; s = u.find_spec('sglang'); "
+    "print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
+)
+PROBE_TIMEOUT_S = 120.0
+
+
+def sglang_root_of(python: str | Path) -> Path | None:
+    """The folder holding the ``sglang`` package that interpreter ``python`` imports (another
+    environment, e.g. the capture venv), found without importing it; None when it has none."""
+    try:
+        done = subprocess.run(
+            [str(python), "-c", SGLANG_ROOT_PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PatchError(f"cannot run the SGLang interpreter {python}: {exc}") from None
+    if done.returncode != 0:
+        raise PatchError(f"the SGLang interpreter {python} failed: {done.stderr.strip()[-800:]}")
+    location = done.stdout.strip()
+    return Path(location).resolve().parent if location else None
+
+
+def check_installed(
+    target_name: str | None = None, manifest: Manifest | None = None, python: str | Path | None = None
+) -> PatchReport:
     """Fast, torch-free check of the installed SGLang: the right version, the record of this
     patch, every patched file unchanged since it was applied, every hook present. Needs neither
-    GNU patch nor network; the fix it names is ``tools/check_patch --apply``."""
+    GNU patch nor network; the fix it names is ``tools/check_patch --apply``. ``python`` checks the
+    SGLang of that interpreter instead of this one's."""
     manifest = manifest or load_manifest()
     target, notice = manifest.resolve(target_name)
-    report = PatchReport(target=target.name, tree="installed sglang", fix=APPLY_FIX)
+    fix = APPLY_FIX if python is None else f"{python} {APPLY_FIX}"
+    report = PatchReport(target=target.name, tree="installed sglang", fix=fix)
     if notice:
         report.notices.append(notice)
-    root = installed_sglang_root()
+    root = installed_sglang_root() if python is None else sglang_root_of(python)
     if root is None:
         report.state = "missing"
-        report.problems.append(f"sglang is not installed in this environment ({sys.executable})")
-        report.fix = f"pip install sglang=={target.sglang_version}, then {APPLY_FIX}"
+        report.problems.append(f"sglang is not installed in this environment ({python or sys.executable})")
+        report.fix = f"pip install sglang=={target.sglang_version}, then {fix}"
         return report
     report.tree = str(root)
-    try:
-        report.version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
+    if python is None:
+        try:
+            report.version = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            report.version = tree_version(root)
+    else:
         report.version = tree_version(root)
     if report.version != target.sglang_version:
         report.problems.append(
             f"installed sglang is {report.version}, target {target.name} needs {target.sglang_version}"
         )
-        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
+        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {fix}"
         return report
     record = read_record(root)
     if record is None:
         report.state = "pristine"
         report.problems.append(f"installed sglang at {root} is not patched (no {RECORD_NAME})")
+        report.fix = fix
         return report
     if record.get("target") != target.name or record.get("patch_sha256") != target.patch_sha256:
         report.state = "patched-other"
@@ -702,7 +732,7 @@ def check_installed(target_name: str | None = None, manifest: Manifest | None = 
             f"installed sglang carries patch {record.get('target')!r} (SHA-256 {str(record.get('patch_sha256'))[:12]}...), "
             f"not {target.name!r} (SHA-256 {target.patch_sha256[:12]}...)"
         )
-        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
+        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {fix}"
         return report
     report.state = "patched"
     for name, expected in sorted((record.get("files") or {}).items()):
@@ -713,7 +743,7 @@ def check_installed(target_name: str | None = None, manifest: Manifest | None = 
     if report.ok:
         report.steps.append(f"record and {len(record.get('files') or {})} patched files match; hooks present")
     else:
-        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {APPLY_FIX}"
+        report.fix = f"pip install --force-reinstall --no-deps sglang=={target.sglang_version}, then {fix}"
     return report
 
 
