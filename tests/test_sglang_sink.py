@@ -151,14 +151,23 @@ def test_sink_refuses_what_would_store_the_wrong_sample() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_a_float32_server_is_rounded_to_the_bf16_contract_like_the_embedded_engine() -> None:
+@pytest.mark.parametrize("commit_slots", [0, 2], ids=["synchronous", "pipelined"])
+def test_a_float32_server_is_rounded_to_the_bf16_contract_like_the_embedded_engine(commit_slots: int) -> None:
     gen = torch.Generator().manual_seed(4)
     aux, last = torch.randn(6, 3 * H, generator=gen), torch.randn(6, H, generator=gen)
     producer = RecordingProducer()
-    receipt = CaptureSink(_settings(), producer).capture(
-        ticket=_ticket(5, [1] * 6), input_ids=list(range(6)), aux_rows=aux, last_rows=last
-    )
-    assert receipt["status"] == "committed" and receipt["fields"]["lhs"]["dtype"] == "bfloat16"
+    sink = CaptureSink(_settings(), producer, commit_slots=commit_slots)
+    try:
+        receipt = sink.capture(ticket=_ticket(5, [1] * 6), input_ids=list(range(6)), aux_rows=aux, last_rows=last)
+        if sink.pipeline is not None:
+            assert receipt["status"] == "queued"
+            assert [r.error for r in sink.pipeline.drain(timeout_s=30)] == [None]
+        else:
+            assert receipt["status"] == "committed"
+    finally:
+        if sink.pipeline is not None:
+            sink.pipeline.close()
+    assert receipt["fields"]["lhs"]["dtype"] == "bfloat16"
     ((_, tensors, _),) = producer.commits
     assert torch.equal(tensors["hs"], aux.to(torch.bfloat16)) and torch.equal(tensors["lhs"], last.to(torch.bfloat16))
 

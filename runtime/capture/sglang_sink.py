@@ -336,7 +336,9 @@ class CaptureSink:
         """Hand the sample to the commit pipeline; the receipt says ``queued``."""
         assert self.pipeline is not None
         t0 = time.perf_counter()
-        tensors = {"ids": ids, "mask": loss_mask_tensor(ticket.loss_mask), "hs": aux_rows, "lhs": last_rows}
+        # A float32 server (exact CPU tests) is rounded to the contract's bf16 here, as on the synchronous path.
+        hs, lhs = aux_rows.to(FEATURE_DTYPE), last_rows.to(FEATURE_DTYPE)
+        tensors = {"ids": ids, "mask": loss_mask_tensor(ticket.loss_mask), "hs": hs, "lhs": lhs}
         try:
             self.pipeline.submit(ticket.g, tensors, capture_meta(ticket, self.settings, patch))
         except Exception as exc:
