@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from runtime.moe.experts import DequantWorkspace, LocalExperts
 from runtime.moe.mxfp4 import MXFP4Tensor
 from runtime.moe.streaming import LayerWeights, StreamedExpertStore
 from runtime.shared.streaming_budget import split_layers
+from tools.bench.moe import timed
 
 
 @dataclass(frozen=True)
@@ -137,24 +136,6 @@ class Stack:
         return x
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` runs (CUDA events on a GPU)."""
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return samples
-
-
 def plain_pinned_copy_bytes_per_s(weights: LayerWeights, device: torch.device, repeats: int) -> float:
     """Bandwidth of copying one layer's tensors from pinned host memory to the device, nothing else
     running (the baseline of the achieved-bandwidth ratio)."""
@@ -167,7 +148,7 @@ def plain_pinned_copy_bytes_per_s(weights: LayerWeights, device: torch.device, r
             target[name].copy_(tensor, non_blocking=pinned)
 
     copy()
-    seconds = statistics.median(timed(copy, device, repeats))
+    seconds = timed(copy, device, repeats, warmup=0)
     return layer_bytes(weights) / seconds
 
 
@@ -225,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             expected = resident_stack.prefill(x)  # warm-up + reference
             got = streamed_stack.prefill(x)  # warm-up (first forward: a cold miss) + check
             equal = bool(torch.equal(expected, got))
-            resident_s = statistics.median(timed(lambda x=x: resident_stack.prefill(x), device, args.repeats))
+            resident_s = timed(lambda x=x: resident_stack.prefill(x), device, args.repeats, warmup=0)
             streamed.copy_seconds()  # drop the warm-up's copy timings
             copied_before = streamed.stats.copied_bytes
-            streamed_s = statistics.median(timed(lambda x=x: streamed_stack.prefill(x), device, args.repeats))
+            streamed_s = timed(lambda x=x: streamed_stack.prefill(x), device, args.repeats, warmup=0)
             copy_s = streamed.copy_seconds()
         copied = streamed.stats.copied_bytes - copied_before
         achieved_bw = copied / copy_s if copy_s > 0 else float("nan")
