@@ -119,7 +119,9 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     started = time.monotonic()
     refs = live.engine.capture(requests)
     server_s = time.monotonic() - started
-    assert [r.meta["status"] for r in refs] == ["committed"] * NUM_PROMPTS
+    # The sink commits through the commit pipeline (capture.commit_staging_slots: one batch by default),
+    # so receipts say "queued"; the consumer reads below prove the commits landed.
+    assert [r.meta["status"] for r in refs] == ["queued"] * NUM_PROMPTS
     assert [r.g for r in refs] == gs and all(r.bytes_written > 0 for r in refs)
 
     sink = RecordingSink()
@@ -128,6 +130,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     started = time.monotonic()
     for request in requests:  # one sample per forward, as the tiny recipe's embedded engine runs
         embedded.capture([request])
+    embedded.flush()  # its commit pipeline hands the last samples to the sink
     embedded_s = time.monotonic() - started
     _report(
         "capture tokens/s, same prompts",
@@ -204,7 +207,7 @@ def test_a_bad_ticket_gets_an_error_receipt_and_the_server_stays_up(live: CpuSer
     with pytest.raises(SGLangCaptureError, match="refused|mask"):
         live.engine.capture([broken])
     live.engine.check_health()
-    assert live.engine.capture([request])[0].meta["status"] == "committed"
+    assert live.engine.capture([request])[0].meta["status"] == "queued"  # handed to the commit pipeline
 
 
 def test_the_server_log_and_command_are_what_production_renders(live: CpuServer) -> None:
