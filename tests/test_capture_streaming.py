@@ -12,66 +12,34 @@ import pytest
 import torch
 
 engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from runtime.capture.engine import CaptureRequest  # noqa: E402
 from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
 from runtime.recipe.schema import ExpertStreamingSettings  # noqa: E402
+from tests.support.tiny_moe import (  # noqa: E402
+    save_tiny_moe_target,
+    tiny_moe_capture_settings,
+    tiny_moe_config,
+    tiny_moe_requests,
+)
 
 AUX_LAYERS = (0, 2)
 
 
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("moe_target")
-    Qwen3MoeForCausalLM(config).float().save_pretrained(path)
-    return path
+    return save_tiny_moe_target(tmp_path_factory.mktemp("moe_target"), tiny_moe_config(num_hidden_layers=4))
 
 
 def _settings(target: Path, devices: tuple[str, ...], expert_parallel: int, streaming=None):
-    return engine_embedded.EmbeddedSettings(
-        target_path=target,
-        aux_layer_ids=AUX_LAYERS,
-        hidden_size=64,
-        pad_id=0,
-        compute_dtype="float32",
-        devices=devices,
-        batch_size=2,
-        expert_parallel=expert_parallel,
-        expert_streaming=streaming,
-    )
-
-
-def _requests() -> list[CaptureRequest]:
-    gen = torch.Generator().manual_seed(3)
-    out = []
-    for g, length in enumerate((9, 5, 12, 7)):
-        ids = tuple(torch.randint(1, 128, (length,), generator=gen).tolist())
-        out.append(CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"r{g}", input_ids=ids, loss_mask=(1,) * length))
-    return out
+    return tiny_moe_capture_settings(target, AUX_LAYERS, devices, expert_parallel, expert_streaming=streaming)
 
 
 def _features(settings, loader=None) -> tuple[list, list]:
     engine = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
     engine.start()
     try:
-        requests = _requests()
+        requests = tiny_moe_requests()
         per_call = engine.max_batch
         features = [f for i in range(0, len(requests), per_call) for f in engine.features(requests[i : i + per_call])]
         return features, engine.expert_stores

@@ -10,11 +10,15 @@ import torch
 
 engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
 
-from runtime.capture.engine import CaptureRequest  # noqa: E402
 from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
 from runtime.moe.exchange import ExchangeUnavailableError  # noqa: E402
 from runtime.moe.exchange_threads import ExchangeTimeoutError  # noqa: E402
-from tests.support.tiny_moe import save_tiny_moe_target, tiny_moe_config  # noqa: E402
+from tests.support.tiny_moe import (  # noqa: E402
+    save_tiny_moe_target,
+    tiny_moe_capture_settings,
+    tiny_moe_config,
+    tiny_moe_requests,
+)
 
 AUX_LAYERS = (0, 1)
 
@@ -25,29 +29,11 @@ def tiny_moe_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _settings(target: Path, devices: tuple[str, ...], expert_parallel: int) -> engine_embedded.EmbeddedSettings:
-    return engine_embedded.EmbeddedSettings(
-        target_path=target,
-        aux_layer_ids=AUX_LAYERS,
-        hidden_size=64,
-        pad_id=0,
-        compute_dtype="float32",
-        devices=devices,
-        batch_size=2,
-        expert_parallel=expert_parallel,
-    )
-
-
-def _requests() -> list[CaptureRequest]:
-    gen = torch.Generator().manual_seed(3)
-    out = []
-    for g, length in enumerate((9, 5, 12, 7)):
-        ids = tuple(torch.randint(1, 128, (length,), generator=gen).tolist())
-        out.append(CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"r{g}", input_ids=ids, loss_mask=(1,) * length))
-    return out
+    return tiny_moe_capture_settings(target, AUX_LAYERS, devices, expert_parallel)
 
 
 def test_capture_with_ep2_equals_capture_with_ep1(tiny_moe_target: Path) -> None:
-    requests = _requests()
+    requests = tiny_moe_requests()
     single = engine_embedded.EmbeddedEngine(_settings(tiny_moe_target, ("cpu",), 1))
     single.start()
     expected = [f for i in range(0, 4, 2) for f in single.features(requests[i : i + 2])]
@@ -70,7 +56,7 @@ def test_an_idle_replica_takes_part_through_the_idle_step(tiny_moe_target: Path)
     loader = ExpertParallelLoader(2, 2, rendezvous_timeout_s=60)
     engine = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
     engine.start()
-    request = _requests()[0]
+    request = tiny_moe_requests()[0]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         busy = pool.submit(engine.replicas[0].forward, [request.input_ids])
         idle = pool.submit(loader.idle_step, 1, "cpu", torch.float32)
@@ -89,7 +75,7 @@ def test_a_replica_that_skips_a_step_fails_clearly_instead_of_hanging(tiny_moe_t
     engine = engine_embedded.EmbeddedEngine(settings, model_loader=loader)
     engine.start()
     with pytest.raises(ExchangeTimeoutError, match="idle step"):
-        engine.replicas[0].forward([_requests()[0].input_ids])
+        engine.replicas[0].forward([tiny_moe_requests()[0].input_ids])
     engine.close()
 
 

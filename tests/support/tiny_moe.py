@@ -39,3 +39,36 @@ def save_tiny_moe_target(path: Path, config: Any, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(config).float().save_pretrained(path)
     return path
+
+
+def tiny_moe_capture_settings(
+    target: Path, aux_layer_ids: tuple[int, ...], devices: tuple[str, ...], expert_parallel: int, **changes: Any
+) -> Any:
+    """fp32 ``EmbeddedSettings`` (batch 2) capturing ``aux_layer_ids`` of a :func:`tiny_moe_config` target."""
+    from runtime.capture.embedded_settings import EmbeddedSettings
+
+    return EmbeddedSettings(
+        target_path=target,
+        aux_layer_ids=aux_layer_ids,
+        hidden_size=TINY_MOE_FIELDS["hidden_size"],
+        pad_id=0,
+        compute_dtype="float32",
+        devices=devices,
+        batch_size=2,
+        expert_parallel=expert_parallel,
+        **changes,
+    )
+
+
+def tiny_moe_requests() -> list[Any]:
+    """Four capture requests of 9, 5, 12 and 7 random tokens (seeded), every token in the loss mask."""
+    import torch
+
+    from runtime.capture.engine import CaptureRequest
+
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for g, length in enumerate((9, 5, 12, 7)):
+        ids = tuple(torch.randint(1, 128, (length,), generator=gen).tolist())
+        out.append(CaptureRequest(g=g, epoch=0, row_index=g, row_id=f"r{g}", input_ids=ids, loss_mask=(1,) * length))
+    return out
