@@ -34,10 +34,9 @@ from runtime.capture.engine_sglang import (
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
 from runtime.transport.loopback import free_port
+from tests.test_sglang_server import require_capture_venv
 
 REPO = Path(__file__).resolve().parent.parent
-PARSER_DEPS = ("msgspec", "psutil", "pybase64", "starlette", "zmq")
-
 K3_GOLDEN = [
     "--model-path", "/models/kimi-k3",
     "--host", "127.0.0.1",
@@ -103,14 +102,6 @@ def test_server_environment_puts_the_repository_on_pythonpath() -> None:
     assert env["DSPARK_MOONCAKE_MASTER"] == "10.0.0.1:50051"
 
 
-def _parser_python() -> str | None:
-    probe = "import " + ", ".join(PARSER_DEPS)
-    for python in (sys.executable, str(REPO / ".cache" / "sgl-venv" / "bin" / "python")):
-        if Path(python).exists() and subprocess.run([python, "-c", probe], capture_output=True).returncode == 0:
-            return python
-    return None
-
-
 def _patched_full_tree() -> Path:
     """The whole 0.5.23 ``sglang/`` tree with the patch applied, built once per patch version."""
     from runtime.shared import sglang_patch as pc
@@ -141,11 +132,11 @@ print(json.dumps({n: getattr(args, n) for n in names}))
 """
 
 
+@pytest.mark.sglang_server
 def test_k3_command_parses_with_the_patched_sglang_0_5_23_parser() -> None:
-    python = _parser_python()
-    if python is None:
-        pytest.skip(f"the SGLang argument parser needs {', '.join(PARSER_DEPS)} (pip install msgspec psutil "
-                    "pybase64 starlette pyzmq)")  # fmt: skip
+    # The parser imports much of SGLang's serving stack (orjson, IPython, zmq, ...): it runs in the
+    # capture venv that tools/bootstrap_sglang builds, hence the SGLang tier.
+    python = require_capture_venv()
     tree = _patched_full_tree()
     names = [
         "model_path", "tp_size", "mem_fraction_static", "context_length", "max_running_requests",
