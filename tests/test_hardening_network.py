@@ -116,3 +116,35 @@ def test_trainer_rendezvous_and_gloo_listen_only_on_the_bind_address() -> None:
         record = json.loads(out.strip().splitlines()[-1])
         assert record["sum"] == 2.0
         assert record["listen"] == [LOOPBACK], f"rank listens on {record['listen']}"
+
+
+def _rank0_settings(port: int) -> object:
+    import torch
+
+    from runtime.trainer.settings import RunSettings
+
+    return RunSettings(
+        rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), param_dtype=torch.float32,
+        reduce_dtype=torch.float32, attention_backend="sdpa", num_rows=1, total_steps=1, chunk_rows=1,
+        job_dir=REPO, checkpoint_dir=REPO, data_digest="x", smoke=False, master_port=port,
+    )  # fmt: skip
+
+
+def test_a_held_rendezvous_port_is_named_unless_torchruns_agent_serves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    from runtime.trainer.distributed import rendezvous_store
+
+    port = free_port()
+    # Another process's store holds the port (under torchrun: the elastic agent's).
+    holder = dist.TCPStore(LOOPBACK, port, None, True, timeout=dt.timedelta(seconds=10), wait_for_workers=False)
+    holder.set("from-the-holder", "1")
+    settings = _rank0_settings(port)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(RuntimeError, match=rf"cannot listen on {LOOPBACK}:{port}.*job.master_port"):
+        rendezvous_store(settings, 10.0)  # type: ignore[arg-type]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    joined = rendezvous_store(settings, 10.0)  # type: ignore[arg-type]
+    assert joined.get("from-the-holder") == b"1"  # a client of the holder's store, not a second server

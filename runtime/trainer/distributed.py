@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
+import os
 import socket
 from typing import Any
 
@@ -22,7 +24,8 @@ the useful message."""
 
 def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT. Rank 0 serves it from a socket bound to this
-    node's bind address: torch's own TCPStore server listens on every interface (``::``)."""
+    node's bind address: torch's own TCPStore server listens on every interface (``::``). Under
+    torchrun, whose agent may serve the store itself, rank 0 joins that one instead."""
     timeout = dt.timedelta(seconds=timeout_s)
     if settings.rank != 0:
         return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, False, timeout=timeout)
@@ -32,6 +35,10 @@ def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
         listener.bind((settings.bind_address, settings.master_port))
     except OSError as exc:
         listener.close()
+        # Under torchrun (benchmarks) the elastic agent may still serve its store at MASTER_PORT (torch
+        # 2.11 does; 2.13 has closed it by now) and says so in this variable: then join it as a client.
+        if exc.errno == errno.EADDRINUSE and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, False, timeout=timeout)
         raise RuntimeError(
             f"trainer rank 0 cannot listen on {settings.bind_address}:{settings.master_port} for the rendezvous "
             f"({exc.strerror or exc}); another process holds the port: choose a free job.master_port in the recipe"
