@@ -38,7 +38,9 @@ def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
         # Under torchrun (benchmarks) the elastic agent may still serve its store at MASTER_PORT (torch
         # 2.11 does; 2.13 has closed it by now) and says so in this variable: then join it as a client.
         if exc.errno == errno.EADDRINUSE and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return dist.TCPStore(settings.master_addr, settings.master_port, settings.world_size, False, timeout=timeout)
+            return dist.TCPStore(
+                settings.master_addr, settings.master_port, settings.world_size, False, timeout=timeout
+            )
         raise RuntimeError(
             f"trainer rank 0 cannot listen on {settings.bind_address}:{settings.master_port} for the rendezvous "
             f"({exc.strerror or exc}); another process holds the port: choose a free job.master_port in the recipe"
