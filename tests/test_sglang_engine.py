@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -453,6 +454,43 @@ def test_launches_the_server_process_and_stops_its_process_group(tmp_path: Path)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "double server starting" in (tmp_path / "capture" / "sglang_server.log").read_text()
+
+
+ORPHAN_PARENT = r"""
+import sys, time
+from pathlib import Path
+from runtime.capture.engine_sglang import ServerProcess
+server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
+server.start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited; only its new parent has not reaped it yet
+
+
+def test_a_server_dies_with_a_producer_killed_by_sigkill(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_PARENT, str(tmp_path / "server.log")],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert parent.stdout is not None
+    server_pid = int(parent.stdout.readline())
+    assert not _gone(server_pid)
+    parent.kill()  # no cleanup code runs: only the kernel's parent-death signal can stop the server
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not _gone(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _gone(server_pid):
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail(f"the server (pid {server_pid}) outlived its SIGKILLed parent")
 
 
 @pytest.mark.mooncake

@@ -34,6 +34,7 @@ from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.sglang_wire import CaptureReceipt, CaptureTicket, WireError, encode_loss_mask, generate_body
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
+from runtime.shared.lifecycle import die_with_parent
 
 log = logging.getLogger("dspark.capture.sglang")
 
@@ -203,8 +204,15 @@ class ServerProcess:
         with self.log_path.open("ab") as out:
             out.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(self.command)}\n".encode())
             out.flush()
+            # Its own session (stop() signals the whole group), and SIGTERM when this process dies: a
+            # producer or test killed with SIGKILL must not leave a server (and its ports) behind.
             self.proc = subprocess.Popen(
-                self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         log.info("SGLang server started (pid %d), log %s", self.proc.pid, self.log_path)
 
