@@ -83,3 +83,45 @@ def test_stopped_master_fails_the_wait_within_idle_timeout(tmp_path: Path) -> No
     assert took < IDLE_TIMEOUT_S + SLACK_S, f"waited {took:.0f} s"
     message = str(err.value)
     assert "has not answered" in message and "mooncake_master stopped, overloaded or unreachable" in message
+
+
+@pytest.mark.distributed
+def test_a_stopped_trainer_rank_is_named_and_the_others_stop_within_idle_timeout(tmp_path: Path) -> None:
+    """Before: the other ranks sat in the gradient all-reduce for idle_timeout + 600 s without a line."""
+    from runtime.trainer.peer_watch import EXIT_PEER_LOST
+    from tests.support.trainer_runs import make_inputs, make_run, start, wait_all
+
+    idle_timeout_s = 20
+    target, samples = make_inputs(tmp_path)
+    run = make_run(
+        tmp_path,
+        "stopped-rank",
+        world_size=2,
+        target=target,
+        samples=samples,
+        overrides=[
+            f"transport.idle_timeout_s={idle_timeout_s}",
+            "trainer.global_batch_size=4",
+            "trainer.epochs=1000",
+            "trainer.log_every_steps=1",
+        ],
+    )
+    ranks = start(run, free_port())
+    try:
+        deadline = time.monotonic() + 240
+        while not run.metrics() and time.monotonic() < deadline and all(r.poll() is None for r in ranks):
+            time.sleep(0.2)
+        assert run.metrics(), "the run never finished a step"
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        ranks[0].wait(timeout=idle_timeout_s + 60)
+        waited_s = time.monotonic() - stopped_at
+    finally:
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        ranks[1].kill()
+    done = wait_all(ranks, timeout_s=30)
+    assert done.codes[0] == EXIT_PEER_LOST, done.text()[-4000:]
+    assert idle_timeout_s <= waited_s < idle_timeout_s + 30, waited_s
+    log = done.logs[0]
+    assert "rank 1 silent for" in log, log[-3000:]  # named while it waits
+    assert "rank 1 has been silent for" in log and "transport.idle_timeout_s" in log, log[-3000:]

@@ -43,6 +43,7 @@ from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
 from runtime.trainer.metrics import MetricsWriter, progress_line, step_metrics
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import SCALAR_SUMS, SLOT_SUMS, loss_coefficients
+from runtime.trainer.peer_watch import PeerLost, PeerWatch
 from runtime.trainer.prefetch import StepPrefetcher
 from runtime.trainer.resume import StartPlan, check_resume_compatible, plan_start
 from runtime.trainer.schedules import build_schedule
@@ -91,6 +92,15 @@ class Trainer:
         """Layouts the prefetch thread built, by g (see :meth:`_fetcher`)."""
         self._copied: dict[int, Any] = {}
         """CUDA events marking the end of each prefetched sample's copy, by g."""
+        self._peers = PeerWatch(
+            settings.rank,
+            settings.world_size,
+            settings.master_addr,
+            settings.master_port,
+            give_up_after_s=self.recipe.transport.idle_timeout_s,
+            on_give_up=lambda message: self.gate.on_failure(PeerLost(message)),
+        )
+        """Beats for this rank and stops it when another rank falls silent (started after the rendezvous)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -138,12 +148,14 @@ class Trainer:
         init_process_group(s, self.recipe.transport.idle_timeout_s)
         self._install_stop_handler()
         writer = MetricsWriter(s.job_dir, cfg.metrics, run_name=self.recipe.job.name, enabled=s.is_main)
+        self._peers.start()
         try:
             return self._run(writer)
         except Exception as exc:
             self.gate.on_failure(exc)
             raise
         finally:
+            self._peers.stop()
             writer.close()
 
     def _run(self, writer: MetricsWriter) -> int:
@@ -197,6 +209,7 @@ class Trainer:
         for step in range(start_step, s.total_steps):
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr(step)
+            self._peers.step = step
             outcome = self._train_step(step, model, optimizer, source, guard)
             source.commit_step(step)
             record = self._record(step, outcome, schedule.lr(step), guard)
