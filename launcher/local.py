@@ -161,7 +161,13 @@ class LocalRun:
                 self._finish("trainer", trainer_code)
                 capture_code = self._component_exit("capture")
                 if capture_code is None:
-                    self._finish("capture", 0, state="STOPPED")
+                    # The trainer is done: the capture's job is too. SIGTERM makes it finish the sample
+                    # being written and exit 0, which is a completed capture (as on Slurm, where the
+                    # stop file ends it); anything else, or a failed trainer, leaves it STOPPED.
+                    capture = [t.process for t in self._component_tasks("capture")]
+                    stop_processes(capture, self.stop_grace_s)
+                    clean = trainer_code == 0 and all(p.returncode == 0 for p in capture)
+                    self._finish("capture", 0, state="COMPLETED" if clean else "STOPPED")
                 else:
                     self._finish("capture", capture_code)
                 return trainer_code

@@ -33,10 +33,13 @@ def run_tiny(mode: str, runs: Path, *overrides: str) -> Path:
     done = launch([*args, "--local"] if mode == "local" else args)
     assert done.returncode == 0, done.stdout + done.stderr
     (job_dir,) = set((runs / "tiny").iterdir()) - before
+    record = find_record(str(job_dir), runs)
     if mode == "local":
         assert_healthy_console(done.stdout + done.stderr, job_dir)
+        # The capture still ran when the trainer finished: stopped with SIGTERM, it exits 0 (completed).
+        states = {c.name: (c.state, c.results) for c in job_report(record).components}
+        assert states["capture"] == ("COMPLETED", {0: "success"}), states
     if mode == "slurm":
-        record = find_record(str(job_dir), runs)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while (state := job_report(record).state) not in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
             assert time.monotonic() < deadline, f"job {record.job_id} still {state}"
