@@ -43,7 +43,7 @@ CHAT_TEMPLATE = (
 """Plain-text turns: ``<|role|> content <|end|>``; the generation prompt is ``<|assistant|>``."""
 PROGRESS_INTERVAL_S = 5.0
 """A build prints a progress line at least this often (tokenizing, training, evaluating)."""
-BUILD_PROCEDURE_VERSION = 1
+BUILD_PROCEDURE_VERSION = 2
 """Bump when the code that turns the content into a model changes (model class, training loop,
 tokenizer construction): the cache key covers the content itself, not the source text."""
 
@@ -57,19 +57,21 @@ class TinyTargetSpec:
     num_layers: int = 8
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 64
+    # Narrow heads and experts (the recipe fixes only hidden size, layers, vocabulary and the expert
+    # counts): the build must finish in under a minute on 2 cores and still be peaked (issue 18).
+    head_dim: int = 16
     num_experts: int = 8
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 256
+    moe_intermediate_size: int = 32
     max_position_embeddings: int = 512
     rms_norm_eps: float = 1e-6
     init_seed: int = 1234
     train_corpus_seed: int = 1001
-    train_conversations: int = 6000
-    train_steps: int = 240
+    train_conversations: int = 2500
+    train_steps: int = 80
     batch_size: int = 32
     learning_rate: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 8
     chat_seed: int = 7
     chat_rows: int = 128
 
@@ -199,18 +201,33 @@ class _Progress:
             self.last = now
 
 
+def _assistant_loss(model: Any, ids: Any, attention: Any, labels: Any) -> Any:
+    """The causal-LM loss of ``model(..., labels=labels)``, with the vocabulary projection computed only
+    at the positions that have a label (about half of them: the user turns carry none); a third of a
+    step's FLOPs at this size."""
+    import torch.nn.functional as F
+
+    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+    targets = labels[:, 1:]
+    keep = targets != -100
+    return F.cross_entropy(model.lm_head(hidden[keep]).float(), targets[keep])
+
+
 def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     """Initialise the tiny target from ``init_seed`` and train it on the generated corpus."""
     import torch
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(spec.init_seed)
-    model = Qwen3MoeForCausalLM(build_config(spec))
+    # The per-expert loop: on a CPU it is 2-3x faster than transformers' default grouped_mm fallback
+    # (same function, same losses; measured on 2 cores, tiny shapes).
+    model = Qwen3MoeForCausalLM._from_config(build_config(spec), experts_implementation="eager")
     vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
     conversations = tiny_corpus.generate_conversations(
         vocabulary, spec.train_conversations, spec.train_corpus_seed, id_prefix="train"
     )
     progress = _Progress(log)
+    progress.maybe(f"tokenizing the training corpus: {len(conversations)} conversations", force=True)
     samples = []
     for index, row in enumerate(conversations):
         chat = chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], spec.max_position_embeddings)
@@ -230,7 +247,7 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     for step, (ids, attention, labels) in enumerate(
         _batches(samples, spec.batch_size, spec.train_steps, spec.init_seed)
     ):
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss = _assistant_loss(model, ids, attention, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -247,21 +264,30 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     return model
 
 
-def evaluate_peakedness(model: Any, rows: list[dict[str, Any]], tokenizer: Any, max_length: int) -> dict[str, float]:
-    """Top-1 accuracy and mean top-1 probability of the target on the assistant tokens of ``rows``."""
+def evaluate_peakedness(
+    model: Any, rows: list[dict[str, Any]], tokenizer: Any, max_length: int, batch_size: int = 32
+) -> dict[str, float]:
+    """Top-1 accuracy and mean top-1 probability of the target on the assistant tokens of ``rows``
+    (right-padded batches: causal attention keeps every real position exact)."""
     import torch
 
+    chats = [chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], max_length) for row in rows]
     correct = total = 0
     top_probability = 0.0
     with torch.no_grad():
-        for row in rows:
-            chat = chat_tokenize.tokenize_chat(tokenizer, row["conversations"], row["id"], max_length)
-            ids = torch.tensor([chat.input_ids])
-            probabilities = model(input_ids=ids).logits[0, :-1].float().softmax(-1)
-            targets = ids[0, 1:]
-            on_assistant = torch.tensor(chat.loss_mask[1:], dtype=torch.bool)
-            best_p, best = probabilities[on_assistant].max(-1)
-            correct += int((best == targets[on_assistant]).sum())
+        for first in range(0, len(chats), batch_size):
+            group = chats[first : first + batch_size]
+            width = max(len(chat.input_ids) for chat in group)
+            ids = torch.full((len(group), width), tiny_corpus.PAD_ID, dtype=torch.long)
+            scored = torch.zeros((len(group), width), dtype=torch.bool)
+            for row, chat in enumerate(group):
+                ids[row, : len(chat.input_ids)] = torch.tensor(chat.input_ids)
+                scored[row, : len(chat.input_ids)] = torch.tensor(chat.loss_mask, dtype=torch.bool)
+            attention = (torch.arange(width)[None, :] < torch.tensor([len(c.input_ids) for c in group])[:, None]).long()
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            on_assistant = scored[:, 1:]
+            best_p, best = logits[on_assistant].float().softmax(-1).max(-1)
+            correct += int((best == ids[:, 1:][on_assistant]).sum())
             top_probability += float(best_p.sum())
             total += int(on_assistant.sum())
     return {"assistant_top1_accuracy": correct / total, "assistant_mean_top1_probability": top_probability / total}
