@@ -128,8 +128,10 @@ class LocalRun:
             if complete == 0:
                 continue
             task.echo_offset += complete
+            prefix = f"[{task.component}]"
             for line in chunk[:complete].decode(errors="replace").splitlines():
-                print(f"[{task.component}] {line}", flush=True)
+                # The trainer's own lines already start with "[trainer]": no second prefix.
+                print(line if line.startswith(prefix) else f"{prefix} {line}", flush=True)
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
