@@ -20,7 +20,7 @@ from pathlib import Path
 from submitit.core import job_environment, utils
 from submitit.slurm.slurm import SlurmJobEnvironment
 
-from launcher.component import signal_group, start_component, stop_process
+from launcher.component import STOP_GRACE_S, signal_group, start_component, stop_process
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
@@ -63,6 +63,8 @@ class ComponentSignalHandler(job_environment.SignalHandler):
 
     child: object = None
     stopped_by_signal = False
+    grace_s: float = STOP_GRACE_S
+    """The recipe's ``job.stop_grace_s``: how long the child gets between SIGTERM and SIGKILL."""
 
     def forward_stop(self, signum: int, frame: types.FrameType | None = None) -> None:
         """SIGTERM from Slurm (cancel, preemption, requeue): pass it to the child's process group.
@@ -75,7 +77,7 @@ class ComponentSignalHandler(job_environment.SignalHandler):
 
     def _exit(self) -> None:
         if self.child is not None:
-            stop_process(self.child)  # type: ignore[arg-type]
+            stop_process(self.child, self.grace_s)  # type: ignore[arg-type]
         super()._exit()
 
 
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(payload, ComponentJob):
         raise TypeError(f"{paths.submitted_pickle} holds {type(payload).__name__}, not a ComponentJob")
     handler = ComponentSignalHandler(HetTaskEnvironment.create(leader, task), paths, delayed)
+    handler.grace_s = recipe.job.stop_grace_s
     signal.signal(signal.SIGTERM, handler.forward_stop)
     signal.signal(SlurmJobEnvironment._usr_sig(), handler.checkpoint_and_try_requeue)
 
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 # The trainer is done; the capture component has nothing left to serve.
                 print(f"{log} the trainer has ended ({stop_file.name}); stopping the capture component", flush=True)
                 stopped_on_request = True
-                stop_process(child)
+                stop_process(child, recipe.job.stop_grace_s)
             time.sleep(STOP_POLL_S)
         if stopped_on_request:
             code = 0
