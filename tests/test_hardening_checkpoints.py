@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from runtime.trainer import checkpoints
 from runtime.trainer.resume import check_resume_compatible
+from tests.support.trainer_runs import save_one_rank
 
 
 def _save(folder: Path, step: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer, Path]:
@@ -23,16 +24,7 @@ def _save(folder: Path, step: int = 2) -> tuple[torch.nn.Module, torch.optim.Opt
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 64)).square().sum().backward()
     optimizer.step()
-    saved = checkpoints.save_checkpoint(
-        folder,
-        step=step,
-        model=model,
-        optimizer=optimizer,
-        state={"step": step},
-        rng_states=[checkpoints.rng_state()],
-        keep_last=3,
-        is_main=True,
-    )
+    saved = save_one_rank(folder, model, optimizer, step)
     return model, optimizer, saved.path
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runtime.trainer import checkpoints
+from tests.support.trainer_runs import save_one_rank
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
@@ -27,29 +28,16 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", str(mount)], check=False)
 
 
-def _save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int):
-    return checkpoints.save_checkpoint(
-        folder,
-        step=step,
-        model=model,
-        optimizer=optimizer,
-        state={"step": step},
-        rng_states=[checkpoints.rng_state()],
-        keep_last=5,
-        is_main=True,
-    )
-
-
 def test_disk_full_names_path_and_bytes_and_leaves_no_temp_files(small_disk: Path, capfd) -> None:
     small = torch.nn.Linear(16, 16)
     optimizer = torch.optim.AdamW(small.parameters())
-    first = _save(small_disk, small, optimizer, 1)  # fits
+    first = save_one_rank(small_disk, small, optimizer, 1, keep_last=5)  # fits
     big = torch.nn.Linear(512, 512)  # 1 MiB of weights + 2 MiB of moments: does not fit
     big_optimizer = torch.optim.AdamW(big.parameters())
     big(torch.randn(2, 512)).sum().backward()
     big_optimizer.step()
     with pytest.raises(checkpoints.CheckpointError) as err:
-        _save(small_disk, big, big_optimizer, 2)
+        save_one_rank(small_disk, big, big_optimizer, 2, keep_last=5)
     message = str(err.value)
     assert message.startswith(f"disk full at {small_disk} while saving step_00000002: need about ")
     assert "bytes" in message and "previous checkpoints are intact" in message

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.recipe import load_recipe, write_resolved
+from runtime.trainer import checkpoints
 from runtime.trainer.synthetic import write_synthetic_samples, write_target_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +42,22 @@ BASE_OVERRIDES = [
     "data.num_rows=16",
     "trainer.epochs=4",
 ]
+
+
+def save_one_rank(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, keep_last: int = 3
+) -> checkpoints.SavedCheckpoint:
+    """A single-process checkpoint of ``model`` and ``optimizer`` at ``step`` (the trainer's own saver)."""
+    return checkpoints.save_checkpoint(
+        folder,
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        state={"step": step},
+        rng_states=[checkpoints.rng_state()],
+        keep_last=keep_last,
+        is_main=True,
+    )
 
 
 def make_inputs(root: Path, count: int = 48) -> tuple[Path, Path]:
