@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from runtime.recipe import Recipe, SampleSize
+from runtime.recipe.checks import largest_sample
 from runtime.recipe.schema import DraftConfig
 from runtime.recipe.units import format_bytes
 
@@ -337,24 +338,85 @@ def _commit_overlap(
 def _capture_once_projection(
     recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], plan: Plan, steps: int
 ) -> None:
-    """What capturing each row once would give (the node-local feature cache of DESIGN section 9,
-    not built yet): the first epoch at the capture rate, later epochs at the trainer's."""
-    rows_count = recipe.data.num_rows or 0
-    samples = steps * recipe.trainer.global_batch_size
-    first = min(samples, rows_count)
-    later = samples - first
-    later_s = stages["train"]  # a lower bound: reading the cache off local disk is not modelled
-    seconds = first * stages["capture"] + later * later_s
-    idle = 1.0 - samples * stages["train"] / seconds if seconds else 0.0
+    """What the node-local feature cache would give this recipe (it is off): the first epoch at
+    the capture rate, later epochs at the trainer's or the cache's."""
+    seconds, idle, _ = _cached_run_seconds(recipe, stages, steps)
     rows.append(
         (
-            "if each row were captured once",
-            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%} ({first} captures at {stages['capture']:.3f} s, then "
-            f"{later} samples at the trainer's {later_s:.3f} s, cache reads not modelled: a lower bound; needs the "
-            "node-local feature cache, NOT BUILT: this recipe captures every epoch again)",
+            "with trainer.feature_cache",
+            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%}: each row captured once, later epochs read from the "
+            "trainer node's disk (off in this recipe: --set trainer.feature_cache.enabled=true "
+            "--set trainer.feature_cache.dir=/local/nvme/dspark_cache)",
         )
     )
     plan.numbers.update(capture_once_run_seconds=seconds, capture_once_trainer_idle_fraction=idle)
+
+
+def _cached_run_seconds(recipe: Recipe, stages: dict[str, float], steps: int) -> tuple[float, float, float]:
+    """Run time, trainer idle fraction and cache-read seconds per sample with the feature cache:
+    epoch 0 (each row once) at the slowest stage, later epochs at the slower of the trainer and
+    the trainer node's disk."""
+    rows_count = recipe.data.num_rows or 0
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    read_s = largest_sample(recipe).total_bytes / (recipe.plan.cache_read_gbps * 1e9)
+    seconds = first * max(stages.values()) + (samples - first) * max(stages["train"], read_s)
+    idle = 1.0 - samples * stages["train"] / seconds if seconds else 0.0
+    return seconds, idle, read_s
+
+
+def _feature_cache(
+    recipe: Recipe, rows: list[tuple[str, str]], stages: dict[str, float], plan: Plan, steps: int, sample: SampleSize
+) -> float:
+    """The run with ``trainer.feature_cache``: its disk, its read rate and the run time; returns the
+    trainer's idle fraction over the whole run."""
+    rows_count = recipe.data.num_rows or 0
+    cache_bytes = rows_count * sample.total_bytes
+    disk = recipe.plan.trainer_local_disk_bytes
+    seconds, idle, read_s = _cached_run_seconds(recipe, stages, steps)
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    rows.append(
+        (
+            "feature cache size",
+            f"{format_bytes(cache_bytes)} ({rows_count} rows x {format_bytes(sample.total_bytes)}) on the trainer "
+            f"node's disk ({format_bytes(disk)} assumed free, plan.trainer_local_disk_bytes)",
+        )
+    )
+    rows.append(
+        (
+            "cache read s/sample",
+            f"{read_s:.3f} s  ({format_bytes(sample.total_bytes)} at {recipe.plan.cache_read_gbps:g} GB/s, "
+            "plan.cache_read_gbps: an assumption, not measured)",
+        )
+    )
+    rows.append(
+        (
+            "run time with the cache",
+            f"{seconds / 3600:.2f} h: epoch 0's {first} samples at {max(stages.values()):.3f} s (captured once), "
+            f"then {samples - first} at {max(stages['train'], read_s):.3f} s (the slower of train and cache read); "
+            f"trainer idle {idle:.0%} over the run",
+        )
+    )
+    plan.numbers.update(
+        feature_cache_bytes=cache_bytes,
+        run_seconds=seconds,
+        cache_read_s_per_sample=read_s,
+        run_trainer_idle_fraction=idle,
+    )
+    if cache_bytes > disk:
+        plan.findings.append(
+            Finding(
+                "blocker",
+                f"trainer.feature_cache needs {format_bytes(cache_bytes)} on the trainer node's disk, "
+                f"plan.trainer_local_disk_bytes is {format_bytes(disk)}",
+                (
+                    "point trainer.feature_cache.dir at a larger disk and set plan.trainer_local_disk_bytes to its free size",
+                    "or set trainer.feature_cache.enabled: false (every epoch is captured again)",
+                ),
+            )
+        )
+    return idle
 
 
 def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
@@ -406,6 +468,7 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
     rows.append(("bottleneck", f"{bottleneck} ({slowest:.3f} s/sample, {1 / slowest:.3f} samples/s)"))
     rows.append(("trainer idle fraction", f"{idle:.1%}"))
     samples = None
+    cached = recipe.trainer.feature_cache.enabled and "capture" in stages and bool(recipe.data.num_rows)
     if recipe.data.num_rows:
         samples = recipe.data.num_rows * recipe.trainer.epochs
         steps = samples // recipe.trainer.global_batch_size
@@ -413,12 +476,15 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
             steps = min(steps, recipe.trainer.max_steps)
         seconds = steps * recipe.trainer.global_batch_size * slowest
         rows.append(("optimizer steps", f"{steps} ({samples} samples over {recipe.trainer.epochs} epoch(s))"))
-        rows.append(
-            ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
-        )
         plan.numbers.update(steps=steps, run_seconds=seconds)
-        if "capture" in stages and recipe.trainer.epochs > 1:
-            _capture_once_projection(recipe, rows, stages, plan, steps)
+        if cached:
+            idle = _feature_cache(recipe, rows, stages, plan, steps, sample)
+        else:
+            rows.append(
+                ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
+            )
+            if "capture" in stages and recipe.trainer.epochs > 1:
+                _capture_once_projection(recipe, rows, stages, plan, steps)
     plan.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
     plan.numbers.update(trainer_idle_fraction=idle)
     plan.sections.append(("throughput model", rows))
@@ -426,7 +492,8 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
     plan.findings.append(
         Finding(
             level,
-            f"bottleneck is {bottleneck}; the trainer is expected to idle {idle:.0%} of the time",
+            f"bottleneck is {bottleneck}; the trainer is expected to idle {idle:.0%} of the time"
+            + (" over the run (epoch 0 captured, later epochs from the feature cache)" if cached else ""),
             ("add capture capacity (more capture nodes or engines) to feed the trainer",)
             if level == "warn" and bottleneck == "capture"
             else (),

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 from runtime.capture.embedded_settings import EmbeddedSettings
 from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.producer import CaptureLoop, CaptureSource
-from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import META_FIELD, sample_key
 from runtime.shared.data_files import sha256_file, write_manifest, write_rows
+from runtime.shared.prompt_order import PromptOrder
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe

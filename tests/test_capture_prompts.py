@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.capture.prompts import PromptOrder, epoch_permutation
 from runtime.recipe import load_recipe
+from runtime.shared.prompt_order import PromptOrder, epoch_permutation
 from tests.conftest import REPO_ROOT
 
 
@@ -84,7 +84,7 @@ def test_other_random_generators_neither_change_nor_are_changed_by_the_order() -
 def test_same_order_in_another_process() -> None:
     here = _rows(PromptOrder(64, 17, 3))
     code = (
-        "import json; from runtime.capture.prompts import PromptOrder; "
+        "import json; from runtime.shared.prompt_order import PromptOrder; "
         "print(json.dumps([s.row_index for s in PromptOrder(64, 17, 3).iter_from(0)]))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

@@ -14,8 +14,8 @@ import pytest
 
 from launcher.control import job_report
 from launcher.jobs import find_record
-from runtime.capture.prompts import PromptOrder
 from runtime.recipe import load_recipe
+from runtime.shared.prompt_order import PromptOrder
 from tests.support.launcher_cli import launch, probe_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 from runtime.capture.engine import CaptureEngine, CaptureRequest
 from runtime.capture.gate import CaptureGate, NanInjectingSink
 from runtime.capture.progress import CaptureProgress
-from runtime.capture.prompts import PromptOrder
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.data_files import RowIndex, check_data_sha256
+from runtime.shared.prompt_order import PromptOrder
 
 log = logging.getLogger("dspark.capture")
 
@@ -301,6 +301,8 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             stack.callback(producer.close)
         with gate.stage("data", f"{recipe.data.train_path}: SHA-256 and row count as the recipe says"):
             source = CaptureSource.from_recipe(resolved)
+        if recipe.trainer.feature_cache.enabled:
+            producer.capture_later_epochs_only_when_asked(source.order.num_rows)
         producer.heartbeat({"capture": {"state": f"loading the {recipe.capture.engine} engine"}})
         with gate.stage("engine", f"{recipe.capture.engine} engine started and healthy"):
             engine = make_engine(resolved, producer, moe_exchange)

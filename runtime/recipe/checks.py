@@ -393,6 +393,7 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
                 "keep only one of them",
             )
         )
+    out.extend(_check_feature_cache(recipe))
     schedule = t.schedule
     if schedule.type == "constant" and schedule.warmup_steps:
         out.append(
@@ -408,6 +409,41 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
                 "trainer.schedule.warmup_steps",
                 f"is {schedule.warmup_steps}, not below trainer.schedule.total_steps {schedule.total_steps}",
                 "shorten the warmup",
+            )
+        )
+    return out
+
+
+def _check_feature_cache(recipe: Recipe) -> list[Problem]:
+    cache = recipe.trainer.feature_cache
+    if not cache.enabled:
+        return []
+    out: list[Problem] = []
+    if not cache.dir:
+        out.append(
+            Problem(
+                "trainer.feature_cache.dir",
+                "is not set while trainer.feature_cache.enabled is true",
+                "set it to a folder on the trainer node's local disk, e.g. /local/nvme/dspark_cache",
+            )
+        )
+    if recipe.trainer.sample_source != "mooncake":
+        out.append(
+            Problem(
+                "trainer.feature_cache.enabled",
+                f"is true with trainer.sample_source {recipe.trainer.sample_source!r}: the cache keeps samples "
+                "read from the Mooncake data plane",
+                "set trainer.feature_cache.enabled: false",
+            )
+        )
+    if recipe.job.trainer.nodes > 1:
+        # Any rank may need any row in a later epoch; a node-local cache serves only its own node.
+        out.append(
+            Problem(
+                "trainer.feature_cache.enabled",
+                f"is true with job.trainer.nodes {recipe.job.trainer.nodes}: the cache is node-local and a later "
+                "epoch deals each row to any rank",
+                "use one trainer node, or set trainer.feature_cache.enabled: false",
             )
         )
     return out

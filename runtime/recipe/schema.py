@@ -555,6 +555,27 @@ class CheckpointConfig(Section):
     """Also export the final draft as safetensors + config for SGLang's DSpark loader."""
 
 
+class FeatureCacheConfig(Section):
+    """Capture once, train many epochs: the trainer node keeps every sample it reads in the first
+    epoch on its local disk, and later epochs read them from there (DESIGN section 9).
+
+    The producer then captures epoch 0 only, plus any later sample a trainer rank asks for (its
+    cache entry is missing or corrupt: a requeue onto another node, a wiped disk). The entries are
+    keyed by the data row and by a digest of everything that determines the features (target,
+    revision, aux layers, hidden size, engine, data SHA-256, max length): a cache written for
+    another target or data file is never read."""
+
+    enabled: bool = False
+    """Keep first-epoch samples on the trainer node's local disk and read later epochs from it."""
+    dir: str | None = None
+    """Cache folder on the trainer node's local disk (NVMe), e.g. ``/local/nvme/dspark_cache``;
+    ``${VAR}`` is taken from the trainer's environment (``${SLURM_TMPDIR}``); relative paths are
+    relative to the repository. Needs room for every row at its captured size (``--plan`` says how much)."""
+    lookahead_steps: int = Field(2, ge=1)
+    """How many optimizer steps ahead a trainer rank checks its cache and asks the producer for
+    the samples it lacks (the producer captures them before the rank needs them)."""
+
+
 class MetricsConfig(Section):
     """Where metrics go besides ``metrics.jsonl``."""
 
@@ -622,6 +643,8 @@ class TrainerSection(Section):
     """Checkpointing."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Metrics sinks."""
+    feature_cache: FeatureCacheConfig = Field(default_factory=FeatureCacheConfig)
+    """Node-local feature cache: capture each row once, train many epochs."""
 
     @property
     def effective_prompt_seed(self) -> int:
@@ -691,6 +714,12 @@ class PlanSection(Section):
     expert_compute_tflops: float = Field(500.0, gt=0)
     """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
     531 TFLOP/s measured at 64K tokens per GPU on our H200 (tools/bench/moe.py)."""
+    trainer_local_disk_bytes: ByteSize = 28 * 10**12
+    """Free local disk (NVMe) of one trainer node for ``trainer.feature_cache`` (8-GPU nodes often
+    carry 8 x 3.84 TB NVMe drives; an assumption: set your site's number)."""
+    cache_read_gbps: float = Field(20.0, gt=0)
+    """GB/s at which the trainer node's ranks together read the feature cache from local disk (an
+    assumption for an NVMe RAID, not measured on our machines: measure yours with ``fio`` or ``dd``)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def cursor_key(store_id: str) -> str:
     return f"{store_id}/cursor"
 
 
+def want_key(store_id: str, g: int) -> str:
+    """Store key a trainer rank puts to ask the producer for sample ``g`` of a later epoch (with
+    ``trainer.feature_cache`` the producer captures later epochs only when asked)."""
+    return f"{store_id}/want/{g:012d}"
+
+
 def heartbeat_key(store_id: str) -> str:
     """Store key of the producer's heartbeat object."""
     return f"{store_id}/heartbeat"

@@ -30,14 +30,24 @@ def sample_file(folder: Path, g: int) -> Path:
 
 
 def write_sample_file(folder: str | Path, sample: CapturedSample) -> Path:
-    """Write one sample (atomically: temp name, then rename)."""
+    """Write one sample as ``{g:012d}.safetensors`` in ``folder`` (atomically)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    target = sample_file(folder, sample.g)
+    return write_sample_to(sample_file(folder, sample.g), sample)
+
+
+def write_sample_to(target: Path, sample: CapturedSample, extra_metadata: dict[str, str] | None = None) -> Path:
+    """Write one sample to ``target`` (temp name, then rename: a reader never sees half a file;
+    a failed write leaves no temp file behind)."""
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     tensors = {name: tensor.contiguous() for name, tensor in sample.tensors().items()}
-    save_file(tensors, str(tmp), metadata={"meta": json.dumps({**sample.meta, "g": sample.g})})
-    os.replace(tmp, target)
+    metadata = {"meta": json.dumps({**sample.meta, "g": sample.g}), **(extra_metadata or {})}
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 

@@ -173,7 +173,7 @@ class Trainer:
         plan = plan_start(self.recipe, s.checkpoint_dir, self.resolved.digest)
         start_step, guard = self._start(plan, model, optimizer, writer)
         writer.resume_at(start_step)
-        source = open_sample_source(self.resolved, s.rank, s.world_size)
+        source = open_sample_source(self.resolved, s.rank, s.world_size, s.data_digest)
         try:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
         finally:

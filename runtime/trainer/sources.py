@@ -10,8 +10,10 @@ class SampleShapeError(ValueError):
     """A fetched sample does not match the capture contract the recipe describes."""
 
 
-def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int) -> SampleConsumer:
-    """The recipe's sample source: the Mooncake data plane, or a folder of sample files."""
+def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int, data_digest: str) -> SampleConsumer:
+    """The recipe's sample source: the Mooncake data plane (behind the node-local feature cache
+    when ``trainer.feature_cache.enabled``), or a folder of sample files. ``data_digest``: the
+    data file's SHA-256 (part of the cache's key)."""
     recipe = resolved.recipe
     trainer = recipe.trainer
     if trainer.sample_source == "files":
@@ -29,7 +31,16 @@ def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int) -> 
         )
     from runtime.transport.dataplane import open_consumer
 
-    return open_consumer(resolved, rank, world_size)
+    consumer = open_consumer(resolved, rank, world_size)
+    if not trainer.feature_cache.enabled:
+        return consumer
+    from runtime.trainer.cached_source import open_cached_source
+
+    try:
+        return open_cached_source(resolved, consumer, data_digest)
+    except BaseException:
+        consumer.close()
+        raise
 
 
 def check_sample(sample: CapturedSample, *, num_aux_layers: int, hidden_size: int, vocab_size: int) -> None:

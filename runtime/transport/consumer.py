@@ -28,6 +28,7 @@ from runtime.shared.contracts import (
     heartbeat_key,
     sample_key,
     step_sample_indices,
+    want_key,
 )
 from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
@@ -40,6 +41,9 @@ log = logging.getLogger("dspark.transport.consumer")
 CURSOR_CHECK_INTERVAL_S = 1.0
 STATUS_TIMEOUT_S = 2.0
 """Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
+STALE_AFTER_BEATS = 3
+"""A heartbeat older than this many ``transport.heartbeat_interval_s`` means the producer stopped
+beating (a beat can be late by a slow put, so one missed interval is not enough)."""
 
 
 class Consumer:
@@ -74,6 +78,8 @@ class Consumer:
         self.max_corrupt_retries = max(1, tr.max_retries)
         self.global_batch_size = recipe.trainer.global_batch_size
         self._consumed: set[int] = set()
+        self._asked: set[int] = set()
+        """g this rank asked the producer for (``want`` keys it put and has not removed yet)."""
         self._published: int | None = None
         self._delete_below: int | None = None
         self._staging: dict[str, torch.Tensor] = {}
@@ -82,7 +88,18 @@ class Consumer:
         self.bytes_total = 0
         self.samples_total = 0
         self._calls = DeadlineCaller(f"rank {rank} store calls")
+        # Heartbeat reads on their own thread: one stuck there (the heartbeat in a stopped producer's
+        # segment) must not hold up the sample reads, nor make them blame the master.
+        self._beat_calls = DeadlineCaller(f"rank {rank} heartbeat reads")
+        self.heartbeat_interval_s = tr.heartbeat_interval_s
         self._last_beat: Heartbeat | None = None
+        # What this rank saw of the heartbeat, on its own monotonic clock (no clock skew between nodes):
+        self._beat_identity: tuple[str, int, int] | None = None  # (host, pid, sequence) of the last beat read
+        self._beat_first_seen: float = 0.0  # when that beat was first read
+        self._beat_last_read: float | None = None  # when the heartbeat was last read
+        self._beat_arrival_seen = False
+        """Whether this rank saw the current beat replace another within a few intervals (its age is
+        then measured on this rank's clock; otherwise the beat's own timestamp is trusted)."""
 
     # -- the g this rank reads --------------------------------------------------------------
 
@@ -114,6 +131,7 @@ class Consumer:
             state = str(exc)
         last_log = start
         last_cursor_check = 0.0
+        last_beat_read = -float("inf")
         corrupt = 0
         while time.monotonic() < deadline:
             try:
@@ -152,6 +170,11 @@ class Consumer:
                     self._calls.call(self._republish_missing_cursor, min(STATUS_TIMEOUT_S, budget()), "cursor check")
             if now >= deadline:
                 break
+            if now - last_beat_read >= self.heartbeat_interval_s:
+                # Follow the heartbeat while waiting, so that a producer that stops beating is timed on
+                # this rank's own clock (see _beat_silence_s).
+                last_beat_read = now
+                self._read_heartbeat_bounded(min(STATUS_TIMEOUT_S, budget()))
             if now - last_log >= self.wait_log_interval_s:
                 log.info(
                     "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
@@ -160,7 +183,7 @@ class Consumer:
                     self.idle_timeout_s,
                     g,
                     state,
-                    self._producer_status(),
+                    self._producer_status(g),
                 )
                 last_log = now
             time.sleep(min(self.poll_interval_s, budget()))
@@ -203,6 +226,11 @@ class Consumer:
             if current is None or current.value < limit:
                 return
         done = sorted(g for g in self._consumed if g < limit)
+        asked = sorted(g for g in self._asked if g < limit)
+        if asked:
+            with contextlib.suppress(TransportError):  # the producer removes stale asks below the cursor too
+                self.client.remove([want_key(self.store_id, g) for g in asked])
+            self._asked.difference_update(asked)
         if done:
             try:
                 self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
@@ -242,6 +270,20 @@ class Consumer:
             f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.global_batch_size)
         )
 
+    def ask_for(self, gs: list[int]) -> None:
+        """Ask the producer to capture these g (with ``trainer.feature_cache`` it captures later
+        epochs only when asked): one small ``want`` key each, idempotent, removed after the step
+        that consumes them commits. A store that does not answer is retried by the next call."""
+        new = [g for g in gs if g not in self._asked]
+        if not new:
+            return
+        for g in new:
+            self.client.put_bytes(want_key(self.store_id, g), b"1")
+            self._asked.add(g)
+        log.info(
+            "rank %d asked the producer for %d sample(s) not in the feature cache: %s", self.rank, len(new), new[:8]
+        )
+
     # -- store objects ----------------------------------------------------------------------
 
     def read_cursor(self) -> Cursor | None:
@@ -250,7 +292,7 @@ class Consumer:
         return Cursor.decode(raw) if raw is not None else None
 
     def read_heartbeat(self) -> Heartbeat | None:
-        """The producer's last heartbeat, or None."""
+        """The producer's last heartbeat, or None (also remembered, with when this rank first saw it)."""
         try:
             raw = self.client.get_bytes(heartbeat_key(self.store_id))
         except TransportError:
@@ -261,12 +303,46 @@ class Consumer:
             beat = Heartbeat.decode(raw)
         except (ValueError, TypeError):
             return None
-        self._last_beat = beat
+        self._observe_beat(beat)
         return beat
+
+    def _read_heartbeat_bounded(self, timeout_s: float) -> None:
+        with contextlib.suppress(StoreUnresponsiveError):
+            self._beat_calls.call(self.read_heartbeat, timeout_s, "read the producer heartbeat")
+
+    def _observe_beat(self, beat: Heartbeat) -> None:
+        now = time.monotonic()
+        identity = (beat.host, beat.pid, beat.sequence)
+        if identity != self._beat_identity:
+            # A new beat. If this rank read the previous one a moment ago, the new one is at most that
+            # old, and its age can be timed on this rank's clock from now on.
+            recent = self._beat_last_read is not None and now - self._beat_last_read <= self._stale_after_s
+            self._beat_arrival_seen = self._beat_identity is not None and recent
+            self._beat_identity = identity
+            self._beat_first_seen = now
+        self._beat_last_read = now
+        self._last_beat = beat
+
+    @property
+    def _stale_after_s(self) -> float:
+        return STALE_AFTER_BEATS * self.heartbeat_interval_s
+
+    def _beat_silence_s(self, beat: Heartbeat) -> float:
+        """Seconds since the producer's last beat, as well as this rank can tell.
+
+        The time this rank has watched the same beat is a lower bound that no clock skew spoils; a
+        beat this rank did not see arrive may be older than that, by its own (wall-clock) timestamp.
+        """
+        watched = time.monotonic() - self._beat_first_seen if self._beat_identity is not None else 0.0
+        if self._beat_arrival_seen:
+            return watched
+        return max(watched, beat.age_s())
 
     def _write_cursor(self, value: int, step: int | None) -> None:
         publisher = f"rank {self.rank} pid {os.getpid()} on {socket.gethostname()}"
-        self.client.put_bytes(cursor_key(self.store_id), Cursor(value, step, time.time(), publisher).encode())
+        # The cursor names rank 0's segment (where it lives): the producer puts its heartbeat there.
+        cursor = Cursor(value, step, time.time(), publisher, segment=self.client.preferred_segment)
+        self.client.put_bytes(cursor_key(self.store_id), cursor.encode())
         self._published = value
 
     def _republish_missing_cursor(self) -> None:
@@ -332,25 +408,68 @@ class Consumer:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _producer_status(self) -> str:
+    def _producer_status(self, g: int | None = None) -> str:
+        """The producer's side of a wait: who it is, when it last beat, and the likely cause."""
         try:
-            beat = self._calls.call(self.read_heartbeat, STATUS_TIMEOUT_S, "read the producer heartbeat")
+            beat = self._beat_calls.call(self.read_heartbeat, STATUS_TIMEOUT_S, "read the producer heartbeat")
         except StoreUnresponsiveError as exc:
-            return f"producer heartbeat unreadable: {exc}"
+            last = self._last_beat
+            seen = (
+                f"; last read from the producer (pid {last.pid} on host {last.host}) "
+                f"{self._beat_silence_s(last):.0f} s ago, sequence {last.sequence}"
+                if last is not None
+                else ""
+            )
+            return f"producer heartbeat unreadable: {exc}{seen}"
         if beat is None and self._last_beat is not None:
-            # The heartbeat lives in the producer's own segment: when the producer hangs or dies, its
-            # client stops renewing and the master unmounts the segment (client_ttl_s), taking the
-            # heartbeat with it. What this rank saw last is the evidence.
+            # The heartbeat lives in trainer rank 0's segment and outlives the producer; it goes
+            # missing when the store lost it (master restart) or when the producer did not know rank
+            # 0's segment yet, beat into its own, and that segment left the store with the producer.
             last = self._last_beat
             return (
                 f"the producer's heartbeat vanished from the store; last seen from producer pid {last.pid} on "
-                f"{last.host} (segment {last.segment or '?'}), {last.age_s():.0f} s old, sequence {last.sequence}, "
-                f"{last.committed_total} samples committed: the producer most likely hung or died and its segment "
-                "was unmounted with it (or the master restarted); check the capture component's log"
+                f"{last.host}, {self._beat_silence_s(last):.0f} s old, sequence {last.sequence}, "
+                f"{last.committed_total} samples committed: the mooncake_master most likely restarted (the store "
+                "is empty until the producer beats again), or the producer beat into its own segment and most "
+                "likely hung or died with it; look at the capture log and the master's log"
             )
         if beat is None:
-            return "no producer heartbeat in the store (the producer has not started, or the store was restarted)"
-        return beat.summary()
+            return (
+                "no producer heartbeat in the store: the producer has not started (or not reached the store yet), "
+                "or the store was restarted and the producer is gone; look at the capture log"
+            )
+        return f"{self._likely_cause(beat, g)}; {beat.summary()}"
+
+    def _likely_cause(self, beat: Heartbeat, g: int | None) -> str:
+        """Why sample ``g`` is not there, from the producer's heartbeat and how fresh it is."""
+        who = f"the producer (pid {beat.pid} on host {beat.host})"
+        silence_s = self._beat_silence_s(beat)
+        error = f"; its last error: {beat.last_error}" if beat.errors and beat.last_error else ""
+        if beat.closed:
+            return (
+                f"{who} shut down {silence_s:.0f} s ago (its last heartbeat says it closed){error}: the capture "
+                "component stopped or failed; look at the capture log"
+            )
+        if silence_s > self._stale_after_s:
+            return (
+                f"{who} has not beaten for {silence_s:.0f} s (sequence {beat.sequence}; it beats every "
+                f"{self.heartbeat_interval_s:g} s, transport.heartbeat_interval_s): it is hung, stopped (SIGSTOP) or "
+                f"dead; look at the capture log{error}"
+            )
+        sample = f"g={g}" if g is not None else "the sample"
+        if beat.cursor is None:
+            reason = "it has no cursor yet (it waits for trainer rank 0 to publish one)"
+        elif beat.paused:
+            reason = f"it is paused ({beat.waiting_for or 'at its watermark'})"
+        elif g is not None and g < beat.cursor:
+            reason = f"{sample} is below its cursor {beat.cursor} (it considers {sample} consumed)"
+        elif g is not None and beat.window_end is not None and g >= beat.window_end:
+            reason = f"{sample} is beyond its window [{beat.cursor}, {beat.window_end})"
+        elif beat.waiting_for:
+            reason = f"it waits for {beat.waiting_for}"
+        else:
+            reason = f"it is capturing ({beat.rate_samples_per_s:.2f} samples/s, {beat.in_flight} in flight)"
+        return f"{who} is alive (last heartbeat {silence_s:.1f} s ago) but has not committed {sample}: {reason}{error}"
 
     def _idle_message(self, g: int, meta_key: str, waited: float, state: str) -> str:
         try:
@@ -360,7 +479,7 @@ class Consumer:
             cursor_text = "cursor unreadable"
         return (
             f"rank {self.rank} waited {waited:.0f} s (transport.idle_timeout_s = {self.idle_timeout_s:g}) for sample "
-            f"g={g} (key {meta_key}): {state}; {self._producer_status()}; {cursor_text}. Check the capture "
+            f"g={g} (key {meta_key}): {state}; {self._producer_status(g)}; {cursor_text}. Check the capture "
             "component's log (is the producer alive, paused or failing?)"
         )
 

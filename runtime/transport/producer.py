@@ -18,6 +18,7 @@ and the window then names the missing g in order. That is also all a restart nee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from runtime.shared.contracts import (
     dtype_name,
     heartbeat_key,
     sample_key,
+    want_key,
 )
 from runtime.transport.errors import TransportError
 from runtime.transport.records import Cursor, Heartbeat
@@ -55,6 +57,10 @@ from runtime.transport.store import StoreClient
 from runtime.transport.window import WindowLimits, WindowState
 
 log = logging.getLogger("dspark.transport.producer")
+
+RANK0_SEGMENT_RETRY_S = 30.0
+"""After a beat into trainer rank 0's segment failed, beats go to the producer's own segment for
+this long (or 3 heartbeat intervals, if longer) before rank 0's is tried again."""
 
 
 class Producer:
@@ -96,6 +102,13 @@ class Producer:
         self._extra_stats: dict[str, Any] = {}
         self._last_progress_log = time.monotonic()
         self._stop = threading.Event()
+        self._rank0_segment = ""
+        """Trainer rank 0's segment, from the cursor it publishes: where the heartbeat goes."""
+        self._beat_segment: str | None = None
+        """The segment the last beat was put into ('' this client's usual place, None no beat yet)."""
+        self._rank0_segment_failed_at: float | None = None
+        """Monotonic time a beat into rank 0's segment last failed (it is retried after a pause)."""
+        self._beat_lock = threading.Lock()  # beats come from the heartbeat thread, the capture loop and close()
         self._heartbeat_thread: threading.Thread | None = None
         if auto_heartbeat:
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="dspark-heartbeat", daemon=True)
@@ -226,18 +239,89 @@ class Producer:
         if segment:
             self.client.prefer_segment(segment)
 
+    def capture_later_epochs_only_when_asked(self, rows_per_epoch: int) -> None:
+        """``trainer.feature_cache``: capture epoch 0 (g below ``rows_per_epoch``) in full, and a
+        later g only while a trainer rank's ``want`` key asks for it."""
+        with self._lock:
+            self.window.asked_from = rows_per_epoch
+        log.info(
+            "the trainer caches features: capturing epoch 0 (g < %d) and later samples only when a trainer "
+            "rank asks for them",
+            rows_per_epoch,
+        )
+
     def release(self, g: int) -> None:
         """Give back a claimed g whose capture failed (it will be offered again)."""
         with self._lock:
             self.window.release(g)
 
     def heartbeat(self, stats: Mapping[str, Any] | None = None) -> None:
-        """Upsert the heartbeat now; ``stats`` (engine rates, ...) are kept for later beats too."""
+        """Upsert the heartbeat now; ``stats`` (engine rates, ...) are kept for later beats too.
+
+        It goes to trainer rank 0's segment when the cursor named one (see :meth:`_put_heartbeat`).
+        """
+        if not self._rank0_segment:
+            self._read_cursor()  # learns rank 0's segment (the capture loop may not have read it yet)
         with self._lock:
             if stats:
                 self._extra_stats.update(stats)
             beat = self._make_heartbeat()
-        self.client.put_bytes(heartbeat_key(self.store_id), beat.encode())
+        self._put_heartbeat(beat.encode())
+
+    def _put_heartbeat(self, data: bytes, *, final: bool = False) -> None:
+        """Put the beat into trainer rank 0's segment, else (unknown, or that put failed) into this
+        producer's usual place.
+
+        Why rank 0's: the reader of the heartbeat needs it most when the producer hangs or dies, and
+        that is exactly when the producer's own segment stops answering (SIGSTOP: its transfers
+        hang) and then leaves the store (``transport.client_ttl_s``), heartbeat included. Rank 0's
+        segment also holds the cursor, lives on the node that reads both, and only a trainer restart
+        takes it away. Only this one object goes there; samples stay where they were.
+        """
+        with self._beat_lock:
+            self._put_heartbeat_locked(data, final)
+
+    def _put_heartbeat_locked(self, data: bytes, final: bool) -> None:
+        key = heartbeat_key(self.store_id)
+        target = self._rank0_segment
+        now = time.monotonic()
+        retry_after_s = max(RANK0_SEGMENT_RETRY_S, 3 * self.heartbeat_interval_s)
+        failed_at = self._rank0_segment_failed_at
+        if target and (failed_at is None or now - failed_at >= retry_after_s):  # not right after a failure
+            try:
+                # One attempt: a failure falls back below instead of delaying the beat by the backoff.
+                self._put_beat_into(key, data, target, max_retries=0)
+                self._rank0_segment_failed_at = None
+                return
+            except TransportError as exc:
+                self._rank0_segment_failed_at = now
+                log.warning(
+                    "cannot put the heartbeat into trainer rank 0's segment %s (%s); it goes to this producer's "
+                    "own segment until that works again (a trainer restart publishes its new segment)",
+                    target,
+                    exc,
+                )
+        elif not target and self._beat_segment != "":
+            log.debug(
+                "trainer rank 0's segment is not known yet (no cursor names it): the heartbeat goes to this "
+                "producer's own segment, and vanishes with it if the producer hangs or dies"
+            )
+        self._put_beat_into(key, data, "", max_retries=0 if final else None)
+
+    def _put_beat_into(self, key: str, data: bytes, segment: str, max_retries: int | None) -> None:
+        if self._beat_segment is not None and self._beat_segment != segment:
+            # An upsert of an object of the same size overwrites it where it is: move it explicitly
+            # (a reader may find no heartbeat for this moment).
+            try:
+                self.client.remove([key])
+            except TransportError as exc:
+                log.debug("removing the heartbeat before moving it failed: %s", exc)
+            self._beat_segment = None
+        self.client.put_bytes(key, data, segment=segment, max_retries=max_retries)
+        if self._beat_segment != segment:
+            where = f"trainer rank 0's segment {segment}" if segment else "this producer's own segment"
+            log.info("the heartbeat goes to %s", where)
+        self._beat_segment = segment
 
     # -- reconciliation ---------------------------------------------------------------------
 
@@ -255,7 +339,7 @@ class Producer:
             in_flight_before = set(self.window.in_flight)
             self._committed_during_scan = {}
         for _ in range(3):
-            present, partial = self._scan(cursor)
+            present, partial, asked, stale_asks = self._scan(cursor)
             again = self._current_cursor()
             if again == cursor:
                 break
@@ -268,6 +352,7 @@ class Producer:
             late = self._committed_during_scan or {}
             self._committed_during_scan = None
             present.update(late)
+            self.window.asked = asked
             was_paused = self.window.paused
             self.window.observe(cursor, present)
             partial = [
@@ -277,6 +362,8 @@ class Producer:
         if partial:
             log.info("removing %d half-written samples (fields without meta): %s", len(partial), partial[:8])
             self.client.remove([k for g in partial for k in sample_keys(self.store_id, g)])
+        if stale_asks:
+            self.client.remove([want_key(self.store_id, g) for g in stale_asks])
         if garbage:
             self.client.remove([k for g in garbage for k in sample_keys(self.store_id, g)])
             with self._lock:
@@ -333,19 +420,27 @@ class Producer:
         if raw is None:
             return None
         try:
-            return Cursor.decode(raw)
+            cursor = Cursor.decode(raw)
         except ValueError as exc:
             log.warning("ignoring an unreadable cursor object: %s", exc)
             return None
+        if cursor.segment and cursor.segment != self._rank0_segment:
+            # a (re)started trainer: its rank 0 mounted a new segment; the next beat moves there
+            self._rank0_segment = cursor.segment
+            self._rank0_segment_failed_at = None
+        return cursor
 
-    def _scan(self, cursor: int) -> tuple[dict[int, int], list[int]]:
-        """Complete samples (g -> bytes) and half-written ones in and around the window."""
+    def _scan(self, cursor: int) -> tuple[dict[int, int], list[int], set[int], list[int]]:
+        """Complete samples (g -> bytes) and half-written ones in and around the window; with the
+        trainer's feature cache also the g asked for in the window and stale asks below the cursor."""
         high = self.window.limits.high_samples
         with self._lock:
             known = set(self.window.resident) | set(self.window.in_flight)
+            asked_from = self.window.asked_from
         candidates = sorted(set(range(max(0, cursor - high), cursor + 2 * high)) | known)
         keys = [k for g in candidates for k in sample_keys(self.store_id, g)]
-        exists = self.client.exist(keys)
+        askable = [g for g in candidates if asked_from is not None and g >= asked_from]
+        exists = self.client.exist(keys + [want_key(self.store_id, g) for g in askable])
         per = len(TENSOR_FIELDS) + 1
         present: dict[int, int] = {}
         partial: list[int] = []
@@ -355,7 +450,10 @@ class Producer:
                 present[g] = self._bytes.get(g) or self._bytes_from_meta(g)
             elif any(flags):
                 partial.append(g)
-        return present, partial
+        asks = [g for g, flag in zip(askable, exists[len(keys) :], strict=True) if flag]
+        asked = {g for g in asks if g >= cursor}
+        stale = [g for g in asks if g < cursor]
+        return present, partial, asked, stale
 
     def _bytes_from_meta(self, g: int) -> int:
         key = sample_key(self.store_id, g, META_FIELD)
@@ -464,7 +562,13 @@ class Producer:
                 return "waiting for the trainer to publish the cursor (no cursor in the store, none saved by this job)"
             if self.window.paused:
                 return f"paused: {self.window.pause_reason()}"
-            return f"window [{self.window.cursor}, {self.window.window_end}) is full or in flight"
+            end = self.window.window_end or 0
+            if self.window.asked_from is not None and end > self.window.asked_from:
+                return (
+                    f"window [{self.window.cursor}, {end}) holds what it needs; from g={self.window.asked_from} on "
+                    "the trainer reads its feature cache, and nothing it lacks was asked for"
+                )
+            return f"window [{self.window.cursor}, {end}) is full or in flight"
 
     def _maybe_log_progress(self) -> None:
         now = time.monotonic()
@@ -487,10 +591,19 @@ class Producer:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the heartbeat and release the client (the segment, and every sample, leaves the store)."""
+        """Stop the heartbeat, write a last beat marked closed (so a waiting trainer says the producer
+        shut down rather than hung), and release the client (the segment, and every sample, leaves
+        the store)."""
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5.0)
+        if self._sequence > 0:  # a producer that never beat (an SGLang sink) has nothing to close
+            try:
+                with self._lock:
+                    beat = dataclasses.replace(self._make_heartbeat(), closed=True)
+                self._put_heartbeat(beat.encode(), final=True)
+            except Exception as exc:  # best effort: the store may be gone already
+                log.debug("the closing heartbeat failed: %s", exc)
         self.client.close()
 
     def __enter__(self) -> Producer:

@@ -20,6 +20,9 @@ class Cursor:
     """Wall-clock time of publication."""
     publisher: str = ""
     """Who published it (``rank 0 pid 1234 on host``)."""
+    segment: str = ""
+    """Trainer rank 0's segment (``ip:port``), where the cursor lives: the producer puts its heartbeat
+    there too, so the heartbeat outlives a hung or dead producer ('' from a publisher without one)."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -36,12 +39,18 @@ class Cursor:
             step=data.get("step"),
             published_at=float(data.get("published_at", 0.0)),
             publisher=str(data.get("publisher", "")),
+            segment=str(data.get("segment", "")),
         )
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """``{store_id}/heartbeat``: the producer's liveness and window, upserted every interval."""
+    """``{store_id}/heartbeat``: the producer's liveness and window, upserted every interval.
+
+    It lives in trainer rank 0's segment (named by the cursor), not the producer's: a hung or dead
+    producer's segment becomes unreadable and then leaves the store, and the heartbeat must stay to
+    say who stopped beating and when. Until the producer knows rank 0's segment it beats into its own.
+    """
 
     time: float
     """Wall-clock time of this beat."""
@@ -69,6 +78,8 @@ class Heartbeat:
     """Extra statistics from the capture engine."""
     segment: str = ""
     """Mooncake segment the producer owns (``ip:port``): where other writers put sample fields."""
+    closed: bool = False
+    """The producer's last beat, written as it closed (a clean shutdown): no further beat follows."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -93,7 +104,7 @@ class Heartbeat:
         else:
             parts.append(f"window [{self.cursor}, {self.window_end})")
         parts.append(f"resident {self.resident_samples} samples / {self.resident_bytes} bytes")
-        parts.append("PAUSED" if self.paused else "capturing")
+        parts.append("CLOSED" if self.closed else "PAUSED" if self.paused else "capturing")
         if self.last_commit_time is not None:
             parts.append(f"last commit {(time.time() if now is None else now) - self.last_commit_time:.1f} s ago")
         if self.waiting_for:

@@ -165,6 +165,7 @@ class StoreClient:
         self._scratch: torch.Tensor | None = None
         self._scratch_lock = threading.Lock()
         self._write_config: Any = None  # ReplicateConfig naming the segment writes go to
+        self._segment_configs: dict[str, Any] = {}  # for single puts placed elsewhere (put_bytes)
         self.hostname = ""
         self.setup_s = 0.0
 
@@ -356,16 +357,48 @@ class StoreClient:
 
     # -- small objects ----------------------------------------------------------------------
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        """Upsert a small object (cursor, heartbeat, meta) through the local buffer."""
-        for attempt in range(self.settings.max_retries + 1):
-            rc = self.raw.upsert(key, data, self._write_config) if self._write_config else self.raw.upsert(key, data)
+    def put_bytes(self, key: str, data: bytes, *, segment: str = "", max_retries: int | None = None) -> None:
+        """Upsert a small object (cursor, heartbeat, meta) through the local buffer.
+
+        ``segment``: place this one object in that segment instead of where this client's writes
+        usually go (the producer's heartbeat goes to trainer rank 0's). Mooncake treats it as a
+        preference: a segment that is not mounted (any more) is passed over silently, and an
+        upsert of an object of the same size keeps the old replica where it is (remove it first
+        to move it). ``max_retries`` overrides ``transport.max_retries`` for this call.
+        """
+        config = self._config_for(segment) if segment else self._write_config
+        retries = self.settings.max_retries if max_retries is None else max_retries
+        for attempt in range(retries + 1):
+            rc = self.raw.upsert(key, data, config) if config is not None else self.raw.upsert(key, data)
             if rc == 0:
                 return
             self._raise_if_permanent("put", [(key, rc)], key)
-            if attempt < self.settings.max_retries:
+            if attempt < retries:
                 self._backoff(attempt, "put", [(key, rc)])
-        raise TransportError(f"{self.name}: put of {key} failed after retries: {code_name(rc)}")
+        raise TransportError(f"{self.name}: put of {key} failed after {retries} retries: {code_name(rc)}")
+
+    def _config_for(self, segment: str) -> Any:
+        """A ReplicateConfig naming ``segment`` (kept: the heartbeat asks for the same one every beat)."""
+        from mooncake.store import ReplicateConfig
+
+        if self._write_config is not None and self._write_config.preferred_segment == segment:
+            return self._write_config
+        cached = self._segment_configs.get(segment)
+        if cached is None:
+            cached = ReplicateConfig()
+            cached.preferred_segment = segment
+            self._segment_configs = {segment: cached}  # one at a time: rank 0's segment changes rarely
+        return cached
+
+    def segment_of(self, key: str) -> str:
+        """The segment holding ``key``'s first replica (``ip:port`` of its owner; '' when absent).
+
+        Read from Mooncake's replica descriptor; tests and diagnostics only.
+        """
+        replicas = self.raw.get_replica_desc(key)
+        if not replicas:
+            return ""
+        return str(replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint)
 
     def get_bytes(self, key: str) -> bytes | None:
         """A small object's bytes, or None when the key is absent."""

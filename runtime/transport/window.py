@@ -59,6 +59,11 @@ class WindowState:
     paused: bool = False
     transitions: int = 0
     """How many times ``paused`` flipped (for logs and tests)."""
+    asked_from: int | None = None
+    """With the trainer's feature cache: the first g of epoch 1. From there on a g is captured
+    only while a trainer rank asks for it (its row is not in the rank's cache)."""
+    asked: set[int] = field(default_factory=set)
+    """The g at or past ``asked_from`` a trainer rank asked for (``want`` keys in the store)."""
 
     @property
     def window_end(self) -> int | None:
@@ -111,7 +116,14 @@ class WindowState:
         if self.cursor is None:
             return []
         end = self.cursor + self.limits.high_samples
-        return [g for g in range(self.cursor, end) if g not in self.resident and g not in self.in_flight]
+        return [
+            g for g in range(self.cursor, end) if g not in self.resident and g not in self.in_flight and self.needed(g)
+        ]
+
+    def needed(self, g: int) -> bool:
+        """Whether ``g`` is to be captured at all: always, unless the trainer caches features and
+        ``g`` belongs to a later epoch nobody asked for."""
+        return self.asked_from is None or g < self.asked_from or g in self.asked
 
     def at_hard_limit(self) -> bool:
         """Resident samples or bytes have reached a high watermark."""

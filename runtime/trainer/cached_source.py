@@ -1,0 +1,118 @@
+"""The trainer's sample source with ``trainer.feature_cache``: epoch 0 from the store, later epochs
+from the node-local cache, and the producer asked for whatever the cache lacks.
+
+The protocol with the producer is reconciliation, like the rest of the data plane (DESIGN
+section 3): the producer captures every g of epoch 0, and a g of a later epoch only while a
+``want`` key for it exists. Each rank, whenever the cursor moves (start, resume, every committed
+step), looks ``trainer.feature_cache.lookahead_steps`` steps ahead at the g it will read, and asks
+for those whose row has no cache entry; a cache entry that fails verification when read is removed
+and asked for at once (that one sample waits for a capture). A requeue onto a node with an empty
+cache therefore just asks for everything again; nothing is trained on that was not verified.
+
+Every sample read from the store (epoch 0, or an asked-for one) is written to the cache, so a row
+is captured once per node and cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from runtime.recipe.checks import largest_sample
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.recipe.units import format_bytes
+from runtime.shared.contracts import CapturedSample
+from runtime.shared.data_files import RowIndex
+from runtime.shared.prompt_order import PromptOrder
+from runtime.trainer.feature_cache import FeatureCache, cache_root, features_digest
+from runtime.transport.consumer import Consumer
+
+log = logging.getLogger("dspark.trainer.cached_source")
+
+
+class CachedSource:
+    """``SampleConsumer`` over the Mooncake consumer and the node-local feature cache."""
+
+    def __init__(self, inner: Consumer, cache: FeatureCache, order: PromptOrder, lookahead_steps: int) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.order = order
+        self.lookahead_steps = lookahead_steps
+        self.global_batch_size = inner.global_batch_size
+
+    def fetch(self, g: int, device: torch.device | str | None = None) -> CapturedSample:
+        """Sample ``g``: from the cache when its epoch is not the first and the entry verifies,
+        otherwise from the store (asking the producer for it first when it is a later epoch's)."""
+        slot = self.order.locate(g)
+        if slot.epoch > 0:
+            sample = self.cache.load(slot.row_index, g, slot.epoch, device)
+            if sample is not None:
+                return sample
+            self.inner.ask_for([g])
+        sample = self.inner.fetch(g)
+        row = sample.meta.get("row_index")
+        if row is not None and int(row) != slot.row_index:
+            raise RuntimeError(
+                f"sample g={g} in the store is of data row {row}, the prompt order says row {slot.row_index}: the "
+                "capture and trainer disagree on the data file or trainer.prompt_seed"
+            )
+        self.cache.store(slot.row_index, sample)
+        if device is not None:
+            for name, tensor in sample.tensors().items():
+                setattr(sample, name, tensor.to(device))
+        return sample
+
+    def commit_step(self, step: int) -> None:
+        """Commit as the consumer does, then ask for what the next steps' cache lacks."""
+        self.inner.commit_step(step)
+        self._ask_ahead(step + 1)
+
+    def publish_cursor(self, cursor: int) -> None:
+        """Publish as the consumer does (rank 0), then ask for what the first steps' cache lacks."""
+        self.inner.publish_cursor(cursor)
+        self._ask_ahead(cursor // self.global_batch_size)
+
+    def _ask_ahead(self, first_step: int) -> None:
+        wanted: list[int] = []
+        for step in range(first_step, first_step + self.lookahead_steps):
+            for g in self.inner.samples_of_step(step):
+                if g >= self.order.total_samples:
+                    continue
+                slot = self.order.locate(g)
+                if slot.epoch > 0 and not self.cache.has(slot.row_index):
+                    wanted.append(g)
+        if wanted:
+            self.inner.ask_for(wanted)
+
+    def stats(self) -> dict[str, Any]:
+        """The consumer's totals plus the cache's counters."""
+        return {**self.inner.stats(), **self.cache.stats()}
+
+    def close(self) -> None:
+        """Close the consumer (the cache keeps its files: they serve the next run or a requeue)."""
+        c = self.cache
+        log.info(
+            "rank %d feature cache: %d hits, %d misses, %d corrupt entries removed; %s read, %s written (%s)",
+            self.inner.rank,
+            c.hits,
+            c.misses,
+            c.corrupt,
+            format_bytes(c.bytes_read),
+            format_bytes(c.bytes_written),
+            c.folder,
+        )
+        self.inner.close()
+
+
+def open_cached_source(resolved: ResolvedRecipe, inner: Consumer, data_digest: str) -> CachedSource:
+    """The cached source of one trainer rank: checks the cache folder's space before anything trains."""
+    recipe = resolved.recipe
+    t = recipe.trainer
+    rows = recipe.data.num_rows or len(RowIndex(resolved.resolve_path(recipe.data.train_path)))
+    max_samples = t.max_steps * t.global_batch_size if t.max_steps is not None else None
+    order = PromptOrder(rows, t.effective_prompt_seed, t.epochs, max_samples)
+    cache = FeatureCache(cache_root(resolved), features_digest(resolved, data_digest))
+    cache.open(rows, largest_sample(recipe).total_bytes)
+    return CachedSource(inner, cache, order, t.feature_cache.lookahead_steps)

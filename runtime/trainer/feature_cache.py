@@ -1,0 +1,207 @@
+"""The node-local feature cache: every sample a trainer rank reads in epoch 0, kept on local disk.
+
+Capture is the expensive side (a K3 64K prefill takes seconds; training on it a fraction of one),
+and the hidden states of a row do not change between epochs. With ``trainer.feature_cache`` each
+rank writes the samples it reads in epoch 0 into a folder on the trainer node's local disk, one
+safetensors file per data row, and later epochs read them from there; the producer captures epoch 0
+only, plus what a rank asks for (see :mod:`runtime.trainer.cached_source`).
+
+An entry is trusted only when it proves itself: its digest (everything that determines the
+features: target, revision, aux layers, hidden size, engine, dtype, data SHA-256, max length) and
+row match, and every field's checksum (the ones the capture computed, kept in the entry's ``meta``)
+verifies. Anything else (a truncated file, flipped bytes, another target's entry) is removed and
+reported as a miss, so the sample is captured again, never trained on. Entries are written under a
+temporary name and renamed, so a crash leaves no half entry; a full disk stops caching with one
+warning (later epochs then ask the producer), it does not stop training.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from runtime.recipe.loader import ResolvedRecipe
+from runtime.recipe.units import format_bytes
+from runtime.shared.contracts import TENSOR_FIELDS, CapturedSample
+from runtime.trainer.file_source import write_sample_to
+from runtime.transport.errors import CorruptSampleError, TransportError
+from runtime.transport.sample_format import field_layouts, verify_field
+
+log = logging.getLogger("dspark.trainer.feature_cache")
+
+CACHE_FORMAT_VERSION = 1
+"""Bumped when the entry layout changes (part of the digest: old entries are then never read)."""
+
+
+class FeatureCacheError(RuntimeError):
+    """The cache folder cannot be used (the message names the folder, the numbers and the fix)."""
+
+
+def features_digest(resolved: ResolvedRecipe, data_digest: str) -> str:
+    """SHA-256 over everything that determines a row's captured features (and nothing else: seeds,
+    epochs and batch sizes do not change them)."""
+    recipe = resolved.recipe
+    cap = recipe.capture
+    identity = {
+        "format": CACHE_FORMAT_VERSION,
+        "engine": cap.engine,
+        "target_path": cap.target_path,
+        "target_revision": cap.target_revision,
+        "num_target_layers": cap.num_target_layers,
+        "hidden_size": cap.hidden_size,
+        "vocab_size": cap.vocab_size,
+        "aux_layer_ids": list(cap.aux_layer_ids),
+        "compute_dtype": cap.compute_dtype,
+        "data_digest": data_digest,
+        "max_length": recipe.data.max_length,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def cache_root(resolved: ResolvedRecipe) -> Path:
+    """``trainer.feature_cache.dir`` with ``${VAR}`` taken from this process's environment."""
+    configured = resolved.recipe.trainer.feature_cache.dir
+    if not configured:
+        raise FeatureCacheError(
+            f"{resolved.path}: trainer.feature_cache.enabled is true but trainer.feature_cache.dir is not set; "
+            "fix: set it to a folder on the trainer node's local disk"
+        )
+    expanded = os.path.expandvars(configured)
+    if "$" in expanded:
+        raise FeatureCacheError(
+            f"{resolved.path}: trainer.feature_cache.dir {configured!r} names an environment variable this "
+            f"process does not have ({expanded!r}); fix: export it in job.env, or give a plain path"
+        )
+    return resolved.resolve_path(expanded)
+
+
+class FeatureCache:
+    """The entries of one feature digest in one folder (shared by the ranks of one node)."""
+
+    def __init__(self, root: Path, digest: str) -> None:
+        self.root = root
+        self.digest = digest
+        self.folder = root / digest[:24]
+        self.writable = True
+        """False after a write failed for lack of space: the cache then only serves what it has."""
+        self.hits = 0
+        self.misses = 0
+        self.corrupt = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def entry_path(self, row_index: int) -> Path:
+        """The file of data row ``row_index``."""
+        return self.folder / f"row{row_index:09d}.safetensors"
+
+    def open(self, rows: int, bytes_per_row: int) -> FeatureCache:
+        """Create the folder and refuse to start when the disk cannot hold the rows still missing."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FeatureCacheError(
+                f"trainer.feature_cache.dir: cannot create {self.folder} ({exc.strerror or exc}); fix: point it at a "
+                "writable folder on the trainer node's local disk"
+            ) from exc
+        present = sum(1 for row in range(rows) if self.entry_path(row).exists())
+        need = (rows - present) * bytes_per_row
+        free = shutil.disk_usage(self.folder).free
+        if need > free:
+            raise FeatureCacheError(
+                f"trainer.feature_cache.dir {self.folder}: {rows - present} of {rows} rows still to cache need "
+                f"{format_bytes(need)} (at most {format_bytes(bytes_per_row)} each), the disk has "
+                f"{format_bytes(free)} free; fix: free space there, point the cache at a larger disk, or set "
+                "trainer.feature_cache.enabled: false"
+            )
+        log.info(
+            "feature cache %s: %d of %d rows present, %s free (%s needed for the rest)",
+            self.folder,
+            present,
+            rows,
+            format_bytes(free),
+            format_bytes(need),
+        )
+        return self
+
+    def has(self, row_index: int) -> bool:
+        """An entry exists for the row (not yet verified: :meth:`load` does that)."""
+        return self.entry_path(row_index).exists()
+
+    def load(
+        self, row_index: int, g: int, epoch: int, device: torch.device | str | None = None
+    ) -> CapturedSample | None:
+        """The row's sample as sample ``g`` of ``epoch``, on ``device`` (CPU when None), verified;
+        None (and the entry removed) when it is missing, unreadable, from another digest, or fails a
+        checksum. ``sum16`` fields are verified where they land (on the GPU for a CUDA trainer)."""
+        path = self.entry_path(row_index)
+        if not path.exists():
+            self.misses += 1
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("digest") != self.digest or metadata.get("row_index") != str(row_index):
+                    raise CorruptSampleError(
+                        f"the entry belongs to row {metadata.get('row_index')} of digest "
+                        f"{str(metadata.get('digest'))[:12]}, not row {row_index} of {self.digest[:12]}"
+                    )
+                host = {name: handle.get_tensor(name) for name in TENSOR_FIELDS}
+            meta = json.loads(metadata["meta"])
+            tensors = host if device is None else {name: t.to(device) for name, t in host.items()}
+            for layout in field_layouts(meta):
+                verify_field(g, layout, tensors[layout.name] if layout.sum16 is not None else host[layout.name])
+        except (OSError, SafetensorError, KeyError, ValueError, TransportError) as exc:
+            self.corrupt += 1
+            log.warning(
+                "feature cache entry %s is unusable (%s); removed, the producer captures row %d again",
+                path,
+                exc,
+                row_index,
+            )
+            path.unlink(missing_ok=True)
+            return None
+        self.hits += 1
+        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        meta = {**meta, "g": g, "epoch": epoch, "from_feature_cache": True}
+        return CapturedSample(g=g, meta=meta, **tensors)
+
+    def store(self, row_index: int, sample: CapturedSample) -> None:
+        """Keep a verified sample read from the store (CPU tensors) as the row's entry; no-op when
+        it is there already or the disk filled up earlier."""
+        path = self.entry_path(row_index)
+        if not self.writable or path.exists():
+            return
+        try:
+            write_sample_to(path, sample, {"digest": self.digest, "row_index": str(row_index)})
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.writable = False
+            need = sum(t.numel() * t.element_size() for t in sample.tensors().values())
+            log.warning(
+                "feature cache: disk full at %s (need %s for row %d); caching stops here, later epochs ask the "
+                "producer for the rows not cached",
+                self.folder,
+                format_bytes(need),
+                row_index,
+            )
+            return
+        self.bytes_written += path.stat().st_size
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the trainer's metrics."""
+        return {
+            "cache_hits": self.hits,
+            "cache_misses": self.misses,
+            "cache_corrupt": self.corrupt,
+            "cache_bytes_written": self.bytes_written,
+            "cache_bytes_read": self.bytes_read,
+        }
