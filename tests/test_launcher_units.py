@@ -131,11 +131,25 @@ def test_plan_models_the_commit_pipeline_and_a_capture_once_run() -> None:
     assert unpiped.numbers["capture_s_per_sample"] == pytest.approx(4.416 + commit_s, abs=1e-3)
     assert "overlapped with the next forward (1 staging slot(s)" in piped.render()
     assert "added to the capture: capture.commit_staging_slots is 0" in unpiped.render()
-    # Capture once: 462 rows at the capture rate, the other 4,146 of 36 x 128 samples at the trainer's.
-    expected = 462 * piped.numbers["capture_s_per_sample"] + (36 * 128 - 462) * piped.numbers["train_s_per_sample"]
-    assert piped.numbers["capture_once_run_seconds"] == pytest.approx(expected)
-    assert piped.numbers["capture_once_run_seconds"] < 3600 < piped.numbers["run_seconds"]
-    assert "NOT BUILT" in piped.render()
+    # The recipe's feature cache: 462 rows at the capture rate, the other 4,146 of 36 x 128 samples at
+    # the slower of the trainer and the cache read (5.25 GiB at the assumed 20 GB/s).
+    read_s = piped.numbers["sample_bytes"] / 20e9
+    assert piped.numbers["cache_read_s_per_sample"] == pytest.approx(read_s)
+    later_s = max(piped.numbers["train_s_per_sample"], read_s)
+    expected = 462 * piped.numbers["capture_s_per_sample"] + (36 * 128 - 462) * later_s
+    assert piped.numbers["run_seconds"] == pytest.approx(expected)
+    assert piped.numbers["run_seconds"] < 3600, "the K3 run takes under an hour by the plan's model"
+    assert piped.numbers["feature_cache_bytes"] == 462 * piped.numbers["sample_bytes"]
+    assert "run time with the cache" in piped.render()
+    # Without it every epoch is captured again; the plan says what the cache would give.
+    uncached = make_plan(load_recipe(K3, overrides=["trainer.feature_cache.enabled=false"]).recipe)
+    assert uncached.numbers["run_seconds"] > 5 * 3600
+    assert uncached.numbers["capture_once_run_seconds"] == pytest.approx(expected)
+    assert "--set trainer.feature_cache.enabled=true" in uncached.render()
+    # A trainer disk that cannot hold 2.37 TiB of features is a blocker naming both sizes.
+    small = make_plan(load_recipe(K3, overrides=["plan.trainer_local_disk_bytes=1TB"]).recipe)
+    (blocker,) = [b for b in small.blockers if "feature_cache" in b.message]
+    assert "2.37 TiB" in blocker.message and "931.32 GiB" in blocker.message
 
 
 def test_k3_plan_fits_with_streaming_and_checks_host_memory_per_node() -> None:
