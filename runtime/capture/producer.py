@@ -124,14 +124,24 @@ class CaptureLoop:
         batch_size: int,
         progress_interval_s: float,
         stop: threading.Event | None = None,
+        rows_captured_once: bool = False,
     ) -> None:
+        """``rows_captured_once``: the trainer caches features, so the capture's work (and its ETA)
+        ends with epoch 0; later samples come only when a trainer rank asks for them."""
         self.producer = producer
         self.engine = engine
         self.source = source
         self.batch_size = batch_size
         self.progress_interval_s = progress_interval_s
         self.stop = stop or threading.Event()
-        self.progress = CaptureProgress(total_samples=source.order.total_samples)
+        order = source.order
+        if rows_captured_once:
+            self.progress = CaptureProgress(
+                total_samples=min(order.total_samples, order.num_rows),
+                note="; later epochs: the trainer's feature cache (captured only when a rank asks)",
+            )
+        else:
+            self.progress = CaptureProgress(total_samples=order.total_samples)
         self._beyond_end: set[int] = set()
         self._awaiting: set[int] = set()
         """Claimed g handed to the engine whose commit has not been reported yet."""
@@ -314,7 +324,13 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             log.info("stop requested while the engine loaded; nothing was captured")
             return 0
         loop = CaptureLoop(
-            producer, engine, source, engine_batch(engine, resolved), recipe.capture.progress_interval_s, stop
+            producer,
+            engine,
+            source,
+            engine_batch(engine, resolved),
+            recipe.capture.progress_interval_s,
+            stop,
+            rows_captured_once=recipe.trainer.feature_cache.enabled,
         )
         with gate.stage("capture", "capture loop ran"):
             outcome = loop.run()

@@ -42,7 +42,10 @@ class CaptureProgress:
     """Counts and rates of committed samples; :meth:`line` renders them with the window state."""
 
     total_samples: int
-    """One past the last g of the run (for the ETA)."""
+    """One past the last g to capture (for the ETA): the run's end, or the end of epoch 0 when the
+    trainer caches features (later epochs are captured only when asked)."""
+    note: str = ""
+    """Appended to every progress line (e.g. that later epochs come from the trainer's cache)."""
     started: float = field(default_factory=time.monotonic)
     samples: int = 0
     tokens: int = 0
@@ -106,4 +109,5 @@ class CaptureProgress:
             f"window [{cursor}, {end}) {window.get('resident_samples', 0)} resident "
             f"({format_bytes(window.get('resident_bytes'))}), {window.get('in_flight', 0)} in flight; "
             f"{state}; captured up to g={self.frontier} of {self.total_samples}, ETA {format_duration(self.eta_s())}"
+            f"{self.note}"
         )
