@@ -59,7 +59,7 @@ def test_the_patch_applies_compiles_and_has_its_hooks_on_the_pinned_wheel(target
 def test_manifest_lists_exactly_the_files_the_patch_touches(target: pc.Target) -> None:
     assert sorted(pc.patched_files(target.patch_file.read_text())) == sorted(target.files)
     assert {h.file for h in target.hooks} <= set(target.files)
-    assert target.patch_id == "kimi_k3_dspark_sglang_0.5.23/1"
+    assert target.patch_id == "kimi_k3_dspark_sglang_0.5.23/2"
     assert f'DSPARK_CAPTURE_PATCH = "{target.patch_id}"' in target.patch_file.read_text()
 
 
@@ -127,6 +127,15 @@ def test_refuses_a_tree_patched_by_another_patch_version(wheel: Path, target: pc
     assert "kimi_k3_dspark_sglang_0.5.22" in report.problems[0] and target.name in report.problems[0]
     assert "pip install --force-reinstall --no-deps sglang==0.5.23" in report.fix and pc.APPLY_FIX in report.fix
     assert _snapshot(root) == before
+
+    # reinstalled: pip --force-reinstall restored pristine files but left the old record behind
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(root, [n for n in archive.namelist() if n.startswith("sglang/") and n.endswith(".py")])
+    report = pc.check_tree(root, apply=True)
+    assert report.ok, report.render()
+    assert json.loads(record_path.read_text())["patch_sha256"] == target.patch_sha256
 
     # unrecorded: an older patch left its DSPARK_CAPTURE_PATCH value and code the patch does not fit
     other = _tree(wheel, target, tmp_path / "b")

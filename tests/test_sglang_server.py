@@ -219,3 +219,38 @@ def test_the_server_log_and_command_are_what_production_renders(live: CpuServer)
     _, body = http_request(f"{live.engine.base_url}/server_info", timeout_s=30.0)
     info = json.loads(body)
     assert info["dspark_capture_sink"] == "mooncake" and info["device"] == "cpu"
+
+
+def test_streamed_experts_capture_exactly_what_resident_experts_capture(
+    live: CpuServer, sglang_tiny_assets: Path, tmp_path: Path
+) -> None:
+    """capture.expert_streaming in the patched server (6 of the 8 MoE layers' experts created in host
+    memory and copied into a device buffer before each layer runs): the same requests give the same
+    bytes as the all-resident server (``live``)."""
+    from runtime.transport.dataplane import open_consumer
+
+    gs = [live.producer.next_to_capture() for _ in range(4)]
+    requests = _requests(live.resolved, gs)
+    live.engine.capture(requests)
+    world = live.resolved.recipe.trainer_world_size
+    with open_consumer(live.resolved, 0, world, endpoints=live.endpoints) as consumer:
+        resident = {g: consumer.fetch(g) for g in gs}
+
+    overrides = [
+        *tiny_asset_overrides(sglang_tiny_assets),
+        f"transport.store_id=sgls{os.getpid()}",
+        "capture.expert_streaming.enabled=true",
+        "capture.expert_streaming.resident_fraction=0.25",
+    ]
+    ports = (free_port(), free_port(), free_port())
+    with serve_on_cpu(tmp_path / "streamed", ports, free_port(), overrides) as server:
+        refs = server.engine.capture(requests)
+        assert [r.g for r in refs] == gs
+        with open_consumer(server.resolved, 0, world, endpoints=server.endpoints) as consumer:
+            streamed = {g: consumer.fetch(g) for g in gs}
+        log_text = (server.resolved.job_dir / "capture" / "sglang_server.log").read_text(errors="replace")
+    assert "expert streaming on cpu: 2 of 8 MoE layers resident, 6 streamed" in log_text, log_text[-3000:]
+    for g in gs:
+        for name in ("ids", "mask", "hs", "lhs"):
+            assert torch.equal(getattr(streamed[g], name), getattr(resident[g], name)), f"g={g} {name}"
+    _report("streamed experts", f"{len(gs)} samples byte-identical to the all-resident server")

@@ -188,7 +188,7 @@ def test_only_the_output_rank_commits_and_every_rank_reports_the_same_shapes() -
                 aux_rows=slice_rows(aux, start, n),
                 last_rows=slice_rows(last, start, n),
                 is_commit_rank=rank_commits,
-                patch="kimi_k3_dspark_sglang_0.5.23/1",
+                patch="kimi_k3_dspark_sglang_0.5.23/2",
             )
             assert receipt["status"] == ("committed" if rank_commits else "skipped")
             assert receipt["g"] == 20 + i and receipt["num_tokens"] == n
@@ -204,7 +204,7 @@ def test_only_the_output_rank_commits_and_every_rank_reports_the_same_shapes() -
         assert torch.equal(tensors["lhs"], last[start : start + n])
         assert meta["row_id"] == f"row-{g}" and meta["row_index"] == g + 100 and meta["num_tokens"] == n
         assert meta["engine"] == "sglang" and meta["aux_layer_ids"] == list(LAYERS)
-        assert meta["capture_patch"] == "kimi_k3_dspark_sglang_0.5.23/1" and meta["target_revision"] == "tiny-v1"
+        assert meta["capture_patch"] == "kimi_k3_dspark_sglang_0.5.23/2" and meta["target_revision"] == "tiny-v1"
 
 
 def test_a_pipelined_sink_queues_commits_in_order_and_reports_a_failed_one() -> None:

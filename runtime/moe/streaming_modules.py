@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.moe.experts import LocalExperts
 from runtime.moe.streaming import StreamedExpertStore
-from runtime.shared.streaming_budget import split_layers
+from runtime.shared.streaming_budget import StreamingSplit, split_layers
 
 HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DENSE_LOCAL_WEIGHTS = ("gate_up", "down")
@@ -98,12 +98,15 @@ def stream_experts(
     pinned: bool = True,
     budget_field: str = "capture.expert_streaming.gpu_budget_bytes",
     weight_names: WeightNames = expert_weight_names,
+    split: StreamingSplit | None = None,
 ) -> StreamedExpertStore:
     """Move the routed experts of ``model`` into one streamed store on ``device`` (in place).
 
     The split between resident and streamed layers comes from ``gpu_budget_bytes`` or
     ``resident_fraction`` (see :func:`~runtime.shared.streaming_budget.split_layers`); a budget too
-    small for the streaming buffers is refused with both numbers. Returns the store (its
+    small for the streaming buffers is refused with both numbers. ``split``: a split decided
+    before the model was built (a serving engine creates the streamed layers' weights in host
+    memory from the start); it must cover every expert module. Returns the store (its
     ``describe()`` is the log line, its ``stats`` the copy counters).
     """
     found = find_expert_modules(model, weight_names)
@@ -112,16 +115,22 @@ def stream_experts(
             f"{type(model).__name__} has no routed-expert module (fused gate_up_proj/down_proj experts or "
             "runtime.moe LocalExperts); fix: set capture.expert_streaming.enabled: false for this target"
         )
+    if split is not None and split.num_layers != len(found):
+        raise ValueError(
+            f"the expert-streaming split is for {split.num_layers} MoE layers, but {type(model).__name__} has "
+            f"{len(found)} routed-expert modules; fix: set capture.num_moe_layers: {len(found)}"
+        )
     layers = [{name: _take(module, name) for name in names} for _, module, names in found]
-    layer_bytes = max(sum(t.numel() * t.element_size() for t in weights.values()) for weights in layers)
-    split = split_layers(
-        len(layers),
-        layer_bytes,
-        prefetch_layers=prefetch_layers,
-        gpu_budget_bytes=gpu_budget_bytes,
-        resident_fraction=resident_fraction,
-        budget_field=budget_field,
-    )
+    if split is None:
+        layer_bytes = max(sum(t.numel() * t.element_size() for t in weights.values()) for weights in layers)
+        split = split_layers(
+            len(layers),
+            layer_bytes,
+            prefetch_layers=prefetch_layers,
+            gpu_budget_bytes=gpu_budget_bytes,
+            resident_fraction=resident_fraction,
+            budget_field=budget_field,
+        )
     store = StreamedExpertStore(layers, split, device, pinned=pinned)
     del layers
     for index, (_, module, names) in enumerate(found):

@@ -505,6 +505,13 @@ def classify(root: Path, target: Target) -> tuple[str, str]:
     if record is not None and (
         record.get("target") != target.name or record.get("patch_sha256") != target.patch_sha256
     ):
+        if run_patch(root, target.patch_file)[0]:
+            # pip's --force-reinstall restores the files but leaves our record (pip does not own it):
+            # the files are the truth, and applying writes a new record.
+            return "pristine", (
+                f"the patch applies (dry-run); {RECORD_NAME} is left from patch SHA-256 "
+                f"{str(record.get('patch_sha256'))[:12]}... over files reinstalled since"
+            )
         return "patched-other", (
             f"{root / 'sglang' / RECORD_NAME} records patch target {record.get('target')!r} "
             f"(patch SHA-256 {str(record.get('patch_sha256'))[:12]}...), not {target.name!r} "
