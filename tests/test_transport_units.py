@@ -4,8 +4,10 @@ master command line, recipe-time checks. No Mooncake here (the integration tests
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -270,6 +272,73 @@ def test_cursor_and_heartbeat_round_trip_and_summary() -> None:
     text = beat.summary(now=1012.0)
     assert "heartbeat 12.0 s old" in text and "window [128, 256)" in text and "PAUSED" in text
     assert "last commit 22.0 s ago" in text and "1 errors, last: boom" in text
+
+
+def _beat(sequence: int, wall_age_s: float, **changes: object) -> Heartbeat:
+    fields: dict[str, object] = dict(
+        time=time.time() - wall_age_s,
+        sequence=sequence,
+        pid=7,
+        host="cap",
+        cursor=0,
+        window_end=8,
+        resident_samples=0,
+        resident_bytes=0,
+        in_flight=0,
+        paused=False,
+        committed_total=0,
+        last_commit_time=None,
+        rate_samples_per_s=0.0,
+        errors=0,
+    )
+    fields.update(changes)
+    return Heartbeat(**fields)  # type: ignore[arg-type]
+
+
+def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stale after 3 intervals; a beat seen arriving is aged by this rank's monotonic clock (the
+    producer's clock may be off), one not seen arriving by its own timestamp."""
+    from runtime.transport import consumer as consumer_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(
+        consumer_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time, sleep=time.sleep)
+    )
+    recipe = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2"]).recipe
+    rank = consumer_module.Consumer(None, recipe, 0, recipe.trainer_world_size)  # type: ignore[arg-type]
+
+    old = _beat(1, wall_age_s=100.0)
+    rank._observe_beat(old)  # the first beat this rank reads: only its timestamp tells its age
+    cause = rank._likely_cause(old, 5)
+    assert cause.startswith("the producer (pid 7 on host cap) has not beaten for 100 s (sequence 1;"), cause
+    assert "it is hung, stopped (SIGSTOP) or dead; look at the capture log" in cause
+
+    skewed = _beat(2, wall_age_s=50.0)  # the producer's clock is 50 s behind, but it beats
+    clock[0] += 1.0
+    rank._observe_beat(skewed)
+    assert rank._likely_cause(skewed, 5).startswith("the producer (pid 7 on host cap) is alive (last heartbeat 0.0 s")
+    clock[0] += 7.0  # the same beat 7 s later: more than 3 intervals of 2 s
+    rank._observe_beat(skewed)
+    assert "has not beaten for 7 s" in rank._likely_cause(skewed, 5)
+
+    clock[0] += 1.0
+    paused = _beat(3, 0.0, paused=True, waiting_for="free space (8 samples resident)", errors=2, last_error="boom")
+    rank._observe_beat(paused)
+    cause = rank._likely_cause(paused, 5)
+    assert "is alive" in cause and "has not committed g=5: it is paused (free space (8 samples resident))" in cause
+    assert cause.endswith("; its last error: boom")
+    clock[0] += 1.0
+    beyond = _beat(4, 0.0)
+    rank._observe_beat(beyond)
+    assert rank._likely_cause(beyond, 9).endswith("has not committed g=9: g=9 is beyond its window [0, 8)")
+    clock[0] += 1.0
+    closed = _beat(5, 0.0, closed=True)
+    rank._observe_beat(closed)
+    assert "the producer (pid 7 on host cap) shut down 0 s ago (its last heartbeat says it closed)" in (
+        rank._likely_cause(closed, 5)
+    )
+    assert "CLOSED" in closed.summary()
+    assert Cursor.decode(Cursor(8, 2, 1.0, "rank 0", segment="10.0.0.1:1234").encode()).segment == "10.0.0.1:1234"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,9 +163,7 @@ def attach_expert_streaming(
         )
     actual = StreamingSplit(split.num_layers, layer_bytes, split.resident, split.num_buffers)
     streaming = plan.resolved.recipe.capture.expert_streaming
-    store = stream_experts(
-        model, device, pinned=streaming.pinned, weight_names=sglang_expert_weights, split=actual
-    )
+    store = stream_experts(model, device, pinned=streaming.pinned, weight_names=sglang_expert_weights, split=actual)
     plan.store = store
     log.info("%s", store.describe())
     return store

@@ -61,6 +61,14 @@ class TransportError(RuntimeError):
     """A data-plane operation failed for good (after its retries)."""
 
 
+class StoreOperationError(TransportError):
+    """A store operation still failed after its retries; ``codes`` are Mooncake's return codes."""
+
+    def __init__(self, message: str, codes: frozenset[int]) -> None:
+        super().__init__(message)
+        self.codes = codes
+
+
 class StoreSetupError(TransportError):
     """The Mooncake client could not connect; the message names address, port and protocol."""
 

@@ -43,7 +43,7 @@ from runtime.shared.contracts import (
     sample_key,
     want_key,
 )
-from runtime.transport.errors import TransportError
+from runtime.transport.errors import TRANSFER_FAIL, TransportError
 from runtime.transport.records import Cursor, Heartbeat
 from runtime.transport.sample_format import (
     build_meta,
@@ -59,8 +59,8 @@ from runtime.transport.window import WindowLimits, WindowState
 log = logging.getLogger("dspark.transport.producer")
 
 RANK0_SEGMENT_RETRY_S = 30.0
-"""After a beat into trainer rank 0's segment failed, beats go to the producer's own segment for
-this long (or 3 heartbeat intervals, if longer) before rank 0's is tried again."""
+"""After a put of the heartbeat into trainer rank 0's segment failed, beats go to the producer's own
+segment for this long (or 3 heartbeat intervals, if longer) before rank 0's is tried again."""
 
 
 class Producer:
@@ -106,8 +106,8 @@ class Producer:
         """Trainer rank 0's segment, from the cursor it publishes: where the heartbeat goes."""
         self._beat_segment: str | None = None
         """The segment the last beat was put into ('' this client's usual place, None no beat yet)."""
-        self._rank0_segment_failed_at: float | None = None
-        """Monotonic time a beat into rank 0's segment last failed (it is retried after a pause)."""
+        self._rank0_rest_until = 0.0
+        """Monotonic time before which beats skip rank 0's segment (after it failed to take one)."""
         self._beat_lock = threading.Lock()  # beats come from the heartbeat thread, the capture loop and close()
         self._heartbeat_thread: threading.Thread | None = None
         if auto_heartbeat:
@@ -285,28 +285,74 @@ class Producer:
         key = heartbeat_key(self.store_id)
         target = self._rank0_segment
         now = time.monotonic()
-        retry_after_s = max(RANK0_SEGMENT_RETRY_S, 3 * self.heartbeat_interval_s)
-        failed_at = self._rank0_segment_failed_at
-        if target and (failed_at is None or now - failed_at >= retry_after_s):  # not right after a failure
+        target_error: TransportError | None = None
+        if target and now >= self._rank0_rest_until:
             try:
-                # One attempt: a failure falls back below instead of delaying the beat by the backoff.
+                # One attempt: on failure the fallback below beats now instead of after the backoff.
                 self._put_beat_into(key, data, target, max_retries=0)
-                self._rank0_segment_failed_at = None
-                return
             except TransportError as exc:
-                self._rank0_segment_failed_at = now
-                log.warning(
-                    "cannot put the heartbeat into trainer rank 0's segment %s (%s); it goes to this producer's "
-                    "own segment until that works again (a trainer restart publishes its new segment)",
-                    target,
-                    exc,
-                )
+                target_error = exc
+            else:
+                self._check_placement(key, data, target)
+                return
         elif not target and self._beat_segment != "":
             log.debug(
                 "trainer rank 0's segment is not known yet (no cursor names it): the heartbeat goes to this "
                 "producer's own segment, and vanishes with it if the producer hangs or dies"
             )
-        self._put_beat_into(key, data, "", max_retries=0 if final else None)
+        self._put_beat_into(key, data, "", max_retries=0 if final or target_error is not None else None)
+        if target_error is not None and TRANSFER_FAIL in getattr(target_error, "codes", ()):
+            # Rank 0's client is dead or stopped (a transfer into its segment failed, perhaps after
+            # hanging): rest it instead of stalling every beat. Other failures (the master down or
+            # restarting) are the store's, and the next beat tries rank 0's segment again.
+            rest_s = max(RANK0_SEGMENT_RETRY_S, 3 * self.heartbeat_interval_s)
+            self._rank0_rest_until = now + rest_s
+            log.warning(
+                "cannot put the heartbeat into trainer rank 0's segment %s (%s); it goes to this producer's "
+                "own segment for %.0f s, then rank 0's is tried again (a restarted trainer publishes its new one)",
+                target,
+                target_error,
+                rest_s,
+            )
+        elif target_error is not None:
+            log.info(
+                "the heartbeat went to this producer's own segment this once: trainer rank 0's segment %s did not "
+                "take it (%s)",
+                target,
+                target_error,
+            )
+
+    def _check_placement(self, key: str, data: bytes, target: str) -> None:
+        """Move the heartbeat into ``target`` if Mooncake put it elsewhere.
+
+        Mooncake passes over a preferred segment that is not mounted at that moment (rank 0 gone, or
+        not yet remounted after a master restart) without an error, and later upserts of the same
+        size stay wherever that was. One metadata call per beat finds out.
+        """
+        try:
+            actual = self.client.segment_of(key)
+        except Exception as exc:  # diagnostics only: never fail a beat on it
+            log.debug("cannot tell where the heartbeat is: %s", exc)
+            return
+        if not actual or actual == target:
+            return
+        self._beat_segment = actual  # the next put removes it first
+        try:
+            self._put_beat_into(key, data, target, max_retries=0)
+            actual = self.client.segment_of(key)
+        except TransportError as exc:
+            log.debug("moving the heartbeat into %s failed: %s", target, exc)
+        if actual != target:
+            # rank 0's segment takes nothing now: rest it for a few beats (no remove-and-put every beat)
+            rest_s = 3 * self.heartbeat_interval_s
+            self._rank0_rest_until = time.monotonic() + rest_s
+            log.warning(
+                "the heartbeat landed in segment %s, not in trainer rank 0's %s (not mounted now?); it goes to "
+                "this producer's own segment for %.0f s",
+                actual or "?",
+                target,
+                rest_s,
+            )
 
     def _put_beat_into(self, key: str, data: bytes, segment: str, max_retries: int | None) -> None:
         if self._beat_segment is not None and self._beat_segment != segment:
@@ -427,7 +473,7 @@ class Producer:
         if cursor.segment and cursor.segment != self._rank0_segment:
             # a (re)started trainer: its rank 0 mounted a new segment; the next beat moves there
             self._rank0_segment = cursor.segment
-            self._rank0_segment_failed_at = None
+            self._rank0_rest_until = 0.0
         return cursor
 
     def _scan(self, cursor: int) -> tuple[dict[int, int], list[int], set[int], list[int]]:

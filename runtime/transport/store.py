@@ -43,6 +43,7 @@ from runtime.transport.errors import (
     TRANSFER_FAIL,
     TRANSIENT_CODES,
     StoreFullError,
+    StoreOperationError,
     StoreSetupError,
     TransportError,
     code_name,
@@ -375,7 +376,9 @@ class StoreClient:
             self._raise_if_permanent("put", [(key, rc)], key)
             if attempt < retries:
                 self._backoff(attempt, "put", [(key, rc)])
-        raise TransportError(f"{self.name}: put of {key} failed after {retries} retries: {code_name(rc)}")
+        raise StoreOperationError(
+            f"{self.name}: put of {key} failed after {retries} retries: {code_name(rc)}", frozenset({rc})
+        )
 
     def _config_for(self, segment: str) -> Any:
         """A ReplicateConfig naming ``segment`` (kept: the heartbeat asks for the same one every beat)."""
@@ -393,7 +396,9 @@ class StoreClient:
     def segment_of(self, key: str) -> str:
         """The segment holding ``key``'s first replica (``ip:port`` of its owner; '' when absent).
 
-        Read from Mooncake's replica descriptor; tests and diagnostics only.
+        One metadata call to the master (no transfer): the replica descriptor's transport endpoint,
+        which is the owning client's segment name (``get_hostname()``). The producer checks with it
+        that its heartbeat landed in trainer rank 0's segment.
         """
         replicas = self.raw.get_replica_desc(key)
         if not replicas:
