@@ -302,8 +302,8 @@ def _fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) ->
     if reasons:
         offload += f": not possible with SGLang 0.5.23 here ({len(reasons)} reasons: patches/sglang/README.md)"
     offload += (
-        "; our expert streaming does it (capture.expert_streaming: enabled, gpu_budget_bytes): in the embedded "
-        "engine today, in the SGLang capture patch not yet"
+        "; our expert streaming does it (capture.expert_streaming: enabled, gpu_budget_bytes), in the embedded "
+        "engine and in the SGLang capture patch (version 2)"
     )
     options.append(offload)
     return tuple(options)

@@ -59,7 +59,7 @@ def test_runbook_runbook_blocks_run_as_written(slurm_cluster, tiny_assets, tmp_p
     assert runs_state(REPO) == before, "the runbook test must leave the user's runs/ and runs/jobs/latest alone"
     assert (copy / "runs" / "jobs" / "latest").is_symlink()
     assert "smoke gate: PASS" in output
-    assert "fits with streaming" in output and "does not stream experts yet" in output, "the K3 plan is honest"
+    assert "fits with streaming" in output and "not yet on a GPU" in output, "the K3 plan is honest"
     assert "#SBATCH hetjob" in output
     assert "resuming from" in output
     # The resumed run reproduces the uninterrupted one: its final checkpoint has the same weights.

@@ -80,12 +80,16 @@ class StreamedExpertStore:
         *,
         pinned: bool = True,
         time_copies: bool = False,
+        release_sources: bool = False,
     ) -> None:
         """``layers``: per MoE layer in forward order, its weights by name (any device; resident
         layers already on ``device`` are used in place, streamed layers already in pinned host
         memory are not copied). ``pinned`` pins the host copies when the device is a GPU (pageable
         memory copies at a fraction of the speed and cannot overlap). ``time_copies`` records CUDA
-        events around each copy for :meth:`copy_seconds` (the benchmark's achieved bandwidth)."""
+        events around each copy for :meth:`copy_seconds` (the benchmark's achieved bandwidth).
+        ``release_sources``: empty each mutable mapping of ``layers`` once its layer is placed, so a
+        model's pageable copy of a streamed layer is freed before the next one is pinned (host
+        memory peaks at one layer above the pinned total, not at twice the experts)."""
         if len(layers) != split.num_layers:
             raise ValueError(f"the split is for {split.num_layers} MoE layers but {len(layers)} were given")
         self.device = torch.device(device)
@@ -100,15 +104,17 @@ class StreamedExpertStore:
         for index, weights in enumerate(layers):
             if split.resident[index]:
                 self._weights.append({name: t.detach().to(self.device) for name, t in weights.items()})
+                self._release(weights, release_sources)
                 continue
-            if template is None:
-                template = weights
-            elif _signature(weights) != _signature(template):
+            if template is not None and _signature(weights) != _signature(template):
                 raise ValueError(
                     f"streamed MoE layer {index} has weights {_signature(weights)}, but layer {self._order[0]} has "
                     f"{_signature(template)}: every streamed layer must have the same names, shapes and dtypes"
                 )
-            self._weights.append({name: self._host_copy(t) for name, t in weights.items()})
+            placed = {name: self._host_copy(t) for name, t in weights.items()}
+            self._weights.append(placed)
+            template = template or placed  # the host copy: the source mapping may be emptied now
+            self._release(weights, release_sources)
             progress.done(index + 1)
         progress.done(len(layers), final=True)
         self._buffers = [_Buffer(template, self.device) for _ in range(split.num_buffers)] if template else []
@@ -116,6 +122,11 @@ class StreamedExpertStore:
         self._time_copies = time_copies and self._copy_stream is not None
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._acquired: int | None = None
+
+    @staticmethod
+    def _release(weights: Mapping[str, torch.Tensor], release: bool) -> None:
+        if release and isinstance(weights, dict):
+            weights.clear()
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()

@@ -131,7 +131,7 @@ def stream_experts(
             resident_fraction=resident_fraction,
             budget_field=budget_field,
         )
-    store = StreamedExpertStore(layers, split, device, pinned=pinned)
+    store = StreamedExpertStore(layers, split, device, pinned=pinned, release_sources=True)
     del layers
     for index, (_, module, names) in enumerate(found):
         _point_at(module, None, names)
