@@ -108,7 +108,8 @@ def test_allowed_blockers_need_no_sglang_on_the_login_node(monkeypatch: pytest.M
     if not sorted((REPO / ".cache" / "sglang").glob("sglang-0.5.23-*.whl")):
         pytest.skip("the pinned SGLang wheel is not cached (tools/bootstrap caches it)")
     monkeypatch.setattr(sglang_patch, "installed_sglang_root", lambda: None)
-    loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml")
+    # A blocker to allow: a trainer disk too small for the feature cache.
+    loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml", ["plan.trainer_local_disk_bytes=1GB"])
     checks = {c.name: c for c in gate.preflight_checks(loaded, REPO, allow_blockers=True)}
     assert checks["plan"].status == gate.PASS and "--allow-blockers" in checks["plan"].detail
     assert checks["sglang patch"].status == gate.PASS, checks["sglang patch"]
