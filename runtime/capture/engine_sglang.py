@@ -32,6 +32,7 @@ from typing import Any
 
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.sglang_wire import CaptureReceipt, CaptureTicket, WireError, encode_loss_mask, generate_body
+from runtime.recipe.checks import nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
 from runtime.shared.lifecycle import die_with_parent
@@ -346,7 +347,7 @@ class SGLangEngine:
         self.recipe = resolved.recipe
         self.settings = self.recipe.capture.sglang
         self.log_path = log_path or resolved.job_dir / "capture" / SERVER_LOG_NAME
-        self.nnodes = nnodes or self.recipe.job.capture.nodes
+        self.nnodes = nnodes or nodes_per_engine(self.recipe)  # several capture shares: one server per node
         self.node_rank = node_rank
         dist_init_addr = f"{dist_init_host}:{self.settings.dist_init_port}" if dist_init_host else None
         self.python = str(resolved.resolve_path(self.settings.python)) if self.settings.python else None

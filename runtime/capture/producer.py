@@ -125,6 +125,7 @@ class CaptureLoop:
         progress_interval_s: float,
         stop: threading.Event | None = None,
         rows_captured_once: bool = False,
+        share: tuple[int, int] = (0, 1),
     ) -> None:
         """``rows_captured_once``: the trainer caches features, so the capture's work (and its ETA)
         ends with epoch 0; later samples come only when a trainer rank asks for them."""
@@ -135,13 +136,13 @@ class CaptureLoop:
         self.progress_interval_s = progress_interval_s
         self.stop = stop or threading.Event()
         order = source.order
-        if rows_captured_once:
-            self.progress = CaptureProgress(
-                total_samples=min(order.total_samples, order.num_rows),
-                note="; later epochs: the trainer's feature cache (captured only when a rank asks)",
-            )
-        else:
-            self.progress = CaptureProgress(total_samples=order.total_samples)
+        end = min(order.total_samples, order.num_rows) if rows_captured_once else order.total_samples
+        note = (
+            "; later epochs: the trainer's feature cache (captured only when a rank asks)" if rows_captured_once else ""
+        )
+        if share[1] > 1:
+            note += f"; this node's share: g % {share[1]} == {share[0]}"
+        self.progress = CaptureProgress(total_samples=end, note=note, share_count=share[1])
         self._beyond_end: set[int] = set()
         self._awaiting: set[int] = set()
         """Claimed g handed to the engine whose commit has not been reported yet."""
@@ -286,14 +287,15 @@ def engine_batch(engine: CaptureEngine, resolved: ResolvedRecipe) -> int:
 def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: str | None = None) -> int:
     """The capture component (see the module docstring); returns the process exit code.
     ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
-    from runtime.transport.dataplane import open_producer
+    from runtime.transport.dataplane import capture_share_of_this_task, open_producer
     from runtime.transport.endpoints import Endpoints
     from runtime.transport.master import MasterProcess, MasterSettings
 
     recipe = resolved.recipe
     stop = threading.Event()
     engine_holder: list[CaptureEngine] = []
-    gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke)
+    share = capture_share_of_this_task(resolved)
+    gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke and share[0] == 0)  # one gate file per job
     with ExitStack() as stack:
         stack.enter_context(
             stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")])
@@ -302,12 +304,16 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
         with gate.stage(
             "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
         ):
-            if recipe.capture.owns_master:
+            if share[1] > 1:
+                log.info(
+                    "capture share %d of %d: this node captures the g with g %% %d == %d", *share, share[1], share[0]
+                )
+            if recipe.capture.owns_master and share[0] == 0:  # the first capture node hosts the master
                 settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
                 master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
                 master.start()
                 stack.callback(master.stop)
-            producer = open_producer(resolved, endpoints=endpoints)
+            producer = open_producer(resolved, endpoints=endpoints, share=share)
             stack.callback(producer.close)
         with gate.stage("data", f"{recipe.data.train_path}: SHA-256 and row count as the recipe says"):
             source = CaptureSource.from_recipe(resolved)
@@ -331,6 +337,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             recipe.capture.progress_interval_s,
             stop,
             rows_captured_once=recipe.trainer.feature_cache.enabled,
+            share=share,
         )
         with gate.stage("capture", "capture loop ran"):
             outcome = loop.run()

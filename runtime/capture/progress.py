@@ -46,6 +46,8 @@ class CaptureProgress:
     trainer caches features (later epochs are captured only when asked)."""
     note: str = ""
     """Appended to every progress line (e.g. that later epochs come from the trainer's cache)."""
+    share_count: int = 1
+    """Capture nodes sharing the work: this one captures every ``share_count``-th g (for the ETA)."""
     started: float = field(default_factory=time.monotonic)
     samples: int = 0
     tokens: int = 0
@@ -79,7 +81,7 @@ class CaptureProgress:
         producer is paced by the trainer, so the long-run average is the meaningful rate; the last
         minute's rate swings between bursts and pauses). None before the first sample."""
         now = time.monotonic() if now is None else now
-        remaining = max(self.total_samples - self.frontier, 0)
+        remaining = max(self.total_samples - self.frontier, 0) // self.share_count
         if remaining == 0:
             return 0.0
         elapsed = now - self.started

@@ -19,6 +19,21 @@ def largest_sample(recipe: Recipe) -> SampleSize:
     return SampleSize(recipe.data.max_length, recipe.num_aux_layers, recipe.capture.hidden_size)
 
 
+def nodes_per_engine(recipe: Recipe) -> int:
+    """Capture nodes one engine spans: an SGLang server whose ``tp_size`` exceeds a node's GPUs
+    runs across nodes; the embedded engine stays on one node."""
+    c, gpus = recipe.capture, recipe.job.capture.gpus_per_node
+    if c.engine == "sglang" and gpus:
+        return max(1, math.ceil(c.sglang.tp_size / gpus))
+    return 1
+
+
+def capture_shares(recipe: Recipe) -> int:
+    """Independent engine + producer pairs of the capture component: ``job.capture.nodes`` over
+    :func:`nodes_per_engine`. Share ``k`` captures the g with ``g % shares == k``."""
+    return max(1, recipe.job.capture.nodes // nodes_per_engine(recipe))
+
+
 def max_samples_in_flight(recipe: Recipe) -> int:
     """Samples the capture component may have claimed but not committed at once: one batch per
     embedded engine, or SGLang's concurrent requests."""
@@ -394,6 +409,7 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
             )
         )
     out.extend(_check_feature_cache(recipe))
+    out.extend(_check_capture_shares(recipe))
     schedule = t.schedule
     if schedule.type == "constant" and schedule.warmup_steps:
         out.append(
@@ -447,3 +463,35 @@ def _check_feature_cache(recipe: Recipe) -> list[Problem]:
             )
         )
     return out
+
+
+def _check_capture_shares(recipe: Recipe) -> list[Problem]:
+    job = recipe.job.capture
+    per_engine = nodes_per_engine(recipe)
+    if job.nodes % per_engine:
+        return [
+            Problem(
+                "job.capture.nodes",
+                f"is {job.nodes}, not a multiple of the {per_engine} nodes one SGLang server spans (capture.sglang."
+                f"tp_size {recipe.capture.sglang.tp_size} over {job.gpus_per_node} GPUs per node)",
+                f"use a multiple of {per_engine} nodes",
+            )
+        ]
+    if capture_shares(recipe) > 1 and per_engine > 1:
+        return [
+            Problem(
+                "job.capture.nodes",
+                f"is {job.nodes}: several SGLang servers that each span {per_engine} nodes are not supported",
+                f"use {per_engine} nodes (one server across them), or a tp_size of at most {job.gpus_per_node}",
+            )
+        ]
+    if capture_shares(recipe) > 1 and job.tasks_per_node != 1:
+        return [
+            Problem(
+                "job.capture.tasks_per_node",
+                f"is {job.tasks_per_node}: with {job.nodes} capture nodes each node runs one capture task "
+                "(its engine uses the node's GPUs)",
+                "set job.capture.tasks_per_node: 1",
+            )
+        ]
+    return []

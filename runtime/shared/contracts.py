@@ -108,9 +108,10 @@ def want_key(store_id: str, g: int) -> str:
     return f"{store_id}/want/{g:012d}"
 
 
-def heartbeat_key(store_id: str) -> str:
-    """Store key of the producer's heartbeat object."""
-    return f"{store_id}/heartbeat"
+def heartbeat_key(store_id: str, share: int = 0) -> str:
+    """Store key of the producer's heartbeat object (of capture share ``share`` when several
+    capture nodes each run a producer; share 0 keeps the plain key)."""
+    return f"{store_id}/heartbeat" if share == 0 else f"{store_id}/heartbeat.{share}"
 
 
 def global_sample_index(

@@ -23,10 +23,13 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
+from runtime.recipe.checks import capture_shares, nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.sizes import segment_shares
+from runtime.shared.contracts import ENV_TASK_RANK
 from runtime.transport.consumer import Consumer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.producer import Producer
@@ -43,9 +46,19 @@ node's share of the sample segment on top of it."""
 _FRESH_RUN = object()
 
 
-def producer_state_path(resolved: ResolvedRecipe) -> Path:
+def producer_state_path(resolved: ResolvedRecipe, share: int = 0) -> Path:
     """Where the producer keeps the last cursor it saw (the job folder survives a producer restart)."""
-    return resolved.job_dir / "transport" / PRODUCER_STATE_FILE
+    name = PRODUCER_STATE_FILE if share == 0 else PRODUCER_STATE_FILE.replace(".json", f".{share}.json")
+    return resolved.job_dir / "transport" / name
+
+
+def capture_share_of_this_task(resolved: ResolvedRecipe) -> tuple[int, int]:
+    """(index, count) of the capture share this process belongs to: its capture task's rank
+    (``DSPARK_TASK_RANK``, one task per node) over the nodes one engine spans. The SGLang server's
+    sink inherits the variable from its capture task, so it lands in the same share."""
+    count = capture_shares(resolved.recipe)
+    rank = int(os.environ.get(ENV_TASK_RANK, "0") or 0)
+    return (rank // nodes_per_engine(resolved.recipe)) % count, count
 
 
 def open_producer(
@@ -55,13 +68,16 @@ def open_producer(
     start_cursor: int | None | object = _FRESH_RUN,
     segment_bytes: int | None = None,
     auto_heartbeat: bool = True,
+    share: tuple[int, int] | None = None,
 ) -> Producer:
     """Connect the capture node's producer: it mounts the global segment and owns the window.
 
     ``start_cursor``: where to start when the store has no cursor and this job saw none before.
     By default 0 for a fresh run and None (wait for the trainer to publish) when the recipe
     resumes from a checkpoint or keeps the whole sample segment on the trainer node.
+    ``share``: which g this producer captures (default: :func:`capture_share_of_this_task`).
     """
+    share = share or capture_share_of_this_task(resolved)
     recipe = resolved.recipe
     endpoints = endpoints or Endpoints.from_env(recipe)
     if start_cursor is _FRESH_RUN:
@@ -81,9 +97,10 @@ def open_producer(
         return Producer(
             client,
             recipe,
-            state_path=producer_state_path(resolved),
+            state_path=producer_state_path(resolved, share[0]),
             start_cursor=start_cursor,  # type: ignore[arg-type]
             auto_heartbeat=auto_heartbeat,
+            share=share,
         )
     except BaseException:
         client.close()

@@ -75,7 +75,10 @@ class Producer:
         state_path: Path | None = None,
         start_cursor: int | None = None,
         auto_heartbeat: bool = True,
+        share: tuple[int, int] = (0, 1),
     ) -> None:
+        """``share``: (index, count) of this producer among the capture nodes' producers; it captures
+        and cleans up the g with ``g % count == index`` and beats under its own heartbeat key."""
         self.client = client
         self.recipe = recipe
         self.store_id = store_id or recipe.store_id
@@ -85,7 +88,9 @@ class Producer:
         self.poll_interval_s = tr.poll_interval_s
         self.wait_log_interval_s = tr.wait_log_interval_s
         self.heartbeat_interval_s = tr.heartbeat_interval_s
-        self.window = WindowState(WindowLimits.from_recipe(recipe))
+        self.window = WindowState(WindowLimits.from_recipe(recipe), share_index=share[0], share_count=share[1])
+        if not 0 <= share[0] < share[1]:
+            raise ValueError(f"capture share {share[0]} outside 0..{share[1] - 1}")
         self._bytes: dict[int, int] = {}
         self._lock = threading.RLock()
         self._staging: dict[str, torch.Tensor] = {}
@@ -227,7 +232,7 @@ class Producer:
         """A producer without a segment (an SGLang sink) writes into the owning producer's segment,
         named in its heartbeat; it follows a restarted owner to its new segment."""
         try:
-            raw = self.client.get_bytes(heartbeat_key(self.store_id))
+            raw = self.client.get_bytes(heartbeat_key(self.store_id, self.window.share_index))
         except TransportError:
             return
         if raw is None:
@@ -278,11 +283,16 @@ class Producer:
         segment also holds the cursor, lives on the node that reads both, and only a trainer restart
         takes it away. Only this one object goes there; samples stay where they were.
         """
-        with self._beat_lock:
+        if not self._beat_lock.acquire(timeout=5.0 if final else -1):
+            log.debug("the closing heartbeat is skipped: another beat is still being put")
+            return
+        try:
             self._put_heartbeat_locked(data, final)
+        finally:
+            self._beat_lock.release()
 
     def _put_heartbeat_locked(self, data: bytes, final: bool) -> None:
-        key = heartbeat_key(self.store_id)
+        key = heartbeat_key(self.store_id, self.window.share_index)
         target = self._rank0_segment
         now = time.monotonic()
         target_error: TransportError | None = None
@@ -405,6 +415,7 @@ class Producer:
                 g for g in partial if g not in self.window.in_flight and g not in in_flight_before and g not in late
             ]
             garbage = self.window.garbage()
+        partial = [g for g in partial if self.window.mine(g)]  # another producer's may be mid-commit
         if partial:
             log.info("removing %d half-written samples (fields without meta): %s", len(partial), partial[:8])
             self.client.remove([k for g in partial for k in sample_keys(self.store_id, g)])
@@ -643,7 +654,10 @@ class Producer:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5.0)
-        if self._sequence > 0:  # a producer that never beat (an SGLang sink) has nothing to close
+        # A producer that never beat (an SGLang sink) has nothing to close; a heartbeat thread still
+        # in a put (a stopped rank 0 holds transfers until they time out) must not hold up close().
+        stuck = self._heartbeat_thread is not None and self._heartbeat_thread.is_alive()
+        if self._sequence > 0 and not stuck:
             try:
                 with self._lock:
                     beat = dataclasses.replace(self._make_heartbeat(), closed=True)

@@ -64,6 +64,14 @@ class WindowState:
     only while a trainer rank asks for it (its row is not in the rank's cache)."""
     asked: set[int] = field(default_factory=set)
     """The g at or past ``asked_from`` a trainer rank asked for (``want`` keys in the store)."""
+    share_index: int = 0
+    share_count: int = 1
+    """With several capture nodes (``job.capture.nodes``) each producer captures the g with
+    ``g % share_count == share_index``; resident samples and the watermarks stay global."""
+
+    def mine(self, g: int) -> bool:
+        """Whether ``g`` is this producer's to capture (and to clean up)."""
+        return g % self.share_count == self.share_index
 
     @property
     def window_end(self) -> int | None:
@@ -106,18 +114,20 @@ class WindowState:
         self._update_pause()
 
     def garbage(self) -> list[int]:
-        """Resident samples below the cursor: consumed by a committed step but not deleted."""
+        """This producer's resident samples below the cursor: consumed by a committed step but not deleted."""
         if self.cursor is None:
             return []
-        return sorted(g for g in self.resident if g < self.cursor)
+        return sorted(g for g in self.resident if g < self.cursor and self.mine(g))
 
     def missing(self) -> list[int]:
-        """The g of the window that are neither resident nor in flight, in order."""
+        """This producer's g of the window that are neither resident nor in flight, in order."""
         if self.cursor is None:
             return []
         end = self.cursor + self.limits.high_samples
         return [
-            g for g in range(self.cursor, end) if g not in self.resident and g not in self.in_flight and self.needed(g)
+            g
+            for g in range(self.cursor, end)
+            if g not in self.resident and g not in self.in_flight and self.needed(g) and self.mine(g)
         ]
 
     def needed(self, g: int) -> bool:
@@ -147,7 +157,7 @@ class WindowState:
         if self.cursor is None or not self.head_missing() or not self.at_hard_limit():
             return []
         head_end = self.cursor + self.limits.head_samples
-        candidates = sorted((g for g in self.resident if g >= head_end), reverse=True)
+        candidates = sorted((g for g in self.resident if g >= head_end and self.mine(g)), reverse=True)
         samples, num_bytes, lim = self.resident_samples, self.resident_bytes, self.limits
         victims: list[int] = []
         for g in candidates:
