@@ -65,13 +65,19 @@ def committed_per_capture_task(job_dir: Path) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.distributed
-def test_two_capture_nodes_train_exactly_like_one(tmp_path: Path, tiny_assets: Path) -> None:
+@pytest.mark.parametrize("mode", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_two_capture_nodes_train_exactly_like_one(
+    mode: str, tmp_path: Path, tiny_assets: Path, request: pytest.FixtureRequest
+) -> None:
+    """On Slurm: a hetjob whose capture group spans two of the local cluster's three nodes."""
     from tests.test_e2e_tiny import final_weights, metrics, run_tiny
 
+    if mode == "slurm":
+        request.getfixturevalue("slurm_cluster")
     runs = tmp_path / "runs"
     steps = "trainer.max_steps=8"
     one = run_tiny("local", runs, steps)
-    two = run_tiny("local", runs, steps, "job.capture.nodes=2")
+    two = run_tiny(mode, runs, steps, "job.capture.nodes=2")
     got, expected = metrics(two), metrics(one)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert [r["loss"] for r in got] == [r["loss"] for r in expected]

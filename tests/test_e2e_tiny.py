@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.control import job_report
-from launcher.jobs import find_record
+from launcher.jobs import JobRecord, find_record
 from runtime.recipe import load_recipe
 from runtime.shared.prompt_order import PromptOrder
 from tests.support.launcher_cli import launch, probe_overrides
@@ -37,9 +37,7 @@ def run_tiny(mode: str, runs: Path, *overrides: str) -> Path:
     if mode == "local":
         assert_healthy_console(done.stdout + done.stderr, job_dir)
         # The capture still ran when the trainer finished: stopped with SIGTERM, it exits 0 (completed).
-        states = {c.name: (c.state, c.results) for c in job_report(record).components}
-        state, results = states["capture"]
-        assert state == "COMPLETED" and results and set(results.values()) == {"success"}, states
+        assert_capture_completed(record)
     if mode == "slurm":
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while (state := job_report(record).state) not in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
@@ -47,11 +45,17 @@ def run_tiny(mode: str, runs: Path, *overrides: str) -> Path:
             time.sleep(3)
         assert state == "COMPLETED", launch(["logs", str(job_dir)]).stdout[-4000:]
         # Both components end cleanly: the capture is stopped through the stop file, not cancelled.
-        states = {c.name: (c.state, c.results) for c in job_report(record).components}
-        assert states["capture"] == ("COMPLETED", {0: "success"}), states
-        assert states["trainer"][0] == "COMPLETED", states
+        assert_capture_completed(record)
         assert_healthy_console(launch(["logs", str(job_dir)]).stdout, job_dir)
     return job_dir
+
+
+def assert_capture_completed(record: JobRecord) -> None:
+    """Every capture task (one per capture node) ended with success, and the component COMPLETED."""
+    states = {c.name: (c.state, c.results) for c in job_report(record).components}
+    state, results = states["capture"]
+    assert state == "COMPLETED" and results and set(results.values()) == {"success"}, states
+    assert states["trainer"][0] == "COMPLETED", states
 
 
 GLOG_LINE = re.compile(r"^(\[\w+\] )?[EWF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)

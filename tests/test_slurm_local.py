@@ -133,7 +133,7 @@ def _squeue_states(job_id: str) -> list[str]:
 
 
 @pytest.mark.slurm
-def test_status_reports_two_idle_nodes_with_eight_gpus_and_up_is_idempotent(slurm_cluster: LocalSlurmCluster) -> None:
+def test_status_reports_three_idle_nodes_with_eight_gpus_and_up_is_idempotent(slurm_cluster: LocalSlurmCluster) -> None:
     before = slurm_local_status()
     assert before["running"], before
     _run(str(SLURM_LOCAL), "up", timeout_s=120)
@@ -141,7 +141,7 @@ def test_status_reports_two_idle_nodes_with_eight_gpus_and_up_is_idempotent(slur
     # A second `up` finds every daemon running and starts nothing.
     assert after["daemons"] == before["daemons"]
     assert all(pid is not None for pid in after["daemons"].values())
-    assert [node["name"] for node in after["nodes"]] == ["node1", "node2"]
+    assert [node["name"] for node in after["nodes"]] == ["node1", "node2", "node3"]
     for node in after["nodes"]:
         assert node["gres"] == "gpu:8"
         assert node["cpus"] >= 64
@@ -167,7 +167,7 @@ def test_hetjob_components_run_on_two_nodes_and_sacct_lists_both(
     trainer_nodes = {env["SLURMD_NODENAME"] for env in trainer}
     assert len(trainer_nodes) == 1
     (trainer_node,) = trainer_nodes
-    assert {capture_node, trainer_node} == {"node1", "node2"}
+    assert capture_node != trainer_node and {capture_node, trainer_node} <= {"node1", "node2", "node3"}
     assert [env["SLURM_PROCID"] for env in trainer] == ["0", "1", "2", "3"]
     assert {env["SLURM_NTASKS"] for env in trainer} == {"4"} and capture[0]["SLURM_NTASKS"] == "1"
     for env in [*capture, *trainer]:
@@ -273,8 +273,8 @@ def test_rendered_config_gives_each_node_its_own_port_and_eight_gpu_devices(tmp_
     conf = render_slurm_conf(settings, first_job_id=4321)
     node_lines = [line for line in conf.splitlines() if line.startswith("NodeName=")]
     ports = [word.split("=")[1] for line in node_lines for word in line.split() if word.startswith("Port=")]
-    assert [line.split()[0] for line in node_lines] == ["NodeName=node1", "NodeName=node2"]
-    assert ports == ["17001", "17002"]
+    assert [line.split()[0] for line in node_lines] == ["NodeName=node1", "NodeName=node2", "NodeName=node3"]
+    assert ports == ["17001", "17002", "17003"]
     assert all("Gres=gpu:8" in line and "NodeAddr=127.0.0.1" in line for line in node_lines)
     assert "FirstJobId=4321" in conf.splitlines()
     assert f"SlurmdSpoolDir={tmp_path}/spool/slurmd-%n" in conf.splitlines()

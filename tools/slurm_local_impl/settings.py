@@ -26,12 +26,13 @@ SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 @dataclass(frozen=True)
 class ClusterSettings:
     """Shape and ports of the local cluster. Defaults fit the tiny recipe and the Kimi K3 job shape
-    (capture: 8 GPUs x 64 CPUs; trainer: 4 tasks x 1 GPU x 16 CPUs) on two fake nodes."""
+    (capture: 8 GPUs x 64 CPUs; trainer: 4 tasks x 1 GPU x 16 CPUs) on three fake nodes (a job
+    with two capture nodes and a trainer node fits)."""
 
     state_dir: Path
     cluster_name: str = "dspark"
     partition: str = "local"
-    node_names: tuple[str, ...] = ("node1", "node2")
+    node_names: tuple[str, ...] = ("node1", "node2", "node3")
     cpus_per_node: int = 64
     real_memory_mib: int = 512 * 1024
     gpus_per_node: int = 8
