@@ -494,7 +494,10 @@ def _throughput(recipe: Recipe, plan: Plan, sample: SampleSize) -> None:
             level,
             f"bottleneck is {bottleneck}; the trainer is expected to idle {idle:.0%} of the time"
             + (" over the run (epoch 0 captured, later epochs from the feature cache)" if cached else ""),
-            ("add capture capacity (more capture nodes or engines) to feed the trainer",)
+            (
+                f"add capture nodes: --set job.capture.nodes={recipe.job.capture.nodes + 1} (each runs its own "
+                "engine and producer and captures every other g; the plan then shows the shorter run)",
+            )
             if level == "warn" and bottleneck == "capture"
             else (),
         )

@@ -61,11 +61,16 @@ def test_the_alternatives_fit() -> None:
 
 
 def test_tp_size_must_cover_the_capture_gpus() -> None:
-    recipe = load_recipe(K3, ["job.capture.nodes=2"]).recipe
+    # Two capture nodes at TP8: a server per node (two capture shares), no blocker.
+    per_node = expert_offload_plan(load_recipe(K3, ["job.capture.nodes=2"]).recipe)
+    assert not [m for level, m in per_node.findings if level == "blocker"]
+    # TP12 on two 8-GPU nodes fits neither a server per node nor one across both.
+    recipe = load_recipe(K3, ["job.capture.nodes=2", "capture.sglang.tp_size=12"]).recipe
     plan = expert_offload_plan(recipe)
     assert plan.findings[0] == (
         "blocker",
-        "capture.sglang.tp_size is 8 but the capture group has 16 GPUs (2 node(s) x 8); set tp_size to 16",
+        "capture.sglang.tp_size is 12 but the capture group has 16 GPUs (2 node(s) x 8) for 1 server(s); set "
+        "tp_size to 8 (a server per node) or 16 (one server across the nodes)",
     )
 
 

@@ -340,6 +340,17 @@ def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.
     assert "CLOSED" in closed.summary()
     assert Cursor.decode(Cursor(8, 2, 1.0, "rank 0", segment="10.0.0.1:1234").encode()).segment == "10.0.0.1:1234"
 
+    # Several capture nodes: each share's producer is watched on its own and named with its share.
+    two = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2", "job.capture.nodes=2"]).recipe
+    rank = consumer_module.Consumer(None, two, 0, two.trainer_world_size)  # type: ignore[arg-type]
+    fresh, stale = _beat(1, 0.0, pid=10), _beat(1, 100.0, pid=11)
+    rank._observe_beat(fresh, 0)
+    rank._observe_beat(stale, 1)
+    assert rank._likely_cause(fresh, 4, 0).startswith("the producer of capture share 0 of 2 (pid 10 on host cap) is")
+    assert rank._likely_cause(stale, 5, 1).startswith(
+        "the producer of capture share 1 of 2 (pid 11 on host cap) has not beaten for 100 s"
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # endpoints, master command line

@@ -90,12 +90,17 @@ def expert_offload_plan(
     if gpus <= 0:
         plan.findings.append(("blocker", "the capture het group requests no GPUs for an SGLang engine"))
         return plan
-    if s.tp_size != gpus:
+    from runtime.recipe.checks import capture_shares
+
+    servers = capture_shares(recipe)
+    if s.tp_size * servers != gpus:
+        per_node = recipe.job.capture.gpus_per_node
         plan.findings.append(
             (
                 "blocker",
                 f"capture.sglang.tp_size is {s.tp_size} but the capture group has {gpus} GPUs "
-                f"({recipe.job.capture.nodes} node(s) x {recipe.job.capture.gpus_per_node}); set tp_size to {gpus}",
+                f"({recipe.job.capture.nodes} node(s) x {per_node}) for {servers} server(s); set tp_size to "
+                f"{per_node} (a server per node) or {gpus} (one server across the nodes)",
             )
         )
     hbm = recipe.plan.accelerator_memory_bytes

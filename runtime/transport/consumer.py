@@ -15,10 +15,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from runtime.recipe.checks import capture_shares
 from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     META_FIELD,
@@ -41,9 +43,29 @@ log = logging.getLogger("dspark.transport.consumer")
 CURSOR_CHECK_INTERVAL_S = 1.0
 STATUS_TIMEOUT_S = 2.0
 """Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
+MIN_LOOK_S = 0.25
+"""A store call given less time than this (the deadline is near) that does not return says nothing
+about the store."""
 STALE_AFTER_BEATS = 3
 """A heartbeat older than this many ``transport.heartbeat_interval_s`` means the producer stopped
 beating (a beat can be late by a slow put, so one missed interval is not enough)."""
+
+
+@dataclass
+class _BeatWatch:
+    """What one rank saw of one producer's heartbeat, on its own monotonic clock (no clock skew)."""
+
+    beat: Heartbeat | None = None
+    """The last beat read."""
+    identity: tuple[str, int, int] | None = None
+    """(host, pid, sequence) of that beat."""
+    first_seen: float = 0.0
+    """When that beat was first read."""
+    last_read: float | None = None
+    """When the heartbeat was last read."""
+    arrival_seen: bool = False
+    """Whether this rank saw that beat replace another within a few intervals: its age is then timed on
+    this rank's clock; otherwise the beat's own timestamp is trusted."""
 
 
 class Consumer:
@@ -92,14 +114,10 @@ class Consumer:
         # segment) must not hold up the sample reads, nor make them blame the master.
         self._beat_calls = DeadlineCaller(f"rank {rank} heartbeat reads")
         self.heartbeat_interval_s = tr.heartbeat_interval_s
-        self._last_beat: Heartbeat | None = None
-        # What this rank saw of the heartbeat, on its own monotonic clock (no clock skew between nodes):
-        self._beat_identity: tuple[str, int, int] | None = None  # (host, pid, sequence) of the last beat read
-        self._beat_first_seen: float = 0.0  # when that beat was first read
-        self._beat_last_read: float | None = None  # when the heartbeat was last read
-        self._beat_arrival_seen = False
-        """Whether this rank saw the current beat replace another within a few intervals (its age is
-        then measured on this rank's clock; otherwise the beat's own timestamp is trusted)."""
+        self.capture_shares = capture_shares(recipe)
+        """Producers of the capture component; the one of share ``g % capture_shares`` captures g."""
+        self._watches: dict[int, _BeatWatch] = {}
+        """What this rank saw of each share's heartbeat, per share."""
 
     # -- the g this rank reads --------------------------------------------------------------
 
@@ -134,10 +152,15 @@ class Consumer:
         last_beat_read = -float("inf")
         corrupt = 0
         while time.monotonic() < deadline:
+            given_s = budget()
             try:
-                present = self._calls.call(lambda: self.client.exist_once([meta_key]), budget(), f"exist {meta_key}")
+                present = self._calls.call(lambda: self.client.exist_once([meta_key]), given_s, f"exist {meta_key}")
             except StoreUnresponsiveError as exc:
-                present, state = [], str(exc)
+                present = []
+                # A last look started a moment before the deadline "times out" on a healthy store:
+                # it must not replace what the earlier looks found with "the master stopped".
+                if given_s >= MIN_LOOK_S or state == "not looked up yet":
+                    state = str(exc)
             if present is None:
                 state = "the store does not answer (master down or restarting)"
             elif not present:
@@ -174,7 +197,7 @@ class Consumer:
                 # Follow the heartbeat while waiting, so that a producer that stops beating is timed on
                 # this rank's own clock (see _beat_silence_s).
                 last_beat_read = now
-                self._read_heartbeat_bounded(min(STATUS_TIMEOUT_S, budget()))
+                self._read_heartbeat_bounded(g % self.capture_shares, min(STATUS_TIMEOUT_S, budget()))
             if now - last_log >= self.wait_log_interval_s:
                 log.info(
                     "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
@@ -291,10 +314,11 @@ class Consumer:
         raw = self.client.get_bytes(cursor_key(self.store_id))
         return Cursor.decode(raw) if raw is not None else None
 
-    def read_heartbeat(self) -> Heartbeat | None:
-        """The producer's last heartbeat, or None (also remembered, with when this rank first saw it)."""
+    def read_heartbeat(self, share: int = 0) -> Heartbeat | None:
+        """The heartbeat of capture share ``share``'s producer, or None (also remembered, with when
+        this rank first saw it)."""
         try:
-            raw = self.client.get_bytes(heartbeat_key(self.store_id))
+            raw = self.client.get_bytes(heartbeat_key(self.store_id, share))
         except TransportError:
             return None
         if raw is None:
@@ -303,38 +327,42 @@ class Consumer:
             beat = Heartbeat.decode(raw)
         except (ValueError, TypeError):
             return None
-        self._observe_beat(beat)
+        self._observe_beat(beat, share)
         return beat
 
-    def _read_heartbeat_bounded(self, timeout_s: float) -> None:
+    def _read_heartbeat_bounded(self, share: int, timeout_s: float) -> None:
         with contextlib.suppress(StoreUnresponsiveError):
-            self._beat_calls.call(self.read_heartbeat, timeout_s, "read the producer heartbeat")
+            self._beat_calls.call(lambda: self.read_heartbeat(share), timeout_s, "read the producer heartbeat")
 
-    def _observe_beat(self, beat: Heartbeat) -> None:
+    def _observe_beat(self, beat: Heartbeat, share: int = 0) -> None:
         now = time.monotonic()
+        watch = self._watches.setdefault(share, _BeatWatch())
         identity = (beat.host, beat.pid, beat.sequence)
-        if identity != self._beat_identity:
+        if identity != watch.identity:
             # A new beat. If this rank read the previous one a moment ago, the new one is at most that
             # old, and its age can be timed on this rank's clock from now on.
-            recent = self._beat_last_read is not None and now - self._beat_last_read <= self._stale_after_s
-            self._beat_arrival_seen = self._beat_identity is not None and recent
-            self._beat_identity = identity
-            self._beat_first_seen = now
-        self._beat_last_read = now
-        self._last_beat = beat
+            recent = watch.last_read is not None and now - watch.last_read <= self._stale_after_s
+            watch.arrival_seen = watch.identity is not None and recent
+            watch.identity = identity
+            watch.first_seen = now
+        watch.last_read = now
+        watch.beat = beat
 
     @property
     def _stale_after_s(self) -> float:
         return STALE_AFTER_BEATS * self.heartbeat_interval_s
 
-    def _beat_silence_s(self, beat: Heartbeat) -> float:
+    def _beat_silence_s(self, beat: Heartbeat, share: int = 0) -> float:
         """Seconds since the producer's last beat, as well as this rank can tell.
 
         The time this rank has watched the same beat is a lower bound that no clock skew spoils; a
         beat this rank did not see arrive may be older than that, by its own (wall-clock) timestamp.
         """
-        watched = time.monotonic() - self._beat_first_seen if self._beat_identity is not None else 0.0
-        if self._beat_arrival_seen:
+        watch = self._watches.get(share)
+        if watch is None or watch.identity != (beat.host, beat.pid, beat.sequence):
+            return max(0.0, beat.age_s())
+        watched = time.monotonic() - watch.first_seen
+        if watch.arrival_seen:
             return watched
         return max(watched, beat.age_s())
 
@@ -409,41 +437,59 @@ class Consumer:
     # -- messages ---------------------------------------------------------------------------
 
     def _producer_status(self, g: int | None = None) -> str:
-        """The producer's side of a wait: who it is, when it last beat, and the likely cause."""
+        """The producer's side of a wait (the producer of ``g``'s capture share): who it is, when it
+        last beat, and the likely cause."""
+        share = g % self.capture_shares if g is not None else 0
         try:
-            beat = self._beat_calls.call(self.read_heartbeat, STATUS_TIMEOUT_S, "read the producer heartbeat")
+            beat = self._beat_calls.call(
+                lambda: self.read_heartbeat(share), STATUS_TIMEOUT_S, "read the producer heartbeat"
+            )
         except StoreUnresponsiveError as exc:
-            last = self._last_beat
+            last = self._last_beat(share)
             seen = (
-                f"; last read from the producer (pid {last.pid} on host {last.host}) "
-                f"{self._beat_silence_s(last):.0f} s ago, sequence {last.sequence}"
+                f"; last read from {self._who(last, share)} {self._beat_silence_s(last, share):.0f} s ago, "
+                f"sequence {last.sequence}"
                 if last is not None
                 else ""
             )
             return f"producer heartbeat unreadable: {exc}{seen}"
-        if beat is None and self._last_beat is not None:
+        last = self._last_beat(share)
+        if beat is None and last is not None:
             # The heartbeat lives in trainer rank 0's segment and outlives the producer; it goes
             # missing when the store lost it (master restart) or when the producer did not know rank
             # 0's segment yet, beat into its own, and that segment left the store with the producer.
-            last = self._last_beat
             return (
                 f"the producer's heartbeat vanished from the store; last seen from producer pid {last.pid} on "
-                f"{last.host}, {self._beat_silence_s(last):.0f} s old, sequence {last.sequence}, "
-                f"{last.committed_total} samples committed: the mooncake_master most likely restarted (the store "
-                "is empty until the producer beats again), or the producer beat into its own segment and most "
-                "likely hung or died with it; look at the capture log and the master's log"
+                f"{last.host}{self._share_text(share)}, {self._beat_silence_s(last, share):.0f} s old, sequence "
+                f"{last.sequence}, {last.committed_total} samples committed: the mooncake_master most likely "
+                "restarted (the store is empty until the producer beats again), or the producer beat into its own "
+                "segment and most likely hung or died with it; look at the capture log and the master's log"
             )
         if beat is None:
             return (
-                "no producer heartbeat in the store: the producer has not started (or not reached the store yet), "
-                "or the store was restarted and the producer is gone; look at the capture log"
+                f"no producer heartbeat in the store{self._share_text(share)}: the producer has not started (or not "
+                "reached the store yet), or the store was restarted and the producer is gone; look at the capture log"
             )
-        return f"{self._likely_cause(beat, g)}; {beat.summary()}"
+        return f"{self._likely_cause(beat, g, share)}; {beat.summary()}"
 
-    def _likely_cause(self, beat: Heartbeat, g: int | None) -> str:
+    def _last_beat(self, share: int) -> Heartbeat | None:
+        watch = self._watches.get(share)
+        return watch.beat if watch is not None else None
+
+    def _share_text(self, share: int) -> str:
+        return f" (capture share {share} of {self.capture_shares})" if self.capture_shares > 1 else ""
+
+    def _who(self, beat: Heartbeat, share: int) -> str:
+        if self.capture_shares > 1:
+            return (
+                f"the producer of capture share {share} of {self.capture_shares} (pid {beat.pid} on host {beat.host})"
+            )
+        return f"the producer (pid {beat.pid} on host {beat.host})"
+
+    def _likely_cause(self, beat: Heartbeat, g: int | None, share: int = 0) -> str:
         """Why sample ``g`` is not there, from the producer's heartbeat and how fresh it is."""
-        who = f"the producer (pid {beat.pid} on host {beat.host})"
-        silence_s = self._beat_silence_s(beat)
+        who = self._who(beat, share)
+        silence_s = self._beat_silence_s(beat, share)
         error = f"; its last error: {beat.last_error}" if beat.errors and beat.last_error else ""
         if beat.closed:
             return (
