@@ -339,7 +339,10 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
 
     from runtime.transport.loopback import loopback_env
 
-    resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), [*FAST, *ONE_RANK])
+    # Two capture nodes: the status shows each capture share's heartbeat.
+    sets = [*FAST, *ONE_RANK, "job.capture.nodes=2", "trainer.feature_cache.enabled=true"]
+    sets.append(f"trainer.feature_cache.dir={tmp_path / 'cache'}")
+    resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), sets)
     env = {**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO)}
     master = subprocess.Popen(
         [sys.executable, "-m", "runtime.transport", "master", "--recipe", str(resolved.path)],
@@ -353,12 +356,15 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
         assert "mooncake_master ready" in master.stdout.readline()
         endpoints = Endpoints.loopback(resolved.recipe)
         with (
-            open_producer(resolved, endpoints=endpoints) as producer,
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0),
+            open_producer(resolved, endpoints=endpoints, share=(0, 2)) as producer,
+            open_producer(resolved, endpoints=endpoints, share=(1, 2)) as second,
+            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
         ):
+            consumer.ask_for([5])  # what a trainer rank with a feature cache does for a row it lacks
             for _ in range(3):
-                producer.commit(producer.next_to_capture(), _sample(0, 16), {})
+                producer.commit(producer.next_to_capture(), _sample(0, 16), {})  # g = 0, 2, 4: share 0's
             producer.heartbeat()
+            second.heartbeat()
             out = subprocess.run(
                 [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
                 cwd=REPO,
@@ -369,8 +375,11 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
             )
         assert out.returncode == 0, out.stderr[-2000:]
         assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
-        assert "window [0, 8): 3 committed, first missing g=3" in out.stdout
-        assert "producer heartbeat" in out.stdout and "resident 3 samples" in out.stdout
+        assert "window [0, 8): 3 committed, first missing g=1" in out.stdout
+        shares = [line for line in out.stdout.splitlines() if line.startswith("capture share ")]
+        assert [line[:20] for line in shares] == ["capture share 0 of 2", "capture share 1 of 2"], out.stdout
+        assert all("producer heartbeat" in line for line in shares) and "resident 3 samples" in shares[0]
+        assert "feature cache: 1 sample(s) of the window asked for by trainer ranks" in out.stdout
     finally:
         master.send_signal(signal.SIGTERM)
         assert master.wait(timeout=30) == 0

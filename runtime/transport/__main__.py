@@ -49,8 +49,10 @@ def run_master(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Print cursor, heartbeat and window presence."""
-    from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key
+    """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
+    feature cache, how much of it trainer ranks asked for)."""
+    from runtime.recipe.checks import capture_shares
+    from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key, want_key
     from runtime.transport.records import Cursor, Heartbeat
     from runtime.transport.store import ClientSettings, StoreClient
 
@@ -65,8 +67,11 @@ def run_status(args: argparse.Namespace) -> int:
             f"store {store_id}: "
             + (f"cursor {cursor.value} (step {cursor.step}, by {cursor.publisher})" if cursor else "no cursor")
         )
-        raw = client.get_bytes(heartbeat_key(store_id))
-        print(Heartbeat.decode(raw).summary() if raw else "no producer heartbeat")
+        shares = capture_shares(recipe)
+        for share in range(shares):
+            raw = client.get_bytes(heartbeat_key(store_id, share))
+            where = f"capture share {share} of {shares}: " if shares > 1 else ""
+            print(where + (Heartbeat.decode(raw).summary() if raw else "no producer heartbeat"))
         if cursor is not None:
             high = recipe.transport.high_watermark_samples
             window = range(cursor.value, cursor.value + high)
@@ -80,6 +85,9 @@ def run_status(args: argparse.Namespace) -> int:
                     else ""
                 )
             )
+            if recipe.trainer.feature_cache.enabled:
+                asks = client.exist([want_key(store_id, g) for g in window])
+                print(f"feature cache: {sum(asks)} sample(s) of the window asked for by trainer ranks")
     return 0
 
 
