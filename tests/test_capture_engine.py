@@ -91,13 +91,22 @@ def test_fp32_features_equal_an_independent_forward_of_the_padded_batch(engine: 
     requests = _requests()
     features = engine.features(requests)
     ids, attention = engine.replicas[0].pad([r.input_ids for r in requests])
-    assert bool((attention == 0).any()), "the batch must actually be padded"
+    assert attention is not None and bool((attention == 0).any()), "the batch must actually be padded"
     hs, lhs = _reference_forward(reference, ids, attention)
     for row, (request, feature) in enumerate(zip(requests, features, strict=True)):
         length = len(request.input_ids)
         assert feature.hs.shape == (length, len(AUX) * HIDDEN) and feature.lhs.shape == (length, HIDDEN)
         assert torch.equal(feature.hs, hs[row, :length]), f"hs of row {row} differs"
         assert torch.equal(feature.lhs, lhs[row, :length]), f"lhs of row {row} differs"
+
+
+def test_padding_and_its_mask_are_decided_on_the_host(engine: EmbeddedEngine) -> None:
+    replica = engine.replicas[0]
+    ids, mask = replica.pad([(5, 6, 7), (8, 9)])
+    assert ids.tolist() == [[5, 6, 7], [8, 9, engine.settings.pad_id]]
+    assert mask is not None and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    ids, mask = replica.pad([(5, 6), (8, 9)])
+    assert ids.tolist() == [[5, 6], [8, 9]] and mask is None  # no padding: no mask (the fast causal path)
 
 
 def test_fp32_features_match_each_sample_forwarded_alone(engine: EmbeddedEngine, reference) -> None:

@@ -430,6 +430,12 @@ def test_slots_labels_eval_mask_and_weights() -> None:
     )
     row = {int(a): i for i, a in enumerate(gap.anchors.tolist()) if gap.keep[i]}[1]
     assert gap.eval_mask[row].tolist() == [True, True, False, False]
+    # what the objective reads instead of syncing the GPU: the supervised slots' flat indices and
+    # the weight total, both made on the host with the layout
+    for built in (layout, gap):
+        flat = built.eval_mask.reshape(-1)
+        assert built.supervised_rows.tolist() == [i for i in range(flat.numel()) if bool(flat[i])]
+        assert built.weight_sum == float(built.weights.sum()) > 0
 
 
 def test_attention_mask_contents() -> None:

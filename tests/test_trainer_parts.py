@@ -207,6 +207,10 @@ def test_sample_checks_and_file_source_timeout(tmp_path: Path) -> None:
         check_sample(sample, num_aux_layers=3, hidden_size=8, vocab_size=100)
     with pytest.raises(SampleShapeError, match="leaves the vocabulary 0..9"):
         check_sample(sample, num_aux_layers=2, hidden_size=8, vocab_size=10)
+    # a range the prefetch thread already read on the host is used as given (ids not read again)
+    check_sample(sample, num_aux_layers=2, hidden_size=8, vocab_size=10, ids_range=(0, 9))
+    with pytest.raises(SampleShapeError, match=r"token ids range -1\.\.5 leaves"):
+        check_sample(sample, num_aux_layers=2, hidden_size=8, vocab_size=100, ids_range=(-1, 5))
     source = FileSampleSource(tmp_path, global_batch_size=4, idle_timeout_s=0.3, poll_interval_s=0.05)
     with pytest.raises(TimeoutError, match="sample g=7 did not appear"):
         source.fetch(7)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 CONTRACT_FEATURE_DTYPE = torch.bfloat16
@@ -83,28 +84,33 @@ class HiddenStateCapture:
 
         return keep
 
-    def pad(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ``[B, T_max]`` input ids and attention mask on the model's device."""
+    def pad(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded ``[B, T_max]`` input ids on the model's device, and the attention mask there
+        when some sample is shorter than the batch (None without padding: an all-ones mask changes
+        nothing but can steer attention kernels away from their fast causal path). Decided from the
+        lengths on the host: testing the mask on the device would wait for all queued GPU work."""
         if not sequences or any(len(s) == 0 for s in sequences):
             raise ValueError("every sample of a capture batch needs at least one token")
         width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        # Through numpy: several times faster than torch.tensor on a tuple of Python ints, and
+        # the GPU waits for this host work between two forwards.
+        ids = np.full((len(sequences), width), self.pad_id, dtype=np.int64)
+        attention = np.zeros((len(sequences), width), dtype=np.int64)
         for row, sequence in enumerate(sequences):
-            ids[row, : len(sequence)] = torch.as_tensor(list(sequence), dtype=torch.long)
+            ids[row, : len(sequence)] = np.fromiter(sequence, dtype=np.int64, count=len(sequence))
             attention[row, : len(sequence)] = 1
-        return ids.to(self.device, non_blocking=True), attention.to(self.device, non_blocking=True)
+        padded = any(len(s) != width for s in sequences)
+        on_device = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        mask = torch.from_numpy(attention).to(self.device, non_blocking=True) if padded else None
+        return on_device, mask
 
     @torch.no_grad()
     def forward(self, sequences: Sequence[Sequence[int]]) -> list[SampleFeatures]:
         """Features of every sample (compute dtype, model device), one padded forward. (no_grad rather
         than inference_mode: the returned tensors are ordinary tensors a caller may use anywhere.)"""
-        ids, attention = self.pad(sequences)
+        ids, mask = self.pad(sequences)
         self._outputs.clear()
         try:
-            # Only pass a mask when there is padding: an all-ones mask changes nothing but can
-            # steer attention kernels away from their fast causal path.
-            mask = attention if bool((attention == 0).any()) else None
             output = self.base(input_ids=ids, attention_mask=mask, use_cache=False)
             last = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             aux = [self._outputs[i] for i in self.aux_layer_ids]

@@ -79,6 +79,15 @@ def init_process_group(settings: RunSettings, idle_timeout_s: float) -> None:
         device_id=settings.device if settings.device.type == "cuda" else None,
         pg_options=options,
     )
+    global _host_group
+    _host_group = None
+    if settings.world_size > 1:
+        # Host numbers (a micro-step's slot weights) are summed over gloo: through NCCL they would
+        # go to the GPU and back, and reading the result waits for all the compute queued before it.
+        # Made on every backend so the CPU tests run the same path as the GPUs.
+        host_options = dist.ProcessGroupGloo._Options()
+        host_options._devices = [dist.ProcessGroupGloo.create_device(hostname=settings.bind_address)]
+        _host_group = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=timeout_s), pg_options=host_options)
 
 
 def shard_model(model: DSparkDraft, settings: RunSettings) -> Any:
@@ -99,6 +108,19 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+_host_group: Any = None
+"""The gloo group of :func:`all_reduce_host_sum` (made by :func:`init_process_group` when world > 1)."""
+
+
+def all_reduce_host_sum(value: float) -> float:
+    """``value`` summed over all ranks, in float64, on the host (``value`` alone without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return float(value)
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_host_group)
+    return float(tensor[0])
 
 
 def barrier() -> None:

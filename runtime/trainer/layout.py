@@ -49,6 +49,11 @@ class BlockLayout:
     """bool [N, S]: contiguous valid prefix of each block."""
     weights: torch.Tensor
     """float32 [N, S]: ``eval_mask * exp(-k / gamma)``."""
+    supervised_rows: torch.Tensor
+    """int64 [R]: flat indices (``n * S + k``) of the slots in ``eval_mask``, ascending. Built on the
+    host with the rest, so the objective needs no ``nonzero`` on the GPU (a host sync per sample)."""
+    weight_sum: float
+    """``weights.sum()`` as a host number (the micro-step's normaliser needs it before any GPU work)."""
     num_eligible: int
     """How many anchor positions were eligible in the sample."""
     seq_len: int
@@ -64,11 +69,18 @@ class BlockLayout:
         """S: slots per block."""
         return int(self.slot_token_ids.shape[1])
 
-    def to(self, device: torch.device) -> BlockLayout:
-        """The same layout with every tensor on ``device``."""
+    def to(self, device: torch.device, non_blocking: bool = False) -> BlockLayout:
+        """The same layout with every tensor on ``device``. ``non_blocking`` (CUDA): the tensors go
+        through pinned memory and the copies are only queued on the current stream; the caller orders
+        that stream before any use."""
+
+        def move(value: torch.Tensor) -> torch.Tensor:
+            if non_blocking and value.device.type == "cpu" and torch.device(device).type == "cuda":
+                value = value.pin_memory()
+            return value.to(device, non_blocking=non_blocking)
+
         moved = {
-            name: value.to(device) if isinstance(value, torch.Tensor) else value
-            for name, value in self.__dict__.items()
+            name: move(value) if isinstance(value, torch.Tensor) else value for name, value in self.__dict__.items()
         }
         return BlockLayout(**moved)
 
@@ -157,6 +169,7 @@ def build_layout(
     slot_token_ids[:, 0] = torch.where(keep, anchor_tokens, torch.full_like(anchor_tokens, mask_token_id))
 
     weights = eval_mask.to(torch.float32) * slot_decay_weights(block_size, loss_decay_gamma)[None, :]
+    supervised_rows = torch.nonzero(eval_mask.reshape(-1), as_tuple=False).squeeze(1)
     return BlockLayout(
         anchors=anchors,
         keep=keep,
@@ -167,6 +180,8 @@ def build_layout(
         prev_tokens=prev_tokens,
         eval_mask=eval_mask,
         weights=weights,
+        supervised_rows=supervised_rows,
+        weight_sum=float(weights.sum()),
         num_eligible=num_eligible,
         seq_len=seq_len,
     )

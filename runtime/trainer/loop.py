@@ -28,6 +28,7 @@ from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import CapturedSample, LossRecord, SampleConsumer, step_sample_indices
 from runtime.trainer import checkpoints
 from runtime.trainer.distributed import (
+    all_reduce_host_sum,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -91,7 +92,9 @@ class Trainer:
         self._prepared_layouts: dict[int, BlockLayout] = {}
         """Layouts the prefetch thread built, by g (see :meth:`_fetcher`)."""
         self._copied: dict[int, Any] = {}
-        """CUDA events marking the end of each prefetched sample's copy, by g."""
+        """CUDA events marking the end of each prefetched sample's (and its layout's) copy, by g."""
+        self._id_ranges: dict[int, tuple[int, int]] = {}
+        """(min, max) token id of each prefetched sample, read on the host by the prefetch thread."""
         self._peers = PeerWatch(
             settings.rank,
             settings.world_size,
@@ -339,15 +342,21 @@ class Trainer:
             torch.cuda.set_device(device)  # the current device is per thread
             with torch.cuda.stream(self._copy_stream):
                 sample = source.fetch(g, device)
-                copied = self._copy_stream.record_event()
-                self._copied[g] = copied
-                # The layout (anchor sampling on the host) is built here, beside the previous
-                # sample's compute, once the copy is done: started earlier, its small device-to-host
-                # read of ids would sit in the driver behind the multi-GiB copy, and the compute
-                # thread's own small reads (loss scalars) behind it (seen in a trace: ~0.1 s of idle
-                # GPU in some 64K K3 micro-steps).
-                copied.synchronize()
-                self._prepared_layouts[g] = self._layout(sample)
+                # Everything the micro-step needs from the host is prepared here, beside the
+                # previous sample's compute, once the copy is done: the token id range for the
+                # sample check and the layout (anchor sampling on the host), whose tensors follow
+                # the sample to the GPU on this stream. Read on the compute thread, each small
+                # device-to-host read or pageable host-to-device copy waits for all the compute
+                # queued before it, and the CPU then cannot queue the next sample's copy early
+                # (seen in a trace: ~85 ms of idle compute stream per 64K K3 micro-step). Started
+                # before the copy finished, a small read would sit in the driver behind it.
+                self._copy_stream.record_event().synchronize()
+                ids = sample.ids.to("cpu")
+                if ids.numel():
+                    self._id_ranges[g] = (int(ids.min()), int(ids.max()))
+                layout = self._layout(sample, ids)
+                self._prepared_layouts[g] = layout.to(device, non_blocking=True)
+                self._copied[g] = self._copy_stream.record_event()
                 return sample
 
         return fetch
@@ -364,7 +373,9 @@ class Trainer:
                 current.wait_event(copied)
             else:
                 current.wait_stream(self._copy_stream)
-            for tensor in sample.tensors().values():
+            layout = self._prepared_layouts.get(sample.g)
+            layout_tensors = [v for v in vars(layout).values() if isinstance(v, torch.Tensor)] if layout else []
+            for tensor in [*sample.tensors().values(), *layout_tensors]:
                 if tensor.is_cuda:
                     tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
         return sample
@@ -379,6 +390,7 @@ class Trainer:
                 num_aux_layers=self.recipe.num_aux_layers,
                 hidden_size=self.recipe.capture.hidden_size,
                 vocab_size=self.recipe.capture.vocab_size,
+                ids_range=self._id_ranges.pop(sample.g, None),
             )
         return samples
 
@@ -392,10 +404,10 @@ class Trainer:
         local.update({name: torch.zeros(block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
         return local
 
-    def _layout(self, sample: CapturedSample) -> BlockLayout:
+    def _layout(self, sample: CapturedSample, host_ids: torch.Tensor | None = None) -> BlockLayout:
         cfg = self.trainer_cfg
         return build_layout(
-            sample.ids,
+            sample.ids if host_ids is None else host_ids,
             sample.mask,
             num_anchors=cfg.loss.num_anchors,
             block_size=cfg.draft.block_size,
@@ -414,8 +426,8 @@ class Trainer:
         device = s.device
         accumulation = cfg.gradient_accumulation_steps
         layouts = [self._prepared_layouts.pop(sample.g, None) or self._layout(sample) for sample in samples]
-        weight = torch.tensor(sum(float(x.weights.sum()) for x in layouts), dtype=torch.float64, device=device)
-        global_weight = float(all_reduce_sum(weight))
+        # A host number all-reduced on the host: no GPU work waits for it, nor it for the GPU.
+        global_weight = all_reduce_host_sum(sum(x.weight_sum for x in layouts))
         coefficients = loss_coefficients(
             ce_weight=cfg.loss.ce_weight,
             l1_weight=cfg.loss.l1_weight,

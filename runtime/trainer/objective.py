@@ -108,7 +108,7 @@ def sample_objective(
     :func:`runtime.trainer.vocab_objective.chunked_vocab_objective`)."""
     num_blocks, block_size, hidden_size = hidden.shape
     shape = (num_blocks, block_size)
-    rows = torch.nonzero(layout.eval_mask.reshape(-1), as_tuple=False).squeeze(1)
+    rows = layout.supervised_rows
     flat_hidden = hidden.reshape(num_blocks * block_size, hidden_size)
     latent_all, markov_embedding = markov_head(layout.prev_tokens, hidden)
     latent = latent_all.reshape(num_blocks * block_size, -1).index_select(0, rows)
@@ -153,10 +153,12 @@ def sample_objective(
         l1=(weights * l1).sum().to(torch.float64),
         valid_blocks=valid_blocks.sum().to(torch.float64),
         tau=(tau_per_block * valid_blocks).sum(),
-        tokens=torch.tensor(float(layout.seq_len), dtype=torch.float64, device=hidden.device),
-        eligible_anchors=torch.tensor(float(layout.num_eligible), dtype=torch.float64, device=hidden.device),
+        # torch.full, not torch.tensor(..., device=): a host-to-device copy of a pageable
+        # scalar waits for everything queued on the stream (the whole forward).
+        tokens=torch.full((), float(layout.seq_len), dtype=torch.float64, device=hidden.device),
+        eligible_anchors=torch.full((), float(layout.num_eligible), dtype=torch.float64, device=hidden.device),
         kept_blocks=layout.keep.sum().to(torch.float64),
-        supervised_slots=torch.tensor(float(rows.numel()), dtype=torch.float64, device=hidden.device),
+        supervised_slots=torch.full((), float(rows.numel()), dtype=torch.float64, device=hidden.device),
         slot_count=layout.eval_mask.to(torch.float64).sum(dim=0),
         slot_correct=_scatter_rows(correct.to(torch.float64), rows, shape).sum(dim=0),
         slot_accept=accept_grid.sum(dim=0),

@@ -43,9 +43,18 @@ def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int, dat
         raise
 
 
-def check_sample(sample: CapturedSample, *, num_aux_layers: int, hidden_size: int, vocab_size: int) -> None:
+def check_sample(
+    sample: CapturedSample,
+    *,
+    num_aux_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    ids_range: tuple[int, int] | None = None,
+) -> None:
     """Raise :class:`SampleShapeError` naming the sample and the field when its shapes break the
-    contract (dtypes are the smoke gate's business: synthetic samples may carry other float types)."""
+    contract (dtypes are the smoke gate's business: synthetic samples may carry other float types).
+    ``ids_range``: the (min, max) token id when already read on the host (ids on a GPU are then not
+    read again: that read would wait for all the compute queued before it)."""
     tokens = sample_num_tokens(sample)
     problems = field_problems(sample, num_aux_layers, hidden_size, check_dtypes=False)
     if problems:
@@ -55,8 +64,11 @@ def check_sample(sample: CapturedSample, *, num_aux_layers: int, hidden_size: in
         )
     if tokens < 2:
         raise SampleShapeError(f"sample g={sample.g}: has {tokens} tokens; a sample needs at least 2")
-    if sample.ids.numel() and (int(sample.ids.min()) < 0 or int(sample.ids.max()) >= vocab_size):
+    if not sample.ids.numel():
+        return
+    low, high = ids_range if ids_range is not None else (int(sample.ids.min()), int(sample.ids.max()))
+    if low < 0 or high >= vocab_size:
         raise SampleShapeError(
-            f"sample g={sample.g}: token ids range {int(sample.ids.min())}..{int(sample.ids.max())} leaves "
-            f"the vocabulary 0..{vocab_size - 1} (capture.vocab_size)"
+            f"sample g={sample.g}: token ids range {low}..{high} leaves the vocabulary 0..{vocab_size - 1} "
+            "(capture.vocab_size)"
         )

@@ -47,6 +47,8 @@ from runtime.capture.engine_embedded import EmbeddedEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_TARGET = REPO_ROOT / ".cache/tiny/target"
+TRACED_BATCHES = 4
+"""Batches of each side profiled by ``--trace``."""
 
 
 @dataclass(frozen=True)
@@ -182,10 +184,12 @@ def run(
     repeats: int,
     log: Callable[[str], None] = print,
     slots: int | None = None,
+    trace_dir: Path | None = None,
 ) -> dict[str, float]:
     """Time both sides over all batches ``repeats`` times (alternating which goes first); returns
     the summary numbers. ``slots``: the engine's commit staging slots (default: one batch; 0 for
-    ``host-sync`` and ``null``)."""
+    ``host-sync`` and ``null``). ``trace_dir`` (GPU): profile one more pass of each side afterwards
+    and write their GPU idle gaps there (:mod:`tools.bench.gpu_gaps`)."""
     device = "cuda:0" if preset.device == "cuda" else "cpu"
     if target is not None:
         from transformers import AutoModel
@@ -233,8 +237,7 @@ def run(
     )
 
     def forward(batch: list[CaptureRequest]) -> None:
-        ids, attention = replica.pad([r.input_ids for r in batch])
-        mask = attention if bool((attention == 0).any()) else None
+        ids, mask = replica.pad([r.input_ids for r in batch])  # the engine's padding, mask only when padded
         with torch.no_grad():
             baseline_model(input_ids=ids, attention_mask=mask, use_cache=False)
 
@@ -273,6 +276,24 @@ def run(
                 f"  repeat {repeat + 1}/{repeats}: forward {tokens / f_total:,.0f} tok/s, capture {tokens / c_total:,.0f} tok/s "
                 f"({time.monotonic() - started:.0f} s)"
             )
+        if trace_dir is not None and device.startswith("cuda"):
+            from tools.bench.gpu_gaps import trace_gpu_gaps
+
+            # A few batches: the profiler's post-processing of a whole pass (the MoE forward's many
+            # small ops) takes minutes.
+            traced = batches[:TRACED_BATCHES]
+
+            def forward_traced() -> None:
+                for batch in traced:
+                    forward(batch)
+
+            def capture_traced() -> None:
+                for batch in traced:
+                    engine.capture(batch)
+                engine.flush()
+
+            trace_gpu_gaps(forward_traced, device, trace_dir, "capture_bench_forward")
+            trace_gpu_gaps(capture_traced, device, trace_dir, f"capture_bench_capture_{sink_name}")
     finally:
         engine.close()
         if store_context is not None:
@@ -350,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, help="override the preset's batch count")
     parser.add_argument("--batch-size", type=int, help="override the preset's samples per batch")
+    parser.add_argument(
+        "--trace", type=Path, metavar="DIR", help="GPU only: profile one more pass of each side; idle gaps go to DIR"
+    )
     args = parser.parse_args(argv)
     preset_name = "quick" if args.quick else args.preset
     preset = PRESETS[preset_name]
@@ -366,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is None and preset_name == "cpu" and not args.random and (TINY_TARGET / "config.json").is_file():
         target = TINY_TARGET
     torch.set_grad_enabled(False)
-    run(preset, target, args.sink, 1 if args.quick else args.repeats, slots=args.slots)
+    run(preset, target, args.sink, 1 if args.quick else args.repeats, slots=args.slots, trace_dir=args.trace)
     return 0
 
 

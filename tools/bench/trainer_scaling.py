@@ -51,6 +51,7 @@ from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
 from runtime.transport.loopback import free_port
+from tools.bench.gpu_gaps import trace_gpu_gaps
 from tools.bench.trainer import (
     GIB,
     Shapes,
@@ -308,12 +309,20 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             flush=True,
         )
 
+    if args.trace is not None and setup.device.type == "cuda":
+        # One more step under the profiler (not timed): where the GPU waits inside a production step.
+        step = total_steps
+
+        def traced_step() -> None:
+            trainer._train_step(step, model, optimizer, source, guard)
+
+        trace_gpu_gaps(traced_step, setup.device, args.trace, f"train_step_rank{setup.rank}")
     peak = torch.cuda.max_memory_allocated(setup.device) / GIB if setup.device.type == "cuda" else None
     reserved = torch.cuda.max_memory_reserved(setup.device) / GIB if setup.device.type == "cuda" else None
     capacity = (
         torch.cuda.get_device_properties(setup.device).total_memory / GIB if setup.device.type == "cuda" else None
     )
-    flops = rank_flops(trainer, source, shapes, range(args.warmup, total_steps), setup, args.accumulation)
+    flops = rank_flops(trainer, source, shapes, range(args.warmup, args.warmup + args.steps), setup, args.accumulation)
     per_rank = gather_objects(
         {
             "step_s": step_s,
@@ -522,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="tokens per sample T (default: the recipe's data.max_length)")
     parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="GPU only: profile one extra step; GPU idle gaps and a chrome trace go to DIR (tools/bench/gpu_gaps.py)",
+    )
     parser.add_argument(
         "--compare",
         type=Path,
