@@ -24,6 +24,7 @@ Modes::
                                                        # without it, a random model of the same shape
     python3 -m tools.bench.capture --preset h200        # GPU: a random ~0.5B-parameter Qwen3-MoE, bf16
     python3 -m tools.bench.capture --quick              # seconds: proves the tool runs
+    python3 -m tools.bench.capture --preset h200 --trace out/   # GPU: also list where the GPU idles
 """
 
 from __future__ import annotations

@@ -13,13 +13,15 @@ Reported, after warm-up steps (flex_attention compiles in the first): step time 
 tokens/s in total and per rank, model TFLOP/s per rank and MFU against a bf16 8192^3 matmul timed
 in the same run on each rank's GPU (the baseline), peak memory per rank. ``--json`` writes it all;
 ``--compare ONE.json N.json`` prints the scaling efficiency
-``N-rank tokens/s / (N x 1-rank tokens/s)`` (target >= 0.9).
+``N-rank tokens/s / (N x 1-rank tokens/s)`` (target >= 0.9). ``--trace DIR`` (GPU) profiles one
+extra step and lists where the GPU sat idle (:mod:`tools.bench.gpu_gaps`).
 
 Examples::
 
     python3 -m torch.distributed.run --nproc-per-node 1 -m tools.bench.trainer_scaling --shapes k3 --json k3-1.json
     python3 -m torch.distributed.run --nproc-per-node 2 -m tools.bench.trainer_scaling --shapes k3 --json k3-2.json
     python3 -m tools.bench.trainer_scaling --compare k3-1.json k3-2.json
+    python3 -m torch.distributed.run --nproc-per-node 1 -m tools.bench.trainer_scaling --shapes k3 --accumulation 4 --trace out/
     python3 -m torch.distributed.run --nproc-per-node 2 -m tools.bench.trainer_scaling --shapes tiny --steps 2   # CPU, gloo
 """
 
