@@ -219,6 +219,14 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
                 rank0.kill()
                 rank0.wait(timeout=30)
             beats_on("after rank 0 was killed")
+
+            def rank0_forgotten() -> bool:
+                with contextlib.suppress(TransportError):
+                    producer.refresh()
+                return producer._rank0_segment == ""
+
+            # its cursor went with its segment: beats stop aiming at the gone segment (no warning per beat)
+            _wait_for("the producer kept aiming at the dead rank 0's segment", rank0_forgotten, timeout_s=60)
             with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
                 beats_on("in the new rank 0's segment", consumer.client.hostname)
                 master.stop()

@@ -475,6 +475,17 @@ class Producer:
             log.warning("cannot read the cursor: %s", exc)
             return None
         if raw is None:
+            if self._rank0_segment:
+                # The cursor lives in rank 0's segment: without it, rank 0 has left (the trainer
+                # finished or is restarting) or the master restarted. Beats stop aiming at a segment
+                # that is gone (each would land elsewhere and warn); a cursor that names rank 0's
+                # segment again brings them back.
+                log.info(
+                    "no cursor in the store (trainer rank 0 has left, or the master restarted): the heartbeat "
+                    "goes to this producer's own segment until a cursor names rank 0's segment again"
+                )
+                self._rank0_segment = ""
+                self._rank0_rest_until = 0.0
             return None
         try:
             cursor = Cursor.decode(raw)
