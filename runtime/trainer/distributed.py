@@ -57,6 +57,10 @@ def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
     )
 
 
+_host_group: Any = None
+"""The gloo group of :func:`all_reduce_host_sum` (made by :func:`init_process_group` when world > 1)."""
+
+
 def init_process_group(settings: RunSettings, idle_timeout_s: float) -> None:
     """Rendezvous through :func:`rendezvous_store` (MASTER_ADDR/MASTER_PORT from the launcher); gloo's
     pair sockets bind this node's bind address too."""
@@ -108,10 +112,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-_host_group: Any = None
-"""The gloo group of :func:`all_reduce_host_sum` (made by :func:`init_process_group` when world > 1)."""
 
 
 def all_reduce_host_sum(value: float) -> float:

@@ -242,14 +242,20 @@ def run(
         with torch.no_grad():
             baseline_model(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    def forward_all() -> None:
-        for batch in batches:
+    def forward_pass(some: list[list[CaptureRequest]]) -> None:
+        for batch in some:
             forward(batch)
 
-    def capture_all() -> None:
-        for batch in batches:
+    def capture_pass(some: list[list[CaptureRequest]]) -> None:
+        for batch in some:
             engine.capture(batch)
         engine.flush()  # the last batch's commits belong to this side's time
+
+    def forward_all() -> None:
+        forward_pass(batches)
+
+    def capture_all() -> None:
+        capture_pass(batches)
 
     try:
         # Warm-up, one whole pass of each side: every batch length is a new shape (kernel choice,
@@ -283,18 +289,8 @@ def run(
             # A few batches: the profiler's post-processing of a whole pass (the MoE forward's many
             # small ops) takes minutes.
             traced = batches[:TRACED_BATCHES]
-
-            def forward_traced() -> None:
-                for batch in traced:
-                    forward(batch)
-
-            def capture_traced() -> None:
-                for batch in traced:
-                    engine.capture(batch)
-                engine.flush()
-
-            trace_gpu_gaps(forward_traced, device, trace_dir, "capture_bench_forward")
-            trace_gpu_gaps(capture_traced, device, trace_dir, f"capture_bench_capture_{sink_name}")
+            trace_gpu_gaps(lambda: forward_pass(traced), device, trace_dir, "capture_bench_forward")
+            trace_gpu_gaps(lambda: capture_pass(traced), device, trace_dir, f"capture_bench_capture_{sink_name}")
     finally:
         engine.close()
         if store_context is not None:
