@@ -62,7 +62,7 @@ def require_capture_venv() -> str:
     when ``tools/bootstrap_sglang`` has not built it."""
     if capture_venv_ready(REPO):
         return str(REPO / CAPTURE_VENV_PYTHON)
-    message = "the capture venv is not built: run tools/bootstrap_sglang (about 5 GB, see README)"
+    message = "the capture venv is not built: run tools/bootstrap_sglang (a 7.5 GB venv, 9 GB free needed; see README)"
     if os.environ.get("DSPARK_REQUIRE_SGLANG_SERVER") == "1":
         pytest.fail(message)
     pytest.skip(message)
