@@ -387,7 +387,7 @@ def _feature_cache(
         (
             "cache read s/sample",
             f"{read_s:.3f} s  ({format_bytes(sample.total_bytes)} at {recipe.plan.cache_read_gbps:g} GB/s, "
-            "plan.cache_read_gbps: an assumption, not measured)",
+            "plan.cache_read_gbps: assumed until measured on the trainer node with tools/bench/feature_cache.py)",
         )
     )
     rows.append(
