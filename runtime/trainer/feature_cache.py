@@ -26,11 +26,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.units import format_bytes
 from runtime.shared.contracts import TENSOR_FIELDS, CapturedSample
+from runtime.trainer.entry_reader import EntryReader
 from runtime.trainer.file_source import write_sample_to
 from runtime.transport.errors import CorruptSampleError, TransportError
 from runtime.transport.sample_format import field_layouts, verify_field
@@ -97,6 +97,7 @@ class FeatureCache:
         self.corrupt = 0
         self.bytes_written = 0
         self.bytes_read = 0
+        self._reader = EntryReader()
 
     def entry_path(self, row_index: int) -> Path:
         """The file of data row ``row_index``."""
@@ -140,25 +141,23 @@ class FeatureCache:
     ) -> CapturedSample | None:
         """The row's sample as sample ``g`` of ``epoch``, on ``device`` (CPU when None), verified;
         None (and the entry removed) when it is missing, unreadable, from another digest, or fails a
-        checksum. ``sum16`` fields are verified where they land (on the GPU for a CUDA trainer)."""
+        checksum. The file is read straight onto ``device`` (:mod:`runtime.trainer.entry_reader`:
+        disk reads overlap pinned copies on CUDA), and ``sum16`` fields are verified there."""
         path = self.entry_path(row_index)
         if not path.exists():
             self.misses += 1
             return None
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("digest") != self.digest or metadata.get("row_index") != str(row_index):
-                    raise CorruptSampleError(
-                        f"the entry belongs to row {metadata.get('row_index')} of digest "
-                        f"{str(metadata.get('digest'))[:12]}, not row {row_index} of {self.digest[:12]}"
-                    )
-                host = {name: handle.get_tensor(name) for name in TENSOR_FIELDS}
+            metadata, tensors = self._reader.read(path, TENSOR_FIELDS, device)
+            if metadata.get("digest") != self.digest or metadata.get("row_index") != str(row_index):
+                raise CorruptSampleError(
+                    f"the entry belongs to row {metadata.get('row_index')} of digest "
+                    f"{str(metadata.get('digest'))[:12]}, not row {row_index} of {self.digest[:12]}"
+                )
             meta = json.loads(metadata["meta"])
-            tensors = host if device is None else {name: t.to(device) for name, t in host.items()}
             for layout in field_layouts(meta):
-                verify_field(g, layout, tensors[layout.name] if layout.sum16 is not None else host[layout.name])
-        except (OSError, SafetensorError, KeyError, ValueError, TransportError) as exc:
+                verify_field(g, layout, tensors[layout.name])
+        except (OSError, KeyError, ValueError, TransportError) as exc:
             self.corrupt += 1
             log.warning(
                 "feature cache entry %s is unusable (%s); removed, the producer captures row %d again",
