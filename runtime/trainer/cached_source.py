@@ -51,7 +51,9 @@ class CachedSource:
             if sample is not None:
                 return sample
             self.inner.ask_for([g])
-        sample = self.inner.fetch(g)
+        # Straight onto the device, verified there as without the cache (a host-side fetch would
+        # verify the sum16 fields on the CPU: 0.15 GB/s on the development machine, ~40 s per K3 sample).
+        sample = self.inner.fetch(g, device)
         row = sample.meta.get("row_index")
         if row is not None and int(row) != slot.row_index:
             raise RuntimeError(
@@ -59,9 +61,6 @@ class CachedSource:
                 "capture and trainer disagree on the data file or trainer.prompt_seed"
             )
         self.cache.store(slot.row_index, sample)
-        if device is not None:
-            for name, tensor in sample.tensors().items():
-                setattr(sample, name, tensor.to(device))
         return sample
 
     def commit_step(self, step: int) -> None:

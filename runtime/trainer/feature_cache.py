@@ -173,13 +173,14 @@ class FeatureCache:
         return CapturedSample(g=g, meta=meta, **tensors)
 
     def store(self, row_index: int, sample: CapturedSample) -> None:
-        """Keep a verified sample read from the store (CPU tensors) as the row's entry; no-op when
-        it is there already or the disk filled up earlier."""
+        """Keep a verified sample read from the store (on any device: a host copy is written) as
+        the row's entry; no-op when it is there already or the disk filled up earlier."""
         path = self.entry_path(row_index)
         if not self.writable or path.exists():
             return
+        host = CapturedSample(g=sample.g, meta=sample.meta, **{k: t.cpu() for k, t in sample.tensors().items()})
         try:
-            write_sample_to(path, sample, {"digest": self.digest, "row_index": str(row_index)})
+            write_sample_to(path, host, {"digest": self.digest, "row_index": str(row_index)})
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
