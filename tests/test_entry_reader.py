@@ -1,5 +1,6 @@
 """The feature cache's entry reader (runtime/trainer/entry_reader.py): it reads what safetensors
-wrote, byte for byte, across chunk boundaries and dtypes, and names the file for every kind of damage.
+wrote, byte for byte, across chunk boundaries, dtypes and parallel readers, and names the file for
+every kind of damage.
 The GPU test (pinned chunks, copies queued on a side stream) runs on the H200 device machine."""
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def write_entry(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 2**20])
-def test_reads_what_safetensors_wrote_across_chunk_boundaries(tmp_path: Path, chunk_bytes: int) -> None:
+@pytest.mark.parametrize(("chunk_bytes", "threads"), [(1, 8), (7, 3), (64, 1), (2**20, 8)])
+def test_reads_what_safetensors_wrote_across_chunk_boundaries(tmp_path: Path, chunk_bytes: int, threads: int) -> None:
     path = tmp_path / "entry.safetensors"
     written = write_entry(path)
-    reader = EntryReader(chunk_bytes=chunk_bytes)
+    reader = EntryReader(chunk_bytes=chunk_bytes, threads=threads)
     for _ in range(2):  # the chunk buffers are reused by the second read
         metadata, got = reader.read(path, NAMES)
         assert metadata == {"meta": '{"g": 1}', "row_index": "4"}

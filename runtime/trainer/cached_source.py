@@ -102,6 +102,7 @@ class CachedSource:
             format_bytes(c.bytes_written),
             c.folder,
         )
+        c.close()
         self.inner.close()
 
 

@@ -196,6 +196,10 @@ class FeatureCache:
             return
         self.bytes_written += path.stat().st_size
 
+    def close(self) -> None:
+        """Stop the entry reader's threads (the files stay: they serve later runs)."""
+        self._reader.close()
+
     def stats(self) -> dict[str, int]:
         """Counters for the trainer's metrics."""
         return {
