@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> dict:
                 flush=True,
             )
     finally:
+        cache.close()
         if not args.keep:
             shutil.rmtree(cache.folder, ignore_errors=True)
             if not args.dir:
