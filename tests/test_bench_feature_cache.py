@@ -62,8 +62,9 @@ def test_kept_entries_verify_through_the_cache(tmp_path: Path, capsys) -> None:
 
 
 def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    target = tmp_path / "not" / "yet"
     with pytest.raises(SystemExit) as refused:
-        bench.main(["--dir", str(tmp_path), "--tokens", str(10**9), "--rows", "2", "--device", "cpu"])
+        bench.main(["--dir", str(target), "--tokens", str(10**9), "--rows", "2", "--device", "cpu"])
     message = str(refused.value)
-    assert f"--dir {tmp_path}" in message and "free" in message and "fix:" in message
-    assert list(tmp_path.iterdir()) == []
+    assert f"--dir {target}" in message and "free" in message and "fix:" in message
+    assert list(tmp_path.iterdir()) == []  # not even the folder

@@ -202,16 +202,19 @@ def run(args: argparse.Namespace) -> dict:
     size = largest_sample(recipe)
     num_aux, hidden = size.num_aux_layers, size.hidden_size
     sample_bytes = SampleSize(tokens, num_aux, hidden).total_bytes
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="dspark-feature-cache-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
+    root = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / f"dspark-feature-cache-bench-{os.getpid()}"
     need = args.rows * sample_bytes
-    free = shutil.disk_usage(root).free
+    existing = root
+    while not existing.exists():  # nothing is created before the space check passes
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     if need > free:
         raise SystemExit(
             f"--dir {root}: the bench writes {args.rows} entries of {format_bytes(sample_bytes)} "
             f"({format_bytes(need)}) and the disk has {format_bytes(free)} free; fix: fewer --rows, "
             "fewer --tokens, or another --dir"
         )
+    root.mkdir(parents=True, exist_ok=True)
     cache = FeatureCache(root, BENCH_DIGEST).open(args.rows, sample_bytes)
     paths = [cache.entry_path(row) for row in range(args.rows)]
     print(
