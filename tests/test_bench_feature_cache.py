@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runtime.trainer.feature_cache import FeatureCache
-from tests.test_feature_cache import make_sample
+from tests.support.cache_entries import make_sample
 from tools.bench import feature_cache as bench
 
 

@@ -16,28 +16,12 @@ import pytest
 import torch
 
 from runtime.recipe import load_recipe
-from runtime.shared.contracts import CapturedSample
 from runtime.shared.prompt_order import PromptOrder
 from runtime.trainer.feature_cache import FeatureCache, FeatureCacheError, features_digest
-from runtime.transport.sample_format import build_meta, describe_field
 from runtime.transport.window import WindowLimits, WindowState
+from tests.support.cache_entries import make_sample
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def make_sample(g: int, row: int, tokens: int = 6, width: int = 8) -> CapturedSample:
-    gen = torch.Generator().manual_seed(row)
-    fields = {
-        "ids": torch.arange(tokens, dtype=torch.int64) + row,
-        "mask": torch.ones(tokens, dtype=torch.uint8),
-        "hs": torch.randn(tokens, 2 * width, generator=gen).to(torch.bfloat16),
-        "lhs": torch.randn(tokens, width, generator=gen).to(torch.bfloat16),
-    }
-    from runtime.transport.sample_format import crc32_chunks
-
-    layouts = [describe_field(name, t, crc32=crc32_chunks(t)) for name, t in fields.items()]
-    meta = build_meta(g, layouts, {"g": g, "epoch": 0, "row_index": row})
-    return CapturedSample(g=g, meta=meta, **fields)
 
 
 def test_an_entry_round_trips_and_a_damaged_one_is_removed_not_served(tmp_path: Path) -> None:

@@ -63,6 +63,8 @@ FILL_BLOCK_BYTES = 16 * 2**20
 
 @dataclass
 class Setup:
+    """What was written and where."""
+
     recipe: str
     tokens: int
     rows: int
@@ -75,6 +77,8 @@ class Setup:
 
 @dataclass
 class Rep:
+    """One repeat: both timed reads and the share of pages resident before each."""
+
     raw_s: float
     cache_s: float
     raw_resident_share: float
@@ -89,11 +93,8 @@ def sample_of(row: int, tokens: int, num_aux: int, hidden: int, device: torch.de
     block = torch.randint(-(2**15), 2**15, (FILL_BLOCK_BYTES // 2,), generator=gen, dtype=torch.int16)
 
     def feature(width: int) -> torch.Tensor:
-        flat = torch.empty(tokens * width, dtype=torch.int16)
-        for start in range(0, flat.numel(), block.numel()):
-            stop = min(start + block.numel(), flat.numel())
-            flat[start:stop] = block[: stop - start]
-        return flat.view(torch.bfloat16).view(tokens, width)
+        words = tokens * width
+        return block.repeat(-(-words // block.numel()))[:words].view(torch.bfloat16).view(tokens, width)
 
     fields = {
         "ids": torch.randint(0, 2**17, (tokens,), generator=gen, dtype=torch.int64),
@@ -101,9 +102,7 @@ def sample_of(row: int, tokens: int, num_aux: int, hidden: int, device: torch.de
         "hs": feature(num_aux * hidden),
         "lhs": feature(hidden),
     }
-    layouts = []
-    for name, tensor in fields.items():
-        layouts.append(describe_field(name, tensor, sum16=sum16_values(tensor.to(device))))
+    layouts = [describe_field(name, t, sum16=sum16_values(t.to(device))) for name, t in fields.items()]
     meta = build_meta(row, layouts, {"g": row, "epoch": 0, "row_index": row})
     return CapturedSample(g=row, meta=meta, **fields)
 
@@ -183,7 +182,7 @@ def timed_cache_read(cache: FeatureCache, rows: int, device: torch.device) -> fl
     """Seconds for ``FeatureCache.load`` of every row onto ``device`` (each load verified)."""
     start = time.perf_counter()
     for row in range(rows):
-        sample = cache.load(row, g=row, epoch=1, device=None if device.type == "cpu" else device)
+        sample = cache.load(row, g=row, epoch=1, device=device)
         if sample is None:
             raise RuntimeError(f"feature cache entry of row {row} did not verify: {cache.entry_path(row)}")
     if device.type == "cuda":
