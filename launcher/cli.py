@@ -27,8 +27,9 @@ from launcher.plan import make_plan
 from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
+from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
-from runtime.recipe.loader import atomic_write_text, find_recipe_file
+from runtime.recipe.loader import find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"

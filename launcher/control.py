@@ -81,6 +81,7 @@ class JobReport:
             lines.append(
                 f"  {c.name:<10} {c.het_group:>5} {c.state:<12} {c.exit_code or '-':<6} "
                 f"{ok}/{c.tasks:<7} {c.elapsed or '-':<10} {c.nodes or '-'}"
+                + (f"  (waiting: {c.reason})" if c.reason else "")
             )
         if self.note:
             lines.append(f"  note: {self.note}")

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe
-from runtime.recipe.loader import atomic_write_text, resolve_recipe_path
+from runtime.recipe.loader import resolve_recipe_path
 from runtime.shared.contracts import (
     CAPTURE_GATE_FILE,
     TRAINER_GATE_FILE,

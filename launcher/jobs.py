@@ -22,8 +22,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe
-from runtime.recipe.loader import atomic_write_text
 
 JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.files import atomic_write_text
 from runtime.recipe import load_resolved
 from runtime.shared import contracts
 
@@ -60,9 +61,7 @@ def _record(job_dir: Path, component: str, rank: int, extra: dict[str, Any]) -> 
         **extra,
     }
     target = out_dir / f"{component}_{rank}.json"
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, target)
+    atomic_write_text(target, json.dumps(payload, indent=2, sort_keys=True) + "\n")
     return target
 
 

@@ -20,13 +20,41 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Parallel runs (pytest-xdist, ``-n N``): worker gwK hands out loopback ports from its own range, below
+# the kernel's ephemeral ports, so two workers never pick the same port for their masters and groups.
+# A run without xdist takes the kernel's ephemeral ports (32768-60999), outside every worker's range,
+# so a serial run beside a parallel one (the Slurm tests in .ci/run) does not clash either.
+WORKER_PORT_BASE = 20000
+WORKER_PORT_SPAN = 1500
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give this xdist worker its own loopback port range (free_port reads DSPARK_PORT_RANGE)."""
+    from runtime.transport.loopback import ENV_PORT_RANGE
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        index = int(worker[2:])
+        low = WORKER_PORT_BASE + index * WORKER_PORT_SPAN
+        if low + WORKER_PORT_SPAN > 32768:
+            raise pytest.UsageError(f"worker {worker}: too many xdist workers for the port ranges (at most 8)")
+        os.environ[ENV_PORT_RANGE] = f"{low}-{low + WORKER_PORT_SPAN - 1}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu``-marked tests without CUDA, with a reason that shows in the summary."""
+    """Skip ``gpu``-marked tests without CUDA, with a reason that shows in the summary. Every ``slurm``
+    test is also ``slow``. The Slurm tests share the one local cluster (one hetjob at a time, and the
+    session fixture brings it up and down), so they run in one process, never spread over xdist workers:
+    ``.ci/run`` runs ``-m slurm`` serially beside the parallel run of the other slow tests."""
     if any(item.get_closest_marker("gpu") for item in items) and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 device machine)")
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            # Every Slurm test waits on the scheduler for seconds to minutes: none is in the developer loop.
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -112,6 +140,16 @@ def tiny_assets() -> Path:
         if done.returncode != 0:
             pytest.fail(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
     return REPO_ROOT / ".cache" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_run(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job folder of the uninterrupted 32-step ``launcher tiny --local`` run that the end-to-end tests
+    compare against, made once per pytest run and shared by its xdist workers (tests/support/tiny_runs.py).
+    Tests read it and never write into it."""
+    from tests.support.tiny_runs import reference_run
+
+    return reference_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ with ``ast``; every import counts, at module level or inside a function (a lazy 
 the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The rules:
 
 - launcher/ never reaches torch, directly or through the repo modules it imports;
-- the light shared layer (runtime/shared, runtime/recipe) never reaches torch and imports nothing
-  else of runtime/;
+- the light shared layer (runtime/shared, runtime/recipe, and the ground floor runtime/files.py)
+  never reaches torch and imports nothing else of runtime/;
+- the ground floor (runtime/files.py: atomic writes, used by every room) imports nothing of the
+  repository;
 - runtime/ imports neither launcher/, tools/ nor tests/; launcher/ does not import tools/ or tests/;
 - runtime/transport imports neither capture nor trainer; runtime/moe and runtime/trainer do not
   import capture;
@@ -26,7 +28,9 @@ from tests.conftest import REPO_ROOT
 ROOTS = ("launcher", "runtime", "tools", "tests")
 HEAVY = ("torch",)
 """Third-party packages the launcher and the light layer must never reach."""
-LIGHT_LAYER = ("runtime.shared", "runtime.recipe")
+GROUND_FLOOR = ("runtime.files",)
+"""Modules every room may import; they import nothing of the repository."""
+LIGHT_LAYER = ("runtime.shared", "runtime.recipe", *GROUND_FLOOR)
 
 FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("runtime", ("launcher", "tools", "tests"), "runtime/ runs in the allocation and imports only runtime/"),
@@ -224,6 +228,27 @@ def test_the_light_layer_reaches_neither_torch_nor_the_rest_of_runtime() -> None
         if not any(_within(target, p) for p in LIGHT_LAYER) and _within(target, "runtime") and target != "runtime"
     ]
     assert not inward, "the light layer imports only itself:\n" + "\n".join(inward)
+
+
+def test_the_ground_floor_imports_nothing_of_the_repository() -> None:
+    modules = build_graph()
+    assert all(name in modules for name in GROUND_FLOOR)
+    upward = [f"{name} imports {target}" for name in GROUND_FLOOR for target in modules[name].repo_imports]
+    assert not upward, "the ground floor stands on nothing of the repository:\n" + "\n".join(upward)
+
+
+def test_temporary_file_and_rename_are_written_in_one_place() -> None:
+    """Files are written atomically through runtime/files.py; a hand-written temp-file-and-rename of a
+    file elsewhere is a second way to do it (folders and symlinks are renamed where they are made)."""
+    allowed = {"runtime/files.py", "runtime/trainer/export.py", "runtime/trainer/checkpoints.py", "launcher/jobs.py"}
+    allowed |= {"tools/slurm_local_impl/cluster.py", "tools/slurm_local_impl/hosts_file.py", "tools/tiny_target.py"}
+    found = []
+    for root in ("launcher", "runtime", "tools"):
+        for path in sorted((REPO_ROOT / root).rglob("*.py")):
+            relative = str(path.relative_to(REPO_ROOT))
+            if relative not in allowed and "os.replace(" in path.read_text():
+                found.append(relative)
+    assert not found, "write through runtime.files (atomic_write_text / atomic_path) instead:\n" + "\n".join(found)
 
 
 def test_no_forbidden_arrows() -> None:

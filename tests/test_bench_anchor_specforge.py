@@ -48,6 +48,7 @@ def test_ours_runs_without_anchors_and_says_specforge_was_skipped(tmp_path: Path
     assert report["summary"]["ours"]["speed_vs_specforge"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ANCHORS.is_dir(), reason=f"SpecForge anchors not beside the repository ({ANCHORS})")
 def test_ours_and_specforge_side_by_side_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "result.json"

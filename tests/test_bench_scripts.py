@@ -48,6 +48,8 @@ def torchrun(ranks: int, *bench_args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The tests that read the two torchrun runs of ``scaling_runs`` (~15 s) are all slow, so the module
+# fixture runs in the slow tier only (whose xdist run keeps a file on one worker: --dist loadfile).
 @pytest.fixture(scope="module")
 def scaling_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("scaling")
@@ -63,6 +65,7 @@ def scaling_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Pa
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_trainer_scaling_result_is_consistent(scaling_runs, ranks: int) -> None:
     _, r = scaling_runs[ranks]
@@ -86,6 +89,7 @@ def test_trainer_scaling_result_is_consistent(scaling_runs, ranks: int) -> None:
     assert r["parameters"] > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_do_twice_the_model_work_of_one(scaling_runs) -> None:
     one, two = scaling_runs[1][1], scaling_runs[2][1]
     assert one["parameters"] == two["parameters"]  # sharding does not change the model
@@ -93,6 +97,7 @@ def test_two_ranks_do_twice_the_model_work_of_one(scaling_runs) -> None:
     assert two["model_tflop_per_step"] / one["model_tflop_per_step"] == pytest.approx(2.0, rel=0.1)
 
 
+@pytest.mark.slow
 def test_compare_prints_the_efficiency_of_the_two_files(scaling_runs) -> None:
     (one_path, one), (two_path, two) = scaling_runs[1], scaling_runs[2]
     done = run_cmd([sys.executable, "-m", "tools.bench.trainer_scaling", "--compare", str(one_path), str(two_path)])
@@ -101,6 +106,7 @@ def test_compare_prints_the_efficiency_of_the_two_files(scaling_runs) -> None:
     assert printed == pytest.approx(two["tokens_per_s"] / (2 * one["tokens_per_s"]), abs=1e-3)
 
 
+@pytest.mark.slow
 def test_compare_refuses_files_that_do_not_compare(scaling_runs, tmp_path: Path) -> None:
     (one_path, one), (two_path, _) = scaling_runs[1], scaling_runs[2]
     swapped = run_cmd([sys.executable, "-m", "tools.bench.trainer_scaling", "--compare", str(two_path), str(one_path)])
@@ -152,6 +158,7 @@ def test_k3_shapes_are_refused_without_a_gpu() -> None:  # run_cmd hides any GPU
     assert done.returncode != 0 and "--shapes k3 needs a CUDA GPU" in done.stderr
 
 
+@pytest.mark.slow
 def test_capture_ep_quick_runs_ep2_on_cpu_replicas(tmp_path: Path) -> None:
     path = tmp_path / "ep.json"
     done = run_cmd(

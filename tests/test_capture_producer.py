@@ -109,6 +109,7 @@ def _wait_until(condition, timeout_s: float, what: str, proc: subprocess.Popen |
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
     tmp_path: Path, target: Path, data_file: Path
 ) -> None:
@@ -224,6 +225,7 @@ def test_stop_mid_batch_leaves_no_half_written_sample(tmp_path: Path, target: Pa
             producer.close()
 
 
+@pytest.mark.slow
 def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, target: Path, data_file: Path) -> None:
     # max_steps 2 x G 8: the run has 16 samples, fewer than the window (32) could hold.
     resolved = _resolve(tmp_path, target, data_file, ["trainer.max_steps=2"])

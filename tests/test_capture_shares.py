@@ -10,7 +10,6 @@ both capture processes committing samples.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from runtime.recipe import load_recipe
 from runtime.recipe.checks import capture_shares, check_recipe
 from runtime.transport.window import WindowLimits, WindowState
+from tests.support.tiny_runs import committed_per_capture_task, final_weights, metrics, run_tiny, weights_at
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,36 +53,23 @@ def test_capture_shares_follow_the_engine_and_bad_node_counts_are_refused() -> N
         load_recipe(k3, ["job.capture.nodes=4", "capture.sglang.tp_size=16"])
 
 
-def committed_per_capture_task(job_dir: Path) -> dict[int, int]:
-    counts = {}
-    for path in (job_dir / "logs").glob("*_capture_*.out"):
-        rank = int(re.search(r"_capture_(\d+)\.out$", path.name).group(1))  # type: ignore[union-attr]
-        found = re.findall(r"capture (?:finished|stopped) after (\d+) samples", path.read_text(errors="replace"))
-        counts[rank] = int(found[-1]) if found else 0
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def test_two_capture_nodes_train_exactly_like_one(
-    mode: str, tmp_path: Path, tiny_assets: Path, request: pytest.FixtureRequest
+    mode: str, tmp_path: Path, tiny_reference_run: Path, request: pytest.FixtureRequest
 ) -> None:
-    """On Slurm: a hetjob whose capture group spans two of the local cluster's three nodes."""
-    from tests.test_e2e_tiny import final_weights, metrics, run_tiny
-
+    """Against the first 8 steps of the one-capture-node reference run. On Slurm: a hetjob whose capture
+    group spans two of the local cluster's three nodes."""
     if mode == "slurm":
         request.getfixturevalue("slurm_cluster")
-    runs = tmp_path / "runs"
-    steps = "trainer.max_steps=8"
-    one = run_tiny("local", runs, steps)
-    two = run_tiny(mode, runs, steps, "job.capture.nodes=2")
-    got, expected = metrics(two), metrics(one)
+    two = run_tiny(mode, tmp_path / "runs", "trainer.max_steps=8", "job.capture.nodes=2")
+    got, expected = metrics(two), metrics(tiny_reference_run)[:8]
     assert [r["step"] for r in got] == list(range(1, 9))
     assert [r["loss"] for r in got] == [r["loss"] for r in expected]
     assert [r["row_indices"] for r in got] == [r["row_indices"] for r in expected]
-    assert final_weights(two / "checkpoints") == final_weights(one / "checkpoints")
+    assert final_weights(two / "checkpoints") == weights_at(tiny_reference_run / "checkpoints", 8)
     counts = committed_per_capture_task(two)
     assert sorted(counts) == [0, 1] and all(n >= 28 for n in counts.values()), counts  # 64 samples, about half each
     log = (two / "logs").glob("*_capture_1.out")

@@ -20,6 +20,7 @@ from runtime.shared.prompt_order import PromptOrder
 from runtime.trainer.feature_cache import FeatureCache, FeatureCacheError, features_digest
 from runtime.transport.window import WindowLimits, WindowState
 from tests.support.cache_entries import make_sample
+from tests.support.tiny_runs import committed_per_capture_task, final_weights, metrics, run_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,8 +85,6 @@ def test_the_window_captures_a_later_epoch_only_when_asked() -> None:
 
 def committed_captures(job_dir: Path) -> int:
     """Samples the capture component committed in a job (summed over its capture tasks)."""
-    from tests.test_capture_shares import committed_per_capture_task
-
     counts = committed_per_capture_task(job_dir)
     assert counts, f"no capture log in {job_dir / 'logs'}"
     return sum(counts.values())
@@ -98,15 +97,15 @@ def trainer_log(job_dir: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.distributed
-def test_cached_runs_train_exactly_like_uncached_and_resume_in_epoch_2(tmp_path: Path, tiny_assets: Path) -> None:
-    from tests.test_e2e_tiny import final_weights, metrics, run_tiny
-
+def test_cached_runs_train_exactly_like_uncached_and_resume_in_epoch_2(
+    tmp_path: Path, tiny_reference_run: Path
+) -> None:
     runs = tmp_path / "runs"
     cache_dir = tmp_path / "feature_cache"
     checkpoints = tmp_path / "checkpoints"
     cached = ["trainer.feature_cache.enabled=true", f"trainer.feature_cache.dir={cache_dir}"]
 
-    plain = run_tiny("local", runs)  # 32 steps: 2 epochs of 128 rows, global batch 8
+    plain = tiny_reference_run  # uncached, 32 steps: 2 epochs of 128 rows, global batch 8
     expected = metrics(plain)
     assert committed_captures(plain) >= 256, "without the cache every epoch is captured"
 

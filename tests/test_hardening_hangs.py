@@ -47,6 +47,7 @@ def test_deadline_caller_gives_up_and_does_not_pile_up_threads() -> None:
         caller.call(lambda: {}["missing"], 1.0, "raises")
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 def test_stopped_master_fails_the_wait_within_idle_timeout(tmp_path: Path) -> None:
     ports = (free_port(), free_port(), free_port())
@@ -85,6 +86,7 @@ def test_stopped_master_fails_the_wait_within_idle_timeout(tmp_path: Path) -> No
     assert "has not answered" in message and "mooncake_master stopped, overloaded or unreachable" in message
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_stopped_trainer_rank_is_named_and_the_others_stop_within_idle_timeout(tmp_path: Path) -> None:
     """Before: the other ranks sat in the gradient all-reduce for idle_timeout + 600 s without a line."""

@@ -84,6 +84,7 @@ def plane(tmp_path: Path) -> Iterator[tuple[ResolvedRecipe, Endpoints]]:
         yield resolved, Endpoints.loopback(resolved.recipe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
 def test_a_stopped_or_killed_producer_process_is_named_with_its_heartbeat_age(
     plane: tuple[ResolvedRecipe, Endpoints], sig: signal.Signals, caplog: pytest.LogCaptureFixture
@@ -128,6 +129,7 @@ def test_a_stopped_or_killed_producer_process_is_named_with_its_heartbeat_age(
     assert waits and "has not beaten for" in waits[-1], waits
 
 
+@pytest.mark.slow
 def test_a_live_producer_is_named_with_what_it_does(plane: tuple[ResolvedRecipe, Endpoints]) -> None:
     resolved, endpoints = plane
     with (
@@ -143,6 +145,7 @@ def test_a_live_producer_is_named_with_what_it_does(plane: tuple[ResolvedRecipe,
     assert "but has not committed g=100: g=100 is beyond its window [0, 8)" in message, message
 
 
+@pytest.mark.slow
 def test_a_closed_producer_and_a_lost_heartbeat_are_named(plane: tuple[ResolvedRecipe, Endpoints]) -> None:
     resolved, endpoints = plane
     with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
@@ -166,6 +169,7 @@ def test_a_closed_producer_and_a_lost_heartbeat_are_named(plane: tuple[ResolvedR
     assert "mooncake_master most likely restarted" in vanished
 
 
+@pytest.mark.slow
 def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: Path) -> None:
     """Rank 0 killed (its segment dead, then gone), a new rank 0 (a new segment), the master restarted
     (the store empty): the producer's heartbeat thread survives all three and follows rank 0."""
@@ -235,6 +239,7 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
                 beats_on("after the master restarted", consumer.client.hostname)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_trainer_process_logs_what_it_waits_for(tmp_path: Path, port_factory) -> None:
     target, _ = make_inputs(tmp_path / "inputs", count=0)

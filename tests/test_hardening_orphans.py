@@ -17,7 +17,7 @@ import pytest
 from launcher.control import _pid_alive
 from tests.support.launcher_cli import launch, probe_overrides
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,6 +30,7 @@ def test_resume_at_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path: Pat
     assert writer.resume_at(5) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ranks_killed_between_checkpoints_restart_without_duplicate_steps(tmp_path: Path, port_factory) -> None:
     target, samples = make_inputs(tmp_path / "inputs", count=STEPS * 4)

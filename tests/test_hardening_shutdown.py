@@ -21,6 +21,7 @@ def only_job_dir(runs_dir: Path) -> Path:
     return job_dir
 
 
+@pytest.mark.slow
 def test_failed_capture_stops_all_trainer_ranks_in_parallel(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     data = tmp_path / "train.jsonl"  # the probe reads no data; the preflight checks its digest

@@ -6,7 +6,12 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.support.launcher_cli import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
+
+# Each test runs both components through the launcher (about 9 s on 2 cores).
+pytestmark = pytest.mark.slow
 
 
 def only_job_dir(runs_dir: Path) -> Path:

@@ -82,6 +82,7 @@ def test_ep1_adapter_reproduces_the_hf_model(tiny_model_state: Path) -> None:
     torch.testing.assert_close(_hidden_states(model, _input_ids(0)), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ep2_hidden_states_equal_the_unsharded_model(tiny_model_state: Path, tmp_path: Path) -> None:
     mp.spawn(_worker, args=(2, free_port(), str(tiny_model_state), str(tmp_path)), nprocs=2, join=True)

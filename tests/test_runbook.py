@@ -1,5 +1,9 @@
 """RUNBOOK.md's tested commands work as written: every ```bash block marked ``<!-- tested -->`` runs,
-in order, as one script from the repository root, on the real local Slurm cluster."""
+in order, as one script from the repository root, on the real local Slurm cluster.
+
+The runbook's stop-and-resume on Slurm (16 steps, then ``--resume latest``, then an uninterrupted run)
+is also this suite's check that a Slurm run resumes exactly: the runs it leaves consumed the prompt
+order, and the resumed run's losses and final weights equal the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import copy_repository
+from tests.support.tiny_runs import final_weights, metrics, prompt_rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.mooncake, pytest.mark.distributed]
 
@@ -64,3 +69,21 @@ def test_runbook_runbook_blocks_run_as_written(slurm_cluster, tiny_assets, tmp_p
     assert "resuming from" in output
     # The resumed run reproduces the uninterrupted one: its final checkpoint has the same weights.
     assert re.search(r"B: step_00000032 step 32 [0-9a-f]{64}  \(same as the other run\)", output), output[-3000:]
+    assert_stop_and_resume_on_slurm_was_exact(copy / "runs" / "tiny")
+
+
+def assert_stop_and_resume_on_slurm_was_exact(runs: Path) -> None:
+    """The runbook's three training runs on Slurm: stopped at 16, resumed to 32, uninterrupted 32."""
+    by_steps = {}
+    for job_dir in sorted(runs.iterdir()):
+        if (job_dir / "metrics.jsonl").exists() and not (job_dir / "gate.json").exists():
+            records = metrics(job_dir)
+            by_steps[(records[0]["step"], records[-1]["step"])] = (job_dir, records)
+    assert set(by_steps) == {(1, 16), (17, 32), (1, 32)}, sorted(by_steps)
+    stopped, resumed, full = by_steps[(1, 16)][1], by_steps[(17, 32)][1], by_steps[(1, 32)][1]
+    rows = [row for r in full for row in r["row_indices"]]
+    assert rows == prompt_rows(0, 256), "the optimizer saw exactly the prompt order"
+    assert [row for r in stopped + resumed for row in r["row_indices"]] == rows
+    assert [r["loss"] for r in stopped + resumed] == [r["loss"] for r in full], "the same losses, step by step"
+    resumed_dir, full_dir = by_steps[(17, 32)][0], by_steps[(1, 32)][0]
+    assert final_weights(resumed_dir / "checkpoints") == final_weights(full_dir / "checkpoints")

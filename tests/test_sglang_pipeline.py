@@ -23,7 +23,7 @@ from launcher.jobs import find_record
 from runtime.capture.sglang_cpu import cpu_server_overrides, tiny_asset_overrides
 from tests.conftest import free_port
 from tests.support.launcher_cli import probe_overrides
-from tests.test_e2e_tiny import final_weights, metrics, prompt_rows
+from tests.support.tiny_runs import final_weights, metrics, prompt_rows
 from tests.test_sglang_server import require_capture_venv
 
 # Each run starts the CPU server (2-4 minutes on a busy 2-core machine) before the trainer can step.

@@ -50,6 +50,7 @@ def failed_check(gate: dict) -> dict:
     return failure
 
 
+@pytest.mark.slow
 def test_gate_passes_on_the_tiny_pipeline(tmp_path: Path, tiny_assets: Path) -> None:
     code, gate, output = run_gate(tmp_path / "runs")
     assert code == 0, output
@@ -85,6 +86,7 @@ def test_unpatched_sglang_fails_the_patch_check(tmp_path: Path, tiny_assets: Pat
     assert "is not patched" in failure["detail"] and "tools/check_patch --apply" in failure["fix"]
 
 
+@pytest.mark.slow
 def test_master_down_fails_the_master_check(tmp_path: Path, tiny_assets: Path) -> None:
     code, gate, output = run_gate(tmp_path / "runs", "capture.owns_master=false", "transport.connect_timeout_s=5")
     failure = failed_check(gate)
@@ -92,6 +94,7 @@ def test_master_down_fails_the_master_check(tmp_path: Path, tiny_assets: Path) -
     assert "does not accept connections" in failure["detail"] and "owns_master" in failure["fix"]
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_fails_the_update_check_naming_the_rank(tmp_path: Path, tiny_assets: Path) -> None:
     code, gate, output = run_gate(tmp_path / "runs", "capture.inject_nan_at_g=1")
     failure = failed_check(gate)

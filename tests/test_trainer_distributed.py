@@ -22,6 +22,7 @@ def assert_launched(result, run: Run) -> None:
     assert result.ok, result.text()
 
 
+@pytest.mark.slow
 def test_four_rank_fsdp2_equals_one_rank(tmp_path: Path, inputs, port_factory) -> None:
     target, samples = inputs
     common = ["trainer.gradient_accumulation_steps=2", "trainer.global_batch_size=8", "trainer.max_steps=2"]
@@ -56,6 +57,7 @@ def test_four_rank_fsdp2_equals_one_rank(tmp_path: Path, inputs, port_factory) -
     )
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_then_warm_start_and_mismatches(tmp_path: Path, inputs, port_factory) -> None:
     target, samples = inputs
     schedule = [

@@ -61,6 +61,7 @@ def sample_and_layout(num_anchors: int):
     return sample, layout
 
 
+@pytest.mark.slow
 def test_flex_forward_equals_sdpa_on_cpu() -> None:
     sample, layout = sample_and_layout(num_anchors=150)  # more blocks than eligible anchors: padded blocks
     assert not bool(layout.keep.all())

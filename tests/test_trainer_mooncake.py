@@ -27,6 +27,7 @@ TRANSPORT = [
 ]
 
 
+@pytest.mark.slow
 def test_trainer_reads_samples_through_mooncake_and_resumes(tmp_path: Path, port_factory) -> None:
     target, _ = make_inputs(tmp_path / "inputs", count=0)
     ports = (port_factory(), port_factory(), port_factory())

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 30
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_step_boundary_and_restart_resumes(tmp_path: Path, port_factory) -> None:
     target, samples = make_inputs(tmp_path / "inputs", count=STEPS * 4)
     overrides = [

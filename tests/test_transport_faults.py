@@ -155,6 +155,7 @@ def cluster(tmp_path: Path):
     c.stop()
 
 
+@pytest.mark.slow
 def test_no_fault_baseline(cluster: Cluster) -> None:
     cluster.start_producer()
     cluster.start_trainer()
@@ -162,6 +163,7 @@ def test_no_fault_baseline(cluster: Cluster) -> None:
     cluster.assert_exact_sequence()
 
 
+@pytest.mark.slow
 def test_producer_killed_mid_window_and_restarted(cluster: Cluster) -> None:
     cluster.start_producer()
     cluster.start_trainer()
@@ -176,6 +178,7 @@ def test_producer_killed_mid_window_and_restarted(cluster: Cluster) -> None:
     assert (cluster.tmp / "producer.log").read_text().count("producer ready") == 2
 
 
+@pytest.mark.slow
 def test_trainer_killed_mid_step_restarts_from_its_last_checkpoint(cluster: Cluster) -> None:
     cluster.start_producer()
     cluster.start_trainer()
@@ -191,6 +194,7 @@ def test_trainer_killed_mid_step_restarts_from_its_last_checkpoint(cluster: Clus
     assert f"rank 0 ready at step {resumed_at} cursor {resumed_at * G}" in rank0
 
 
+@pytest.mark.slow
 def test_master_killed_and_restarted(cluster: Cluster) -> None:
     cluster.start_producer()
     cluster.start_trainer()

@@ -143,6 +143,7 @@ def _visibility_reader(recipe_path: str, count: int, out_path: str) -> None:
     client.close()
 
 
+@pytest.mark.slow
 def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:
@@ -220,6 +221,7 @@ def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:
     assert f"port {ports[2]} (transport.metrics_port) on 127.0.0.1 is already in use" in message
 
 
+@pytest.mark.slow
 def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "idle", ["transport.idle_timeout_s=1.5"])
     endpoints = Endpoints.loopback(resolved.recipe)
@@ -254,6 +256,7 @@ def _drain(producer, limit: int = 100) -> list[int]:
     return done
 
 
+@pytest.mark.slow
 def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "wm_samples")  # high 8, low 4, G 4
     endpoints = Endpoints.loopback(resolved.recipe)
@@ -278,6 +281,7 @@ def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterP
         assert producer.stats()["cursor"] == 8 and consumer.read_cursor().value == 8
 
 
+@pytest.mark.slow
 def test_producer_pauses_at_byte_watermark_and_resumes_below_low_bytes(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:
@@ -313,6 +317,7 @@ def test_synthetic_samples_are_deterministic() -> None:
     assert not torch.equal(synthetic_sample(12, recipe)["hs"][:4], a["hs"][:4])
 
 
+@pytest.mark.slow
 def test_consumer_wait_logs_name_the_sample_and_the_producer(
     master: MasterProcess, tmp_path: Path, ports, caplog
 ) -> None:
@@ -333,6 +338,7 @@ def test_consumer_wait_logs_name_the_sample_and_the_producer(
     assert "producer heartbeat" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_master_and_status(tmp_path: Path) -> None:
     import os
     import signal
@@ -426,6 +432,7 @@ def _owner(client, key: str) -> str:
     return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
 
 
+@pytest.mark.slow
 def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:
@@ -522,6 +529,7 @@ def test_sample_segment_on_the_trainer_node(master: MasterProcess, tmp_path: Pat
                 assert torch.equal(consumer.fetch(g).hs, sent["hs"])
 
 
+@pytest.mark.slow
 def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 from runtime.shared.data_files import write_rows
 from tools import chat_tokenize, tiny_corpus
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from runtime.files import atomic_write_text
 from runtime.recipe.checks import check_recipe
 from runtime.recipe.errors import Problem, RecipeError
 from runtime.recipe.schema import SECRET_NAME, Recipe
@@ -266,13 +267,6 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
         smoke=bool(payload.get("smoke")),
         overrides=list(payload.get("overrides", [])),
     )
-
-
-def atomic_write_text(target: Path, text: str) -> None:
-    """Write ``text`` to ``target`` through a temporary name and a rename (never half-written)."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, target)
 
 
 # ----------------------------------------------------------------------------------------------

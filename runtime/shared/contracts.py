@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 
 MANIFEST_FORMAT = "dspark-data-manifest/1"
 MANIFEST_SUFFIX = ".manifest.json"

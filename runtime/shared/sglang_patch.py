@@ -50,6 +50,8 @@ from typing import Any
 
 import yaml
 
+from runtime.files import atomic_write_text
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCHES_DIR = REPO_ROOT / "patches" / "sglang"
 MANIFEST_PATH = PATCHES_DIR / "MANIFEST.yaml"
@@ -309,9 +311,7 @@ def write_record(root: Path, target: Target, files: Iterable[str], how: str) -> 
         "how": how,
         "files": {name: file_sha256(root / name) for name in files},
     }
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -796,11 +796,7 @@ def regenerate(edited_tree: Path, target_name: str | None = None, manifest_path:
             f"{sorted(target.files)}: list the changed files there (and their hooks), then run again"
         )
     target.patch_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.patch_file.with_name(f".{target.patch_file.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, target.patch_file)
+    atomic_write_text(target.patch_file, text)
     manifest_text = manifest_path.read_text().replace(target.patch_sha256, file_sha256(target.patch_file))
-    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp{os.getpid()}")
-    tmp.write_text(manifest_text)
-    os.replace(tmp, manifest_path)
+    atomic_write_text(manifest_path, manifest_text)
     return target.patch_file

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 from runtime.trainer.distributed import barrier
 
 STATE_FORMAT = "dspark-trainer-state/1"

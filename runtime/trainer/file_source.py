@@ -10,7 +10,6 @@ files are never deleted, so the same folder serves several runs.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runtime.files import atomic_path, atomic_write_text
 from runtime.shared.contracts import TENSOR_FIELDS, CapturedSample
 
 CURSOR_FILE = "cursor"
@@ -39,15 +39,10 @@ def write_sample_file(folder: str | Path, sample: CapturedSample) -> Path:
 def write_sample_to(target: Path, sample: CapturedSample, extra_metadata: dict[str, str] | None = None) -> Path:
     """Write one sample to ``target`` (temp name, then rename: a reader never sees half a file;
     a failed write leaves no temp file behind)."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     tensors = {name: tensor.contiguous() for name, tensor in sample.tensors().items()}
     metadata = {"meta": json.dumps({**sample.meta, "g": sample.g}), **(extra_metadata or {})}
-    try:
+    with atomic_path(target) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return target
 
 
@@ -94,10 +89,7 @@ class FileSampleSource:
     def publish_cursor(self, cursor: int) -> None:
         """Write the ``cursor`` file atomically."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        target = self.folder / CURSOR_FILE
-        tmp = target.with_name(f".{CURSOR_FILE}.tmp{os.getpid()}")
-        tmp.write_text(f"{cursor}\n")
-        os.replace(tmp, target)
+        atomic_write_text(self.folder / CURSOR_FILE, f"{cursor}\n")
 
     def read_cursor(self) -> int | None:
         """The last published cursor, or None."""

@@ -45,7 +45,7 @@ from runtime.trainer.metrics import MetricsWriter, progress_line, step_metrics
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import SCALAR_SUMS, SLOT_SUMS, loss_coefficients
 from runtime.trainer.peer_watch import PeerLost, PeerWatch
-from runtime.trainer.prefetch import StepPrefetcher
+from runtime.trainer.prefetch import PreparedSample, StepPrefetcher
 from runtime.trainer.resume import StartPlan, check_resume_compatible, plan_start
 from runtime.trainer.schedules import build_schedule
 from runtime.trainer.settings import RunSettings
@@ -89,12 +89,6 @@ class Trainer:
             enabled=settings.smoke,
         )
         self._copy_stream: Any = None
-        self._prepared_layouts: dict[int, BlockLayout] = {}
-        """Layouts the prefetch thread built, by g (see :meth:`_fetcher`)."""
-        self._copied: dict[int, Any] = {}
-        """CUDA events marking the end of each prefetched sample's (and its layout's) copy, by g."""
-        self._id_ranges: dict[int, tuple[int, int]] = {}
-        """(min, max) token id of each prefetched sample, read on the host by the prefetch thread."""
         self._peers = PeerWatch(
             settings.rank,
             settings.world_size,
@@ -308,9 +302,9 @@ class Trainer:
         consumed: list[tuple[int, int | None]] = []
         try:
             for _m in range(cfg.gradient_accumulation_steps):
-                samples = self._fetch_micro_batch(prefetch)
-                consumed += [(sample.g, sample.meta.get("row_index")) for sample in samples]
-                self._forward_backward(model, samples, local)
+                batch = self._fetch_micro_batch(prefetch)
+                consumed += [(p.sample.g, p.sample.meta.get("row_index")) for p in batch]
+                self._forward_backward(model, batch, local)
         finally:
             prefetch.close()
         grad_norm, rank_terms, applied = self._apply_update(step, model, optimizer, guard, local)
@@ -328,17 +322,17 @@ class Trainer:
 
     # fetch
 
-    def _fetcher(self, source: SampleConsumer) -> Callable[[int], CapturedSample]:
+    def _fetcher(self, source: SampleConsumer) -> Callable[[int], PreparedSample]:
         """The prefetch thread's fetch. On CUDA the sample is copied to the GPU on a side stream
         inside the fetch (the Mooncake consumer stages it through pinned buffers), overlapping
         with the compute of the previous sample on the default stream."""
         device = self.settings.device
         if device.type != "cuda":
-            return source.fetch
+            return lambda g: PreparedSample(source.fetch(g))
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device)
 
-        def fetch(g: int) -> CapturedSample:
+        def fetch(g: int) -> PreparedSample:
             torch.cuda.set_device(device)  # the current device is per thread
             with torch.cuda.stream(self._copy_stream):
                 sample = source.fetch(g, device)
@@ -352,47 +346,46 @@ class Trainer:
                 # before the copy finished, a small read would sit in the driver behind it.
                 self._copy_stream.record_event().synchronize()
                 ids = sample.ids.to("cpu")
-                if ids.numel():
-                    self._id_ranges[g] = (int(ids.min()), int(ids.max()))
-                layout = self._layout(sample, ids)
-                self._prepared_layouts[g] = layout.to(device, non_blocking=True)
-                self._copied[g] = self._copy_stream.record_event()
-                return sample
+                return PreparedSample(
+                    sample,
+                    layout=self._layout(sample, ids).to(device, non_blocking=True),
+                    copied=self._copy_stream.record_event(),
+                    ids_range=(int(ids.min()), int(ids.max())) if ids.numel() else None,
+                )
 
         return fetch
 
-    def _received(self, sample: CapturedSample) -> CapturedSample:
+    def _received(self, prepared: PreparedSample) -> PreparedSample:
         """Hand a prefetched sample's GPU tensors over to the compute stream."""
         if self.settings.device.type == "cuda":
             current = torch.cuda.current_stream(self.settings.device)
             # Wait for this sample's copy only: waiting on the copy stream as a whole would also
             # wait for the next sample's copy, which the prefetch thread may have queued already
             # (measured: ~0.1 s of idle GPU per 64K K3 micro-step).
-            copied = self._copied.pop(sample.g, None)
-            if copied is not None:
-                current.wait_event(copied)
+            if prepared.copied is not None:
+                current.wait_event(prepared.copied)
             else:
                 current.wait_stream(self._copy_stream)
-            layout = self._prepared_layouts.get(sample.g)
+            layout = prepared.layout
             layout_tensors = [v for v in vars(layout).values() if isinstance(v, torch.Tensor)] if layout else []
-            for tensor in [*sample.tensors().values(), *layout_tensors]:
+            for tensor in [*prepared.sample.tensors().values(), *layout_tensors]:
                 if tensor.is_cuda:
                     tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
-        return sample
+        return prepared
 
-    def _fetch_micro_batch(self, prefetch: StepPrefetcher) -> list[CapturedSample]:
+    def _fetch_micro_batch(self, prefetch: StepPrefetcher) -> list[PreparedSample]:
         """The next micro-batch's samples, received on the compute stream and checked."""
-        samples = [self._received(prefetch.next()) for _ in range(self.trainer_cfg.micro_batch_size)]
-        for sample in samples:
-            self.gate.on_sample(sample)
+        batch = [self._received(prefetch.next()) for _ in range(self.trainer_cfg.micro_batch_size)]
+        for prepared in batch:
+            self.gate.on_sample(prepared.sample)
             check_sample(
-                sample,
+                prepared.sample,
                 num_aux_layers=self.recipe.num_aux_layers,
                 hidden_size=self.recipe.capture.hidden_size,
                 vocab_size=self.recipe.capture.vocab_size,
-                ids_range=self._id_ranges.pop(sample.g, None),
+                ids_range=prepared.ids_range,
             )
-        return samples
+        return batch
 
     # forward / backward
 
@@ -417,7 +410,7 @@ class Trainer:
         )
 
     def _forward_backward(
-        self, model: DSparkDraft, samples: list[CapturedSample], local: dict[str, torch.Tensor]
+        self, model: DSparkDraft, batch: list[PreparedSample], local: dict[str, torch.Tensor]
     ) -> None:
         """One micro-step: every term divided by the global sum of slot weights of this micro-step
         (one all-reduce), then forward and backward sample by sample, sums into ``local``."""
@@ -425,7 +418,7 @@ class Trainer:
         cfg = self.trainer_cfg
         device = s.device
         accumulation = cfg.gradient_accumulation_steps
-        layouts = [self._prepared_layouts.pop(sample.g, None) or self._layout(sample) for sample in samples]
+        layouts = [p.layout if p.layout is not None else self._layout(p.sample) for p in batch]
         # A host number all-reduced on the host: no GPU work waits for it, nor it for the GPU.
         global_weight = all_reduce_host_sum(sum(x.weight_sum for x in layouts))
         coefficients = loss_coefficients(
@@ -437,7 +430,7 @@ class Trainer:
             chunk_rows=s.chunk_rows,
         )
         normaliser = max(global_weight, 1.0) * accumulation
-        for sample, layout in zip(samples, layouts, strict=True):
+        for sample, layout in zip((p.sample for p in batch), layouts, strict=True):
             inputs = SampleInputs(hs=sample.hs.to(device), lhs=sample.lhs.to(device), layout=layout.to(device))
             terms = model(inputs, coefficients)
             terms.loss.backward()

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 from runtime.recipe.schema import MetricsConfig
 
 

@@ -12,9 +12,28 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.shared.contracts import CapturedSample
+from runtime.trainer.layout import BlockLayout
+
+
+@dataclass
+class PreparedSample:
+    """One sample as the prefetch thread hands it to the compute thread, with what that thread prepared
+    beside the previous sample's compute. It travels as one object through the prefetcher's one queue,
+    so nothing is left behind on either thread when a step ends early."""
+
+    sample: CapturedSample
+    layout: BlockLayout | None = None
+    """The sample's block layout, built on the host and queued to the device on the copy stream (CUDA
+    only; elsewhere the compute thread builds it)."""
+    copied: Any = None
+    """The CUDA event that marks the end of the sample's and the layout's copies (CUDA only)."""
+    ids_range: tuple[int, int] | None = None
+    """(min, max) token id, read on the host after the copy (CUDA only): the sample check uses it
+    instead of reading the device tensor, which would wait for all the compute queued before it."""
 
 
 class StepPrefetcher:
@@ -22,7 +41,7 @@ class StepPrefetcher:
     next sample is fetched while the current one trains, so two samples are resident at most (a
     64K K3 sample is 5.25 GiB)."""
 
-    def __init__(self, fetch: Callable[[int], CapturedSample], gs: list[int], depth: int = 1) -> None:
+    def __init__(self, fetch: Callable[[int], PreparedSample], gs: list[int], depth: int = 1) -> None:
         self._queue: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._slots = threading.Semaphore(depth)
         self._gs = list(gs)
@@ -48,7 +67,7 @@ class StepPrefetcher:
             if isinstance(item, BaseException):
                 return
 
-    def next(self) -> CapturedSample:
+    def next(self) -> PreparedSample:
         """The next sample in order (re-raises the fetch's exception)."""
         started = time.monotonic()
         g, item = self._queue.get()

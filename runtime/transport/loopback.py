@@ -11,6 +11,7 @@ context manager away::
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +31,56 @@ from runtime.transport.master import MasterProcess, MasterSettings
 LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (the one helper tests and benchmarks use)."""
+# Where free_port looks when several test processes run at once (pytest-xdist): "LO-HI", inclusive.
+# Each process gets its own range below the kernel's ephemeral range (32768-60999 by default), so one
+# process never hands out a port another just took, and no outgoing connection's port lands in it.
+ENV_PORT_RANGE = "DSPARK_PORT_RANGE"
+_next_in_range: dict[tuple[int, int], int] = {}
+
+
+def _port_range() -> tuple[int, int] | None:
+    text = os.environ.get(ENV_PORT_RANGE, "").strip()
+    if not text:
+        return None
+    low, _, high = text.partition("-")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"{ENV_PORT_RANGE}={text!r}: write LOW-HIGH, e.g. 20000-21499") from None
+    if not 1024 <= bounds[0] <= bounds[1] <= 65535:
+        raise ValueError(f"{ENV_PORT_RANGE}={text!r}: LOW-HIGH with 1024 <= LOW <= HIGH <= 65535")
+    return bounds
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (the one helper tests and benchmarks use).
+
+    Without ``DSPARK_PORT_RANGE`` the kernel picks one. With it, ports come from that range in turn
+    (skipping any that cannot be bound), so successive calls in one process never repeat a port
+    until the range wraps around."""
+    bounds = _port_range()
+    if bounds is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            return int(sock.getsockname()[1])
+    low, high = bounds
+    span = high - low + 1
+    start = _next_in_range.get(bounds, low)
+    for offset in range(span):
+        port = low + (start - low + offset) % span
+        if _bindable(port):
+            _next_in_range[bounds] = low + (port - low + 1) % span
+            return port
+    raise OSError(f"no free port in {ENV_PORT_RANGE}={low}-{high} on {LOOPBACK}")
 
 
 def loopback_recipe(

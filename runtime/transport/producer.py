@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.loader import atomic_write_text
+from runtime.files import atomic_write_text
 from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     CONTRACT_DTYPES,

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.loader import atomic_write_text, load_resolved
+from runtime.files import atomic_write_text
+from runtime.recipe.loader import load_resolved
 from runtime.recipe.schema import Recipe
 from runtime.transport.errors import TransportError
 

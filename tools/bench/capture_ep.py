@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -48,6 +47,7 @@ from runtime.capture.embedded_settings import EmbeddedSettings
 from runtime.capture.engine import CaptureRequest
 from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.model_loading import ExpertParallelLoader
+from runtime.files import atomic_write_text
 from tools.bench.capture import NullSink, Preset, make_batches, random_decoder, synchronize
 
 JSON_FORMAT = "dspark-bench-capture-ep/1"
@@ -449,9 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": time.monotonic() - started,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(f".{args.json.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
         log(f"wrote {args.json}")
     return 1 if any("error" in r for r in results) else 0
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.files import atomic_write_text
 from runtime.recipe import load_recipe
 from runtime.recipe.checks import largest_sample
 from runtime.recipe.sizes import SampleSize
@@ -317,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(report(result))
     if args.json:
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, args.json)
+        atomic_write_text(args.json, json.dumps(result, indent=2))
     return 0
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.files import atomic_write_text
 from runtime.recipe import load_recipe
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
@@ -428,9 +429,7 @@ def print_report(result: dict[str, Any]) -> None:
 def write_json(path: Path, result: dict[str, Any]) -> None:
     """Write ``result`` to ``path`` through a temporary name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.files import atomic_path
 from tools.slurm_local_impl import hosts_file
 from tools.slurm_local_impl.mariadb import db_password, ensure_mariadb
 from tools.slurm_local_impl.packages import ensure_packages, find_program
@@ -59,10 +60,9 @@ def _write_file(path: Path, text: str, mode: int = 0o644) -> bool:
         os.chmod(path, mode)
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(text)
-    os.chmod(temp, mode)
-    os.replace(temp, path)
+    with atomic_path(path) as temp:
+        temp.write_text(text)
+        os.chmod(temp, mode)
     return True
 
 
@@ -75,10 +75,9 @@ def _prepare_state(settings: ClusterSettings) -> bool:
         os.chmod(folder, 0o755)
     layout.ctld_state.mkdir(parents=True, exist_ok=True)
     if not layout.munge_key.exists():
-        temp = layout.munge_key.with_name("munge.key.tmp")
-        temp.write_bytes(os.urandom(1024))
-        os.chmod(temp, 0o600)
-        os.replace(temp, layout.munge_key)
+        with atomic_path(layout.munge_key) as temp:
+            temp.write_bytes(os.urandom(1024))
+            os.chmod(temp, 0o600)
     for node in settings.node_names:
         node_gpus = layout.fake_gpus / node
         node_gpus.mkdir(parents=True, exist_ok=True)

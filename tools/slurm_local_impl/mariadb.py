@@ -11,6 +11,7 @@ import secrets
 import subprocess
 from pathlib import Path
 
+from runtime.files import atomic_path
 from tools.slurm_local_impl.packages import find_program
 from tools.slurm_local_impl.processes import port_accepts, running_pid, start_foreground_daemon, tail
 from tools.slurm_local_impl.progress import say, wait_until
@@ -32,10 +33,9 @@ def db_password(settings: ClusterSettings) -> str:
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     password = secrets.token_hex(16)
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(password + "\n")
-    os.chmod(temp, 0o600)
-    os.replace(temp, path)
+    with atomic_path(path) as temp:
+        temp.write_text(password + "\n")
+        os.chmod(temp, 0o600)
     return password
 
 

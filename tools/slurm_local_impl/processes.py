@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from runtime.files import atomic_write_text
 from tools.slurm_local_impl.packages import SBIN_DIRS
 from tools.slurm_local_impl.settings import PROCESS_MARKER_ENV, StateLayout
 
@@ -81,9 +82,7 @@ def start_foreground_daemon(argv: Sequence[str], name: str, layout: StateLayout)
         )
     pid_file = layout.pid_file(name)
     pid_file.parent.mkdir(parents=True, exist_ok=True)
-    temp = pid_file.with_name(pid_file.name + ".tmp")
-    temp.write_text(f"{process.pid}\n")
-    os.replace(temp, pid_file)
+    atomic_write_text(pid_file, f"{process.pid}\n")
     return process
 
 

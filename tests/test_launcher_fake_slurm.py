@@ -1,0 +1,110 @@
+"""The launcher's Slurm side against fake ``sbatch``/``sacct``/``scancel`` at the process boundary
+(tests/support/fake_slurm.py): submission through submitit (launcher/hetjob.py), state from sacct's
+hetjob rows (launcher/slurm_state.py, launcher/control.py), cancel, and what the operator is told when
+Slurm answers badly. These run anywhere, without root; the real local cluster tests
+(test_launcher_slurm.py, test_slurm_local.py) run the same paths against real Slurm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.control import cancel_job, job_report
+from launcher.jobs import JobRecord, find_record
+from launcher.slurm_state import SlurmUnreachableError, query_sacct
+from tests.support.fake_slurm import FakeSlurm
+from tests.support.launcher_cli import launch, probe_overrides
+
+SACCT_HEADER = "JobID|JobName|State|ExitCode|Elapsed|NodeList|Reason\n"
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    slurm = FakeSlurm(tmp_path / "fake-slurm")
+    monkeypatch.setenv("PATH", slurm.environ()["PATH"])
+    return slurm
+
+
+def slurm_record(tmp_path: Path, job_id: str = "4242") -> JobRecord:
+    return JobRecord(
+        job_id=job_id,
+        mode="slurm",
+        name="tiny",
+        job_dir=str(tmp_path / "job"),
+        recipe_source="recipes/tiny.yaml",
+        recipe_digest="0" * 64,
+        smoke=False,
+        probe=True,
+        components={"capture": 1, "trainer": 4},
+    )
+
+
+def test_submit_status_and_cancel_through_the_launcher(fake: FakeSlurm, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    fake.answer("sbatch", stdout="Submitted batch job 4242\n")
+    done = launch(["tiny", "--probe", *probe_overrides(runs)], env=fake.environ())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "submitted job 4242" in done.stdout
+    (submitted,) = fake.calls("sbatch")
+    script = str(submitted["script"])
+    assert script.count("#SBATCH hetjob") == 1 and "--het-group=0" in script and "--het-group=1" in script
+    record = find_record("4242", runs)
+    assert record.mode == "slurm" and record.components == {"capture": 1, "trainer": 4}
+    assert (Path(record.job_dir) / "submission.sh").read_text() == script, "the job folder keeps what was submitted"
+    layout = json.loads((Path(record.job_dir) / "submitit" / "tasks.json").read_text())
+    assert layout == {"trainer_world_size": 4, "capture_tasks": 1}
+
+    fake.answer(
+        "sacct",
+        stdout=SACCT_HEADER + "4242+0|tiny|RUNNING|0:0|00:01:02|node1|None\n"
+        "4242+1|tiny|PENDING|0:0|00:00:00||Resources\n",
+    )
+    status = launch(["status", "4242", "--runs-dir", str(runs)], env=fake.environ())
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "RUNNING" in status.stdout and "(waiting: Resources)" in status.stdout, "why the trainer is pending"
+    assert fake.calls("sacct")[-1]["argv"][:2] == ["-j", "4242"]
+
+    cancelled = launch(["cancel", "4242", "--runs-dir", str(runs)], env=fake.environ())
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    assert [c["argv"] for c in fake.calls("scancel")] == [["4242"]], "the leader id cancels both components"
+
+
+def test_a_failed_component_makes_the_job_failed_while_the_other_runs(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer(
+        "sacct",
+        stdout=SACCT_HEADER
+        + "4242+0|tiny|FAILED|3:0|00:00:20|node1|None\n4242+0.0|python3|FAILED|3:0|00:00:19|node1|\n"
+        "4242+1|tiny|RUNNING|0:0|00:00:20|node2|None\n",
+    )
+    report = job_report(slurm_record(tmp_path))
+    assert report.state == "FAILED", "nobody waits on a job that cannot succeed"
+    states = {c.name: (c.state, c.exit_code, c.nodes) for c in report.components}
+    assert states == {"capture": ("FAILED", "3:0", "node1"), "trainer": ("RUNNING", "0:0", "node2")}
+
+
+def test_slurm_that_does_not_answer_is_named_not_taken_for_a_state(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer("sacct", stderr="sacct: error: Problem talking to the database: Connection refused\n", exit_code=1)
+    with pytest.raises(SlurmUnreachableError, match=r"exit 1: sacct: error: Problem talking to the database"):
+        query_sacct("4242")
+    report = job_report(slurm_record(tmp_path))
+    assert report.state == "UNKNOWN" and report.slurm_unreachable
+    assert "Problem talking to the database" in report.note
+    assert {c.state for c in report.components} == {"UNKNOWN"}
+
+
+def test_no_sacct_on_this_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(SlurmUnreachableError, match="sacct is not installed here"):
+        query_sacct("4242")
+
+
+def test_a_failing_scancel_is_reported_with_slurms_words(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer(
+        "scancel", stderr="scancel: error: Kill job error on job id 4242: Access/permission denied\n", exit_code=1
+    )
+    with pytest.raises(RuntimeError, match="scancel 4242 failed: .*Access/permission denied"):
+        cancel_job(slurm_record(tmp_path))
