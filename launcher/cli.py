@@ -15,6 +15,7 @@ RECIPE is a name in recipes/ (``tiny``) or a path. JOB is a job id, a job folder
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from launcher.render import RenderOptions, environment_references, render_script
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
-from runtime.recipe.loader import find_recipe_file
+from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -300,6 +301,18 @@ def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRe
     return record
 
 
+def _recorded_digest(path: Path) -> str:
+    """The digest a job folder's ``recipe.resolved.json`` records (without loading the recipe in it)."""
+    try:
+        digest = json.loads(path.read_text())["digest"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LaunchError(
+            f"{_display_path(path)} exists but is not a readable resolved recipe ({exc}); a job folder's recorded "
+            "recipe is never rewritten: give a new --job-dir"
+        ) from None
+    return str(digest)
+
+
 def resolve(argv: list[str]) -> int:
     """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
     from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
@@ -311,8 +324,21 @@ def resolve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     loaded = load(args.recipe, args.overrides, args.smoke)
     job_dir = args.job_dir.resolve()
-    path = write_resolved(loaded, job_dir, REPO_ROOT)
-    print(f"resolved {loaded.source} -> {path} (digest {loaded.digest[:12]})")
+    path = job_dir / RESOLVED_FILENAME
+    if path.exists():
+        # A job folder's recorded recipe is what its runtime read: never rewrite it. The same recipe
+        # again (a requeued manual sbatch job resolves at every start) keeps the file as it is.
+        recorded = _recorded_digest(path)
+        if recorded != loaded.digest:
+            raise LaunchError(
+                f"{_display_path(path)} already records a recipe (digest {recorded[:12]}), and {loaded.source} "
+                f"with these overrides is another (digest {loaded.digest[:12]}): a job folder's recorded recipe is "
+                "never rewritten; give a new --job-dir"
+            )
+        print(f"resolved {loaded.source}: {_display_path(path)} already records it (digest {loaded.digest[:12]}), kept")
+    else:
+        path = write_resolved(loaded, job_dir, REPO_ROOT)
+        print(f"resolved {loaded.source} -> {path} (digest {loaded.digest[:12]})")
     if args.slurm_job_id:
         components = jobs.components_of(loaded)
         (job_dir / SUBMITIT_DIRNAME).mkdir(parents=True, exist_ok=True)
@@ -385,9 +411,21 @@ def job_command(command: str, argv: list[str]) -> int:
         print(report.render())
         return 1 if report.failed else 0
     if command == "cancel":
-        print(control.cancel_job(record))
+        try:
+            print(control.cancel_job(record))
+        except control.CancelError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         return 0
     if command == "gate":
+        if not record.smoke:
+            # A healthy full run has no gate records; judging it would print a FAIL and write a
+            # failed gate.json into its folder.
+            raise LaunchError(
+                f"job {record.job_id} ({_display_path(Path(record.job_dir))}) was not a --smoke job: the smoke "
+                f"gate judges only those; nothing was written. Use `python3 -m launcher status {record.job_id}` "
+                f"for this job, or run the gate with `python3 -m launcher {record.recipe_source} --smoke`"
+            )
         return _finish_gate(record)
     if command == "plots":
         ok, message = plot_metrics(Path(record.job_dir), REPO_ROOT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import signal
 import subprocess
@@ -147,7 +148,7 @@ def job_report(record: JobRecord) -> JobReport:
 
 def _local_report(record: JobRecord) -> JobReport:
     status = read_local_status(Path(record.job_dir))
-    supervisor_alive = record.supervisor_pid is not None and _pid_alive(record.supervisor_pid)
+    supervisor_alive = is_local_supervisor(record)
     notes: list[str] = []
     trainer_finished = _trainer_finished_line(record)
     reports = []
@@ -161,7 +162,7 @@ def _local_report(record: JobRecord) -> JobReport:
                 state = "ORPHANED"
                 notes.append(
                     f"{name} task(s) {', '.join(map(str, leftover))} still run without their supervisor; "
-                    f"`python -m launcher cancel {record.job_id}` stops them"
+                    f"`python3 -m launcher cancel {record.job_id}` stops them"
                 )
             elif trainer_finished:
                 state = "COMPLETED" if name == "trainer" else "STOPPED"
@@ -232,11 +233,39 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start_epoch_s(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from /proc; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot_s = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot_s + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in clock ticks
+
+
+def is_local_supervisor(record: JobRecord) -> bool:
+    """The recorded supervisor pid is still this job's supervisor: a launcher process that started
+    before the job was recorded. After the run ended the pid may belong to anything else."""
+    pid = record.supervisor_pid
+    if not pid or not _pid_alive(pid):
+        return False
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        recorded_s = dt.datetime.fromisoformat(record.submitted_at).timestamp()
+    except (OSError, ValueError):
+        return False
+    started_s = _process_start_epoch_s(pid)
+    # The record's time has whole seconds; the supervisor started before it wrote the record.
+    return "launcher" in command and started_s is not None and started_s <= recorded_s + 1.0
+
+
 def cancel_job(record: JobRecord) -> str:
     """Cancel every component of the job; returns what was done."""
     if record.mode == "local":
-        if record.supervisor_pid and _pid_alive(record.supervisor_pid):
-            os.kill(record.supervisor_pid, signal.SIGTERM)
+        if is_local_supervisor(record):
+            os.kill(record.supervisor_pid, signal.SIGTERM)  # type: ignore[arg-type]
             return f"sent SIGTERM to the local supervisor (pid {record.supervisor_pid})"
         leftover = [pid for name in record.components for pid in component_pids(record, name)]
         if not leftover:
@@ -245,9 +274,18 @@ def cancel_job(record: JobRecord) -> str:
         return f"the supervisor was gone; stopped {len(leftover)} leftover component task(s): {leftover}"
     # The leader id cancels all het components at once.
     done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
+    if "invalid job id" in done.stderr.lower():
+        raise CancelError(
+            f"Slurm does not know job {record.job_id} (scancel: {done.stderr.strip()}): it ended long ago, or ran on "
+            f"another cluster; nothing was cancelled. `python3 -m launcher status {record.job_id}` shows what is known"
+        )
     if done.returncode != 0:
-        raise RuntimeError(f"scancel {record.job_id} failed: {done.stderr.strip()}")
+        raise CancelError(f"scancel {record.job_id} failed: {done.stderr.strip()}")
     return f"scancel {record.job_id}: both components cancelled"
+
+
+class CancelError(RuntimeError):
+    """``cancel`` could not cancel the job; the message says why and what to do."""
 
 
 def _stop_groups(pids: list[int], grace_s: float = 30.0) -> None:

@@ -13,6 +13,7 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
 - runtime/transport imports neither capture nor trainer; runtime/moe and runtime/trainer do not
   import capture;
 - tools/ (benchmarks included) does not import tests/;
+- within the light layer runtime/recipe is the lower floor: runtime/shared imports it, never the reverse;
 - no import cycle among repo modules.
 """
 
@@ -39,6 +40,11 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("runtime.moe", ("runtime.capture",), "moe knows nothing of engines"),
     ("runtime.trainer", ("runtime.capture",), "the trainer never knows which engine produced a sample"),
     ("tools", ("tests",), "tools (benchmarks too) do not depend on the test suite"),
+    (
+        "runtime.recipe",
+        ("runtime.shared",),
+        "the recipe (schema, loader, checks, fit budgets) is the light layer's lower floor: shared builds on it, never the reverse",
+    ),
 )
 """(importer prefix, imported prefixes, why)."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.control import cancel_job, job_report
+from launcher.control import CancelError, cancel_job, job_report
 from launcher.jobs import JobRecord, find_record
 from launcher.slurm_state import SlurmUnreachableError, query_sacct
 from tests.support.fake_slurm import FakeSlurm
@@ -41,7 +41,7 @@ def slurm_record(tmp_path: Path, job_id: str = "4242") -> JobRecord:
     )
 
 
-def test_submit_status_and_cancel_through_the_launcher(fake: FakeSlurm, tmp_path: Path) -> None:
+def test_submit_status_gate_and_cancel_through_the_launcher(fake: FakeSlurm, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     fake.answer("sbatch", stdout="Submitted batch job 4242\n")
     done = launch(["tiny", "--probe", *probe_overrides(runs)], env=fake.environ())
@@ -65,6 +65,10 @@ def test_submit_status_and_cancel_through_the_launcher(fake: FakeSlurm, tmp_path
     assert status.returncode == 0, status.stdout + status.stderr
     assert "RUNNING" in status.stdout and "(waiting: Resources)" in status.stdout, "why the trainer is pending"
     assert fake.calls("sacct")[-1]["argv"][:2] == ["-j", "4242"]
+
+    gate = launch(["gate", "4242", "--runs-dir", str(runs)], env=fake.environ())
+    assert gate.returncode == 2 and "was not a --smoke job" in gate.stderr and "--smoke" in gate.stderr, gate.stderr
+    assert "Traceback" not in gate.stderr and not (Path(record.job_dir) / "gate.json").exists(), "nothing written"
 
     cancelled = launch(["cancel", "4242", "--runs-dir", str(runs)], env=fake.environ())
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
@@ -108,3 +112,33 @@ def test_a_failing_scancel_is_reported_with_slurms_words(fake: FakeSlurm, tmp_pa
     )
     with pytest.raises(RuntimeError, match="scancel 4242 failed: .*Access/permission denied"):
         cancel_job(slurm_record(tmp_path))
+
+
+def test_cancel_of_a_job_slurm_does_not_know_says_so(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer("scancel", stderr="scancel: error: Invalid job id specified\n", exit_code=1)
+    with pytest.raises(CancelError, match="Slurm does not know job 4242 .*nothing was cancelled"):
+        cancel_job(slurm_record(tmp_path))
+
+
+def test_cancel_of_a_finished_local_job_leaves_a_process_that_reused_its_pid_alone(tmp_path: Path) -> None:
+    import dataclasses
+    import datetime as dt
+    import subprocess
+    import time
+
+    recorded_at = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
+    stranger = subprocess.Popen(["sleep", "60"])  # started after the job was recorded: not its supervisor
+    try:
+        record = dataclasses.replace(
+            slurm_record(tmp_path, "local-1"),
+            mode="local",
+            supervisor_pid=stranger.pid,
+            submitted_at=recorded_at.isoformat(timespec="seconds"),
+        )
+        said = cancel_job(record)
+        time.sleep(0.2)
+        assert stranger.poll() is None, "the process that reused the pid was signalled"
+        assert "not running" in said, said
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -316,3 +316,36 @@ def test_missing_inputs_are_built_by_the_recipes_prepare_commands(tmp_path: Path
     failing = load_recipe(TINY, overrides=[*overrides[:2], "data.prepare_commands=['exit 4']"]).recipe
     with pytest.raises(InputPreparationError, match="`exit 4` failed with exit code 4"):
         prepare_missing_inputs(failing, REPO, "tiny", log=lambda *_, **__: None)
+
+
+def test_a_python_without_the_venvs_packages_gets_one_line_naming_the_fix() -> None:
+    """``python3 -m launcher`` from a stock interpreter (no submitit): one line, not an import traceback."""
+    import subprocess
+    import sys
+
+    script = (
+        "import runpy, sys\n"
+        "sys.modules['submitit'] = None  # as if not installed\n"
+        "sys.argv = ['launcher', 'tiny', '--plan']\n"
+        "runpy.run_module('launcher', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "lacks the package 'submitit'" in done.stderr and ".venv/bin/python3 -m launcher" in done.stderr
+
+
+def test_resolve_never_rewrites_a_job_folders_recorded_recipe(tmp_path: Path) -> None:
+    """The same recipe again keeps the file byte for byte (a requeued manual sbatch job resolves at each
+    start); another recipe is refused, naming both digests, and the file stays as it was."""
+    from launcher.cli import main
+
+    job_dir = tmp_path / "job"
+    assert main(["resolve", "tiny", "--job-dir", str(job_dir)]) == 0
+    recorded = (job_dir / "recipe.resolved.json").read_bytes()
+    assert main(["resolve", "tiny", "--job-dir", str(job_dir)]) == 0
+    assert (job_dir / "recipe.resolved.json").read_bytes() == recorded
+    assert main(["resolve", "tiny", "--job-dir", str(job_dir), "--set", "trainer.optimizer.lr=1e-4"]) == 2
+    assert (job_dir / "recipe.resolved.json").read_bytes() == recorded
+    assert main(["resolve", "kimi_k3_v1c", "--job-dir", str(job_dir)]) == 2
+    assert (job_dir / "recipe.resolved.json").read_bytes() == recorded

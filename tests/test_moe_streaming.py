@@ -20,7 +20,7 @@ from runtime.moe.mxfp4 import quantize_mxfp4
 from runtime.moe.routing import route_topk
 from runtime.moe.streaming import StreamedExpertStore
 from runtime.moe.streaming_modules import find_expert_modules, stream_experts
-from runtime.shared.streaming_budget import (
+from runtime.recipe.streaming_budget import (
     StreamingBudgetError,
     check_host_memory,
     split_layers,

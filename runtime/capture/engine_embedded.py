@@ -119,7 +119,7 @@ class EmbeddedEngine:
     def _stream_experts(self, model: torch.nn.Module, device: str) -> Any:
         """Move ``model``'s routed experts into a streamed store (its experts, sharded or not)."""
         from runtime.moe.streaming_modules import stream_experts
-        from runtime.shared.streaming_budget import StreamingBudgetError
+        from runtime.recipe.streaming_budget import StreamingBudgetError
 
         s = self.settings.expert_streaming
         assert s is not None

@@ -347,6 +347,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             # The trainer still holds store clients (and may write its last checkpoint for a while):
             # keep the master up until the supervisor stops this component after the trainer ends.
             log.info("every sample was consumed; keeping the Mooncake master up until the trainer ends")
+            producer.trainer_is_leaving()
             producer.heartbeat({"capture": {"state": "finished; waiting for the trainer to end"}})
             stop.wait()
     return 0

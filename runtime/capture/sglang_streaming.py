@@ -39,7 +39,7 @@ from torch import nn
 from runtime.moe.streaming import StreamedExpertStore
 from runtime.recipe.checks import target_streaming_split
 from runtime.recipe.loader import ResolvedRecipe, load_resolved
-from runtime.shared.streaming_budget import StreamingBudgetError, StreamingSplit, split_layers
+from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, split_layers
 
 log = logging.getLogger("dspark.capture.sglang_streaming")
 

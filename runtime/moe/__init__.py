@@ -15,7 +15,7 @@ Modules, one job each:
   threads of one process (the engine's loader, runtime/capture/model_loading.py, uses it).
 - ``streaming`` and ``streaming_modules``: routed experts kept in pinned host memory and streamed
   into reused device buffers a copy stream ahead of compute (the split arithmetic is torch-free, in
-  runtime/shared/streaming_budget.py).
+  runtime/recipe/streaming_budget.py).
 
 This package knows nothing of engines: capture imports moe, never the reverse.
 """

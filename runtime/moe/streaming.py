@@ -3,7 +3,7 @@
 Each MoE layer's routed-expert weights (a dict of tensors in the format the expert kernel reads:
 bf16 ``gate_up``/``down``, or packed MXFP4 blocks + E8M0 scales for the dequant-once grouped GEMM)
 are either resident on the device or kept in (pinned) host memory, as
-:class:`~runtime.shared.streaming_budget.StreamingSplit` says. The model calls
+:class:`~runtime.recipe.streaming_budget.StreamingSplit` says. The model calls
 :meth:`StreamedExpertStore.acquire` right before a layer's experts compute and
 :meth:`StreamedExpertStore.release` right after:
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.shared.streaming_budget import StreamingSplit
+from runtime.recipe.streaming_budget import StreamingSplit
 
 log = logging.getLogger("dspark.moe.streaming")
 

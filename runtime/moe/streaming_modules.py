@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.moe.experts import LocalExperts
 from runtime.moe.streaming import StreamedExpertStore
-from runtime.shared.streaming_budget import StreamingSplit, split_layers
+from runtime.recipe.streaming_budget import StreamingSplit, split_layers
 
 HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DENSE_LOCAL_WEIGHTS = ("gate_up", "down")
@@ -103,7 +103,7 @@ def stream_experts(
     """Move the routed experts of ``model`` into one streamed store on ``device`` (in place).
 
     The split between resident and streamed layers comes from ``gpu_budget_bytes`` or
-    ``resident_fraction`` (see :func:`~runtime.shared.streaming_budget.split_layers`); a budget too
+    ``resident_fraction`` (see :func:`~runtime.recipe.streaming_budget.split_layers`); a budget too
     small for the streaming buffers is refused with both numbers. ``split``: a split decided
     before the model was built (a serving engine creates the streamed layers' weights in host
     memory from the start); it must cover every expert module. Returns the store (its

@@ -7,8 +7,8 @@ import math
 from runtime.recipe.errors import Problem
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize, segment_shares
+from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 from runtime.recipe.units import format_bytes
-from runtime.shared.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 
 MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
 """mooncake-transfer-engine 0.3.13 refuses a global segment below 16 MiB at client setup."""

@@ -194,7 +194,7 @@ def _streaming_rows(
     streamed bytes per GPU, host bytes per node, PCIe bytes and time per prefill against the expert
     compute time per prefill (the copies must hide behind compute)."""
     from runtime.recipe.checks import target_streaming_split
-    from runtime.shared.streaming_budget import StreamingBudgetError
+    from runtime.recipe.streaming_budget import StreamingBudgetError
 
     cap, s, hw, tr = recipe.capture, recipe.capture.sglang, recipe.plan, recipe.transport
     tp = s.tp_size

@@ -113,6 +113,8 @@ class Producer:
         """The segment the last beat was put into ('' this client's usual place, None no beat yet)."""
         self._rank0_rest_until = 0.0
         """Monotonic time before which beats skip rank 0's segment (after it failed to take one)."""
+        self._trainer_leaving = False
+        """The run is over (see :meth:`trainer_is_leaving`): beats stay in this producer's segment."""
         self._beat_lock = threading.Lock()  # beats come from the heartbeat thread, the capture loop and close()
         self._heartbeat_thread: threading.Thread | None = None
         if auto_heartbeat:
@@ -255,6 +257,15 @@ class Producer:
             rows_per_epoch,
         )
 
+    def trainer_is_leaving(self) -> None:
+        """The trainer consumed every sample of the run and is about to end, taking trainer rank 0's
+        segment (and the cursor in it) along: from now on the heartbeat stays in this producer's own
+        segment, so the end of a healthy run is not reported as a lost segment."""
+        with self._lock:
+            self._trainer_leaving = True
+            self._rank0_segment = ""
+            self._rank0_rest_until = 0.0
+
     def release(self, g: int) -> None:
         """Give back a claimed g whose capture failed (it will be offered again)."""
         with self._lock:
@@ -265,7 +276,7 @@ class Producer:
 
         It goes to trainer rank 0's segment when the cursor named one (see :meth:`_put_heartbeat`).
         """
-        if not self._rank0_segment:
+        if not self._rank0_segment and not self._trainer_leaving:
             self._read_cursor()  # learns rank 0's segment (the capture loop may not have read it yet)
         with self._lock:
             if stats:
@@ -492,7 +503,7 @@ class Producer:
         except ValueError as exc:
             log.warning("ignoring an unreadable cursor object: %s", exc)
             return None
-        if cursor.segment and cursor.segment != self._rank0_segment:
+        if cursor.segment and cursor.segment != self._rank0_segment and not self._trainer_leaving:
             # a (re)started trainer: its rank 0 mounted a new segment; the next beat moves there
             self._rank0_segment = cursor.segment
             self._rank0_rest_until = 0.0

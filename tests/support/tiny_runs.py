@@ -75,9 +75,11 @@ GLOG_LINE = re.compile(r"^(\[\w+\] )?[EWF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
 
 
 def assert_healthy_console(console: str, job_dir: Path) -> None:
-    """A healthy run's console has no glog error/warning lines, no cancelled step and no transformers
-    load report; Mooncake's native output went to the task's native log instead."""
+    """A healthy run's console has no glog error/warning lines, no WARNING of ours, no cancelled step and
+    no transformers load report; Mooncake's native output went to the task's native log instead."""
     assert not GLOG_LINE.findall(console), [m for m in console.splitlines() if GLOG_LINE.match(m)][:5]
+    warnings = [line for line in console.splitlines() if " WARNING [" in line]
+    assert not warnings, f"a healthy run prints no WARNING: {warnings[:5]}"
     assert "UNEXPECTED" not in console and "CANCELLED" not in console and "REPLICA_IS_NOT_READY" not in console
     native = job_dir / "logs" / "native_capture_0.log"
     assert native.exists() and "metadata not found" in native.read_text(errors="replace"), "glog lines are kept there"

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from runtime.moe.experts import DequantWorkspace, LocalExperts
 from runtime.moe.mxfp4 import MXFP4Tensor
 from runtime.moe.streaming import LayerWeights, StreamedExpertStore
-from runtime.shared.streaming_budget import split_layers
+from runtime.recipe.streaming_budget import split_layers
 from tools.bench.moe import timed
 
 
