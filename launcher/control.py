@@ -171,7 +171,9 @@ def _local_report(record: JobRecord) -> JobReport:
         codes = entry.get("exit_codes", {}) or {}
         results = {int(rank): ("success" if code == 0 else "error") for rank, code in dict(codes).items()}
         exit_code = ",".join(sorted({str(c) for c in dict(codes).values()})) if codes else ""
-        reports.append(ComponentReport(name, group, state, tasks, results, exit_code, "localhost"))
+        reports.append(
+            ComponentReport(name, group, state, tasks, results, exit_code, "localhost", _elapsed(entry, state))
+        )
     states = {r.state for r in reports}
     if "FAILED" in states or "LOST" in states:
         state = "FAILED"
@@ -193,6 +195,20 @@ def _local_report(record: JobRecord) -> JobReport:
             + (f"; the trainer log says: {trainer_finished}" if trainer_finished else "")
         )
     return JobReport(record=record, state=state, components=reports, note="; ".join(notes))
+
+
+def _elapsed(entry: dict, state: str) -> str:
+    """``H:MM:SS`` a local component ran (so far, while it runs), as sacct writes Elapsed; empty if unknown."""
+    started = entry.get("started_at")
+    if not isinstance(started, int | float):
+        return ""
+    ended = entry.get("ended_at")
+    if not isinstance(ended, int | float):
+        if state != "RUNNING":
+            return ""  # it ended without a record of when (its supervisor died)
+        ended = time.time()
+    seconds = max(0, int(ended - started))
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _trainer_finished_line(record: JobRecord) -> str:

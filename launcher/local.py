@@ -71,6 +71,7 @@ class LocalRun:
                 "state": "RUNNING",
                 "tasks": world,
                 "exit_codes": {},
+                "started_at": time.time(),
                 # what `status` and `cancel` need when this supervisor is gone (kill -9)
                 "pids": {str(t.rank): t.process.pid for t in self._component_tasks(component)},
             }
@@ -107,6 +108,8 @@ class LocalRun:
             "state": state or ("COMPLETED" if code == 0 else "FAILED"),
             "tasks": len(codes),
             "exit_codes": codes,
+            "started_at": self.status.get(component, {}).get("started_at"),
+            "ended_at": time.time(),
         }
         self._save_status()
 

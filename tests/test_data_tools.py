@@ -295,3 +295,38 @@ def test_regenerate_with_the_embedded_target_is_its_greedy_continuation(
             reply = row.input_ids[start : end - 1]  # the answer, without the closing <|end|>
             assert len(reply) == 5
             assert reply == predicted[start - 1 : end - 2], "each regenerated token is the target's argmax"
+
+
+def test_data_a_recipe_pins_is_never_replaced_by_other_data(
+    tmp_path: Path, chat_file: Path, tokenizer_dir: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verified data file (its SHA-256 pinned by a recipe) is not overwritten by a run that would write
+    other data there: refused with both digests, the file byte-identical, no temporary file left. The
+    same data again is fine, and a folder given as --output leaves no temporary file either."""
+    from tools import data_prepare
+
+    out = tmp_path / "train.jsonl"
+    options = PrepareOptions(input_path=chat_file, output_path=out, tokenizer_path=tokenizer_dir, max_length=256)
+    pinned = prepare(options, tokenizer=tokenizer, log=lambda _: None).sha256
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "mine.yaml").write_text(f"data:\n  expected_sha256: {pinned}\n")
+    monkeypatch.setattr(data_prepare, "RECIPES_DIR", recipes)
+    before = out.read_bytes()
+    assert prepare(options, tokenizer=tokenizer, log=lambda _: None).sha256 == pinned, "the same data: written again"
+
+    shorter = dataclasses.replace(options, max_length=64)
+    with pytest.raises(
+        DataFileError, match=rf"holds the data recipes/mine.yaml pins \(sha256 {pinned}\).*nothing was written"
+    ):
+        prepare(shorter, tokenizer=tokenizer, log=lambda _: None)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["chat.jsonl", "recipes", "train.jsonl", "train.jsonl.manifest.json"]
+    )
+
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError):
+        prepare(dataclasses.replace(options, output_path=folder), tokenizer=tokenizer, log=lambda _: None)
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name], "no temporary file left"

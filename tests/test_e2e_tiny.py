@@ -10,6 +10,7 @@ test (stop at 16, resume, an uninterrupted run, all exact) and the two-capture-n
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ def test_tiny_trains_and_consumes_the_prompt_order(tiny_reference_run: Path) -> 
     assert final_weights(full / "checkpoints")[0] == 32
     status = launch(["status", str(full)])
     assert "capture" in status.stdout and "trainer" in status.stdout and "COMPLETED" in status.stdout
+    for component in ("capture", "trainer"):  # how long each ran, as sacct gives it for a Slurm job
+        assert re.search(rf"^  {component} .* \d\d:\d\d:\d\d +localhost$", status.stdout, re.M), status.stdout
     logs = launch(["logs", str(full)]).stdout
     assert "_capture_0.out" in logs and "_trainer_0.out" in logs and "[trainer]" in logs
 

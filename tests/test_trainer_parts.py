@@ -128,7 +128,8 @@ def save(
     )
 
 
-def test_checkpoint_files_latest_keep_last_and_stale_tmp(tmp_path: Path) -> None:
+def test_checkpoint_files_latest_keep_last_and_stale_tmp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="dspark.trainer.checkpoints")
     model = torch.nn.Linear(3, 2)
     (tmp_path / ".tmp-step_00000009").mkdir(parents=True)  # a crashed save: never taken for a checkpoint
     assert checkpoints.find_latest(tmp_path) is None
@@ -137,6 +138,8 @@ def test_checkpoint_files_latest_keep_last_and_stale_tmp(tmp_path: Path) -> None
             model.weight.add_(1.0)
         saved = save(tmp_path, step, model, "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed step_")]
+    assert removals == ["removed step_00000002 (trainer.checkpoint.keep_last is 2)"], "a removal is announced"
     assert (tmp_path / "latest").is_symlink() and checkpoints.find_latest(tmp_path).name == "step_00000006"
     state = checkpoints.read_state(saved.path)
     assert state["step"] == 6 and state["weights_sha256"] == saved.weights_sha256 == checkpoints.model_sha256(model)

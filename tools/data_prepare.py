@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.shared.data_files import DataFileError, sha256_file, write_manifest, write_rows
+from runtime.shared.data_files import DataFileError, rows_text, sha256_file, write_manifest, write_rows
 from tools.chat_tokenize import ChatFormatError, check_messages, tokenize_chat
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
@@ -126,6 +127,38 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
     )
 
 
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+PINNED_SHA = re.compile(r"^\s*expected_sha256:\s*['\"]?([0-9a-f]{64})", re.MULTILINE)
+
+
+def recipes_pinning(sha256: str, recipes_dir: Path | None = None) -> list[str]:
+    """The recipes (in ``recipes_dir``, default this repository's) whose ``data.expected_sha256`` (or a
+    smoke overlay's) is ``sha256``."""
+    recipes_dir = recipes_dir or RECIPES_DIR
+    return [
+        f"recipes/{path.name}"
+        for path in sorted(recipes_dir.glob("*.yaml"))
+        if sha256 in PINNED_SHA.findall(path.read_text(errors="replace"))
+    ]
+
+
+def refuse_to_replace_pinned_data(output: Path, new_sha256: str, recipes_dir: Path | None = None) -> None:
+    """Raise DataFileError when ``output`` holds data a recipe pins and this run would replace it with
+    other data: a verified data file is never overwritten without a word."""
+    if not output.is_file():
+        return
+    old_sha256 = sha256_file(output)
+    if old_sha256 == new_sha256:
+        return
+    pinned = recipes_pinning(old_sha256, recipes_dir)
+    if pinned:
+        raise DataFileError(
+            f"{output} holds the data {', '.join(pinned)} pins (sha256 {old_sha256}); this run would write other "
+            f"data there (sha256 {new_sha256}), so nothing was written. fix: give another --output, or move that "
+            "file away first if you mean to replace it"
+        )
+
+
 def prepare(
     options: PrepareOptions, tokenizer: Any = None, regenerator: Regenerator | None = None, log: Any = print
 ) -> PrepareResult:
@@ -179,6 +212,7 @@ def prepare(
             f"{options.input_path}: every row was dropped (no assistant tokens within --max-length "
             f"{options.max_length}); fix: raise --max-length"
         )
+    refuse_to_replace_pinned_data(options.output_path, hashlib.sha256(rows_text(out_rows).encode()).hexdigest())
     write_rows(options.output_path, out_rows)
     sha = sha256_file(options.output_path)
     manifest = {
@@ -294,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         result = prepare(options)
     except (DataFileError, RegenerationError, ValueError) as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a folder where the output file should be, a full disk, no permission
+        where = exc.filename2 or exc.filename  # a rename's error names the temporary file first
+        print(f"prepare_data: error: {where}: {exc.strerror or exc}; nothing was written", file=sys.stderr)
         return 1
     print(
         f"prepare_data: wrote {result.rows} rows, {result.tokens} tokens ({result.masked_tokens} assistant) to "

@@ -327,8 +327,12 @@ class RowIndex:
         return parse_row(line, index, self.path)
 
 
+def rows_text(rows: list[dict[str, Any]]) -> str:
+    """Rows as canonical JSON Lines (compact, fixed key order): exactly what :func:`write_rows` writes."""
+    return "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+
+
 def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> None:
     """Write rows as canonical JSON Lines (compact, fixed key order) atomically."""
-    text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(path), text)
+    atomic_write_text(Path(path), rows_text(rows))

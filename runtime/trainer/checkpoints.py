@@ -26,6 +26,7 @@ import datetime as dt
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -55,6 +56,8 @@ DCP_DIR = "dcp"
 LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+
+log = logging.getLogger("dspark.trainer.checkpoints")
 
 
 class CheckpointError(RuntimeError):
@@ -351,8 +354,13 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
 
 
 def _prune(checkpoint_dir: Path, keep_last: int) -> None:
+    removed = []
     for old in complete_checkpoints(checkpoint_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+        removed.append(old.name)
+    if removed:
+        # A checkpoint the log announced earlier must not vanish without a word.
+        log.info("removed %s (trainer.checkpoint.keep_last is %d)", ", ".join(removed), keep_last)
 
 
 def _dcp_load(bundle: dict[str, Any], path: Path) -> None:
