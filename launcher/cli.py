@@ -169,6 +169,8 @@ def submit(args: argparse.Namespace) -> int:
             print(f"# plan blocker: {finding.message}")
         return 0
     _check_environment_references(loaded)
+    if args.local:
+        _refuse_taken_local_ports(loaded)
     if not args.probe:  # the probe reads neither the target nor the data
         prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
@@ -232,6 +234,28 @@ def _finish_gate(record: jobs.JobRecord) -> int:
     print(gate.render(rows))
     print(f"  gate record: {_display_path(path)}")
     return 0 if gate.passed(rows) else 1
+
+
+def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:
+    """With --local every port of the job is bound on this machine: refuse before anything starts (no
+    job folder, no process) when one is taken, instead of failing inside the running job."""
+    import socket
+
+    from runtime.recipe.checks import job_ports
+
+    taken = []
+    for field, port in job_ports(loaded.recipe).items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                taken.append(f"{field} {port} ({exc.strerror or exc})")
+    if taken:
+        raise LaunchError(
+            f"{loaded.source}: port(s) in use on this machine: {'; '.join(taken)}. Nothing was started. Another "
+            "--local job may hold them (`python3 -m launcher status latest`; `python3 -m launcher cancel JOB` stops "
+            "it); or give this run free ports, e.g. --set " + " --set ".join(f"{t.split()[0]}=PORT" for t in taken)
+        )
 
 
 def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:

@@ -349,3 +349,36 @@ def test_resolve_never_rewrites_a_job_folders_recorded_recipe(tmp_path: Path) ->
     assert (job_dir / "recipe.resolved.json").read_bytes() == recorded
     assert main(["resolve", "kimi_k3_v1c", "--job-dir", str(job_dir)]) == 2
     assert (job_dir / "recipe.resolved.json").read_bytes() == recorded
+
+
+def test_a_taken_port_refuses_a_local_run_before_anything_starts(tmp_path: Path) -> None:
+    """--local binds every port of the job on this machine: one in use (another --local job, say) is
+    refused up front, naming the field, with no job folder made and no process started."""
+    import socket
+    import subprocess
+    import sys
+
+    from runtime.transport.loopback import free_port
+
+    runs = tmp_path / "runs"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        sets = [f"job.runs_dir={runs}", f"job.master_port={free_port()}", f"transport.master_rpc_port={free_port()}"]
+        sets += [f"transport.metadata_http_port={taken}", f"transport.metrics_port={free_port()}"]
+        command = [sys.executable, "-m", "launcher", "tiny", "--local", "--probe"]
+        for item in sets:
+            command += ["--set", item]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"transport.metadata_http_port {taken}" in done.stderr and "Nothing was started" in done.stderr
+    assert "--set transport.metadata_http_port=PORT" in done.stderr and "Traceback" not in done.stderr
+    assert not runs.exists(), "no job folder"
+
+
+def test_the_port_clash_check_covers_the_trainer_rendezvous_port() -> None:
+    with pytest.raises(
+        RecipeError, match=r"transport.master_rpc_port.*uses port 29511, already used by job.master_port"
+    ):
+        load_recipe(TINY, ["transport.master_rpc_port=29511"])

@@ -196,21 +196,29 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 f"raise transport.global_segment_bytes above {largest}",
             )
         )
-    ports = {
-        "transport.master_rpc_port": tr.master_rpc_port,
-        "transport.metadata_http_port": tr.metadata_http_port,
-        "transport.metrics_port": tr.metrics_port,
-    }
-    if recipe.capture.engine == "sglang":
-        ports["capture.sglang.port"] = recipe.capture.sglang.port
     seen: dict[int, str] = {}
-    for name, port in ports.items():
+    for name, port in job_ports(recipe).items():
         if port in seen:
             out.append(
                 Problem(name, f"uses port {port}, already used by {seen[port]}", "give each port its own number")
             )
         seen[port] = name
     return out
+
+
+def job_ports(recipe: Recipe) -> dict[str, int]:
+    """Every TCP port the job listens on, by the recipe field that sets it. With ``--local`` all of
+    them are bound on this machine, so each needs its own number and must be free before the start."""
+    tr = recipe.transport
+    ports = {
+        "job.master_port": recipe.job.master_port,
+        "transport.master_rpc_port": tr.master_rpc_port,
+        "transport.metadata_http_port": tr.metadata_http_port,
+        "transport.metrics_port": tr.metrics_port,
+    }
+    if recipe.capture.engine == "sglang":
+        ports["capture.sglang.port"] = recipe.capture.sglang.port
+    return ports
 
 
 def _check_capture(recipe: Recipe) -> list[Problem]:
