@@ -246,6 +246,8 @@ def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:
     taken = []
     for field, port in job_ports(loaded.recipe).items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # A listener holds the port; a closed connection's TIME_WAIT (the previous run's) does not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError as exc:
