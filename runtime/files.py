@@ -1,4 +1,5 @@
-"""Atomic file writes: the ground floor every other room (launcher, runtime, tools) builds on.
+"""Atomic file writes and an exclusive lock file: the ground floor every other room (launcher, runtime,
+tools, tests) builds on.
 
 A file is written under a temporary name beside its target and renamed over it only when complete,
 so a reader sees the old file or the new one, never half of one. When the write fails (a full disk,
@@ -10,6 +11,7 @@ library, so the login-node launcher and the light layer can use it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,3 +47,16 @@ def atomic_write_text(target: Path, text: str) -> None:
     """Write ``text`` to ``target`` atomically (see the module docstring)."""
     with atomic_path(target) as tmp:
         tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (made if missing) for the block: one process at a
+    time builds or fills what the lock guards, the others wait and then find it done."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -12,9 +12,7 @@ Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/ti
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.files import atomic_write_text
+from runtime.files import atomic_write_text, exclusive_lock
 from runtime.shared.data_files import write_rows
 from tools import chat_tokenize, tiny_corpus
 
@@ -298,18 +296,6 @@ def evaluate_peakedness(
 # ----------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Serialise builds: tests and helpers may ask for the tiny target at the same time."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def cached_build(target_dir: Path) -> dict[str, Any] | None:
     """The build record of an existing target folder, or None."""
     try:
@@ -350,7 +336,8 @@ def make_tiny_target(
     spec = spec or TinyTargetSpec()
     target_dir, chat_path = target_dir.resolve(), chat_path.resolve()
     key = spec.cache_key()
-    with _exclusive(target_dir.parent / ".make_tiny_target.lock"):
+    # Builds are serialised: tests and helpers may ask for the tiny target at the same time.
+    with exclusive_lock(target_dir.parent / ".make_tiny_target.lock"):
         chat_sha = write_chat_corpus(spec, chat_path)
         record = cached_build(target_dir)
         if record and record.get("cache_key") == key and not force:

@@ -9,11 +9,12 @@ a test leaves running is not counted; pytest-xdist workers each append to the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,40 +43,31 @@ def _record(item: pytest.Item, phase: str, wall_s: float, cpu_s: float) -> None:
         handle.write(json.dumps(row) + "\n")
 
 
-def _timed(item: pytest.Item, phase: str) -> Generator[None, None, None]:
+@contextlib.contextmanager
+def _timed(item: pytest.Item, phase: str) -> Iterator[None]:
     wall, cpu = time.monotonic(), _cpu_seconds()
-    yield
-    _record(item, phase, time.monotonic() - wall, _cpu_seconds() - cpu)
+    try:
+        yield
+    finally:
+        _record(item, phase, time.monotonic() - wall, _cpu_seconds() - cpu)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """Times the setup phase (fixtures: target builds, clusters, masters)."""
-    gen = _timed(item, "setup")
-    next(gen)
-    try:
+    with _timed(item, "setup"):
         return (yield)
-    finally:
-        next(gen, None)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     """Times the test body."""
-    gen = _timed(item, "call")
-    next(gen)
-    try:
+    with _timed(item, "call"):
         return (yield)
-    finally:
-        next(gen, None)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     """Times the teardown phase."""
-    gen = _timed(item, "teardown")
-    next(gen)
-    try:
+    with _timed(item, "teardown"):
         return (yield)
-    finally:
-        next(gen, None)

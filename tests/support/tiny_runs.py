@@ -13,19 +13,17 @@ schedule's warm-up is fixed and the sample sequence is the prompt order).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from launcher.control import job_report
 from launcher.jobs import JobRecord, find_record
+from runtime.files import exclusive_lock
 from runtime.recipe import load_recipe
 from runtime.shared.prompt_order import PromptOrder
 from tests.support.launcher_cli import launch, probe_overrides
@@ -119,17 +117,6 @@ def committed_per_capture_task(job_dir: Path) -> dict[int, int]:
     return counts
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 ENV_SHARED_RUN_DIR = "DSPARK_SHARED_RUN_DIR"
 """A folder shared by several pytest processes started together (``.ci/run`` runs the Slurm tests beside
 the other slow ones): the reference run is made once for all of them."""
@@ -149,7 +136,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     A failed attempt is recorded, and later callers fail with its output instead of trying again."""
     root = shared_run_root(tmp_path_factory) / "tiny_reference"
     made, failed = root / "job_dir.txt", root / "failed.txt"
-    with _locked(root.parent / "tiny_reference.lock"):
+    with exclusive_lock(root.parent / "tiny_reference.lock"):
         if not made.exists() and not failed.exists():
             try:
                 job_dir = run_tiny("local", root / "runs", *REFERENCE_OVERRIDES)
