@@ -62,7 +62,8 @@ def test_sound_file_passes_and_counts_rows(tmp_path: Path) -> None:
     assert check.status == PASS and "4 rows checked" in check.detail, check
 
 
-def test_submission_is_refused_before_a_job_folder_exists(tmp_path: Path) -> None:
+def test_submission_is_refused_before_a_job_folder_exists(tmp_path: Path, tiny_assets: Path) -> None:
+    # tiny_assets: the launcher builds a missing target before it checks the data (55 s or more here).
     rows, tail, expected = CASES["mask value 2"]
     path = _write(tmp_path / "train.jsonl", rows, tail)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()

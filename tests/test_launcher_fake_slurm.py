@@ -14,6 +14,7 @@ import pytest
 from launcher.control import CancelError, cancel_job, job_report
 from launcher.jobs import JobRecord, find_record
 from launcher.slurm_state import SlurmUnreachableError, query_sacct
+from runtime.shared.data_files import sha256_file, write_rows
 from tests.support.fake_slurm import FakeSlurm
 from tests.support.launcher_cli import launch, probe_overrides
 
@@ -41,10 +42,20 @@ def slurm_record(tmp_path: Path, job_id: str = "4242") -> JobRecord:
     )
 
 
+def small_data(tmp_path: Path) -> list[str]:
+    """``--set`` items that point the recipe at a small valid data file (the submission checks its
+    SHA-256), so this test needs no tiny target build."""
+    rows = [{"id": f"r{i}", "input_ids": [1, 5 + i, 6, 2], "loss_mask": [0, 0, 1, 1]} for i in range(4)]
+    path = tmp_path / "train.jsonl"
+    write_rows(path, rows)
+    sets = [f"data.train_path={path}", f"data.expected_sha256={sha256_file(path)}", "data.num_rows=null"]
+    return [arg for item in sets for arg in ("--set", item)]
+
+
 def test_submit_status_gate_and_cancel_through_the_launcher(fake: FakeSlurm, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     fake.answer("sbatch", stdout="Submitted batch job 4242\n")
-    done = launch(["tiny", "--probe", *probe_overrides(runs)], env=fake.environ())
+    done = launch(["tiny", "--probe", *probe_overrides(runs), *small_data(tmp_path)], env=fake.environ())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "submitted job 4242" in done.stdout
     (submitted,) = fake.calls("sbatch")
