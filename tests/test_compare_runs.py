@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
-from tools.compare_runs import deviations, load_run, smooth, write_plots
+from tools.compare_runs import deviations, load_run, smooth, verdict, write_plots
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,8 +112,6 @@ def test_smoothing_is_a_trailing_mean_and_per_slot_metrics_get_small_multiples(t
 
 
 def test_launcher_plots_draws_a_jobs_plots(tmp_path: Path) -> None:
-    import sys
-
     from launcher.jobs import JobRecord, write_record
 
     runs = tmp_path / "runs"
@@ -127,3 +126,46 @@ def test_launcher_plots_draws_a_jobs_plots(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (job_dir / "plots" / "loss.png").exists() and "loss.png" in done.stdout
+
+
+def test_the_verdict_says_identical_or_where_the_runs_first_differ(tmp_path: Path) -> None:
+    a = load_run(make_run(tmp_path / "a", [2.0, 1.5, 1.2, 1.0], "h"))
+    same = load_run(make_run(tmp_path / "same", [2.0, 1.5, 1.2, 1.0], "h"))
+    other = load_run(make_run(tmp_path / "other", [2.0, 1.5, 1.25, 1.0], "h"))
+    assert verdict(a, same).startswith("verdict: identical on all 4 optimizer steps in common (steps 1..4)")
+    assert verdict(a, other) == "verdict: the runs first differ at optimizer step 3: loss A 1.2 vs B 1.25"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.compare_runs", str(tmp_path / "a"), str(tmp_path / "other"), "--no-plots"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.splitlines()[0] == verdict(a, other), "the verdict comes first"
+
+
+def test_two_runs_are_drawn_the_same_way_and_the_lr_never_smoothed(tmp_path: Path) -> None:
+    """A 32-step run and a 16-step resumed one share one moving-average window (before, the shorter was
+    drawn raw and the longer smoothed, so identical runs looked different); lr is an exact schedule."""
+    from tools.compare_runs import PLOTS, smoothing_window
+
+    full = load_run(make_run(tmp_path / "full", [3 - s / 10 for s in range(32)], "h"))
+    resumed = load_run(make_run(tmp_path / "resumed", [3 - s / 10 for s in range(16)], "h"))
+    assert (
+        smoothing_window([full, resumed], ["loss"], PLOTS["loss"])
+        == 3
+        == smoothing_window([full], ["loss"], PLOTS["loss"])
+    )
+    assert smoothing_window([full, resumed], ["lr"], PLOTS["lr"]) == 1
+    assert "accept rate = 1 - L1/2" in PLOTS["accept"].ylabel, "the plot says what accept rate is"
+
+
+def test_a_run_without_a_step_is_an_error_not_empty_plots(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.compare_runs", str(folder)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "has no metrics record" in done.stderr and "Traceback" not in done.stderr
+    assert not (folder / "plots").exists(), "no plot drawn"

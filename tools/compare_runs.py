@@ -28,6 +28,8 @@ class PlotSpec:
     ylabel: str
     per_slot: bool = False
     """One small panel per draft slot (``acc@0``, ``acc@1`` ...) instead of one axis."""
+    smoothed: bool = True
+    """Draw a moving average over the faint raw curve; off for exact schedules (the learning rate)."""
 
 
 SLOTS = 16
@@ -36,10 +38,14 @@ PLOTS: dict[str, PlotSpec] = {
         ("loss", "loss_ce", "loss_l1", "loss_confidence"), "loss per supervised slot (CE and BCE in nats, L1 in [0, 2])"
     ),
     "accuracy": PlotSpec(tuple(f"acc@{k}" for k in range(SLOTS)), "top-1 accuracy", per_slot=True),
-    "accept": PlotSpec(tuple(f"accept@{k}" for k in range(SLOTS)), "accept rate", per_slot=True),
+    "accept": PlotSpec(
+        tuple(f"accept@{k}" for k in range(SLOTS)),
+        "accept rate = 1 - L1/2 (draft vs target distribution, teacher-forced)",
+        per_slot=True,
+    ),
     "tau": PlotSpec(("tau",), "tau (tokens accepted per draft block)"),
     "grad_norm": PlotSpec(("grad_norm",), "gradient norm (before clipping)"),
-    "lr": PlotSpec(("lr",), "learning rate"),
+    "lr": PlotSpec(("lr",), "learning rate", smoothed=False),
     "tokens_per_s": PlotSpec(("tokens_per_s",), "throughput (tokens/s)"),
     "data_wait": PlotSpec(("data_wait_fraction",), "share of step time waiting for samples"),
 }
@@ -121,6 +127,11 @@ def load_run(path: Path, label: str | None = None) -> Run:
             if key not in IGNORED_KEYS and isinstance(value, int | float) and not isinstance(value, bool)
         }
         run.steps[step] = values  # a resumed run repeats steps after its checkpoint: the last one wins
+    if not run.steps:
+        raise ValueError(
+            f"{metrics_file} has no metrics record: the run has not finished an optimizer step, so there is "
+            "nothing to plot or compare (wait for its first step, or pass another run)"
+        )
     run.checkpoints = _checkpoints(folder / "checkpoints")
     return run
 
@@ -157,12 +168,33 @@ def deviations(a: Run, b: Run) -> list[Deviation]:
     )
 
 
+def verdict(a: Run, b: Run) -> str:
+    """One line: the runs agree exactly on every step they share, or the first step and metric where
+    they differ (learning metrics first; timing metrics measure the machine and are left out)."""
+    common = sorted(set(a.steps) & set(b.steps))
+    if not common:
+        return "verdict: no optimizer step in common (steps are the optimizer steps each run logged)"
+    for step in common:
+        for metric in sorted(set(a.steps[step]) & set(b.steps[step]), key=metric_rank):
+            if metric in TIMING_METRICS:
+                continue
+            va, vb = a.steps[step][metric], b.steps[step][metric]
+            if va != vb and not (math.isnan(va) and math.isnan(vb)):
+                return f"verdict: the runs first differ at optimizer step {step}: {metric} A {va:.9g} vs B {vb:.9g}"
+    return (
+        f"verdict: identical on all {len(common)} optimizer steps in common (steps {common[0]}..{common[-1]}), "
+        "every learning metric bit for bit"
+    )
+
+
 def render_table(a: Run, b: Run, rows: list[Deviation], top: int) -> str:
-    """The deviation table plus the checkpoint listing."""
+    """The verdict, the deviation table and the checkpoint listing."""
     common = set(a.steps) & set(b.steps)
     lines = [
+        verdict(a, b),
         f"A = {a.folder} ({len(a.steps)} steps)",
         f"B = {b.folder} ({len(b.steps)} steps); {len(common)} steps in common",
+        "  largest deviation of each metric, at the optimizer step where it occurs:",
         f"  {'metric':<22} {'step':>6} {'A':>14} {'B':>14} {'|A-B|':>12} {'relative':>9}",
     ]
     for d in rows[:top]:
@@ -197,12 +229,19 @@ def _series(run: Run, key: str) -> tuple[list[int], list[float]]:
     return [x for x, _ in points], [y for _, y in points]
 
 
-def _draw(axis: object, run: Run, key: str, label: str, color: str, style: str) -> None:
-    """The raw curve faint, its moving average solid on top."""
+def smoothing_window(runs: list[Run], keys: list[str], spec: PlotSpec) -> int:
+    """One moving-average window for every curve of a plot (so two runs are drawn the same way): from
+    the longest series on it; 1 (raw) for a plot that is never smoothed."""
+    longest = max((len(_series(run, key)[0]) for run in runs for key in keys), default=0)
+    return max(1, longest // SMOOTHING_POINTS) if spec.smoothed else 1
+
+
+def _draw(axis: object, run: Run, key: str, label: str, color: str, style: str, window: int) -> None:
+    """The raw curve faint with its moving average (``window`` steps) solid on top, or the raw curve
+    solid when ``window`` is 1."""
     xs, ys = _series(run, key)
     if not xs:
         return
-    window = max(1, len(xs) // SMOOTHING_POINTS)
     axis.plot(xs, ys, style, color=color, alpha=0.25 if window > 1 else 0.9, linewidth=0.8)  # type: ignore[attr-defined]
     if window > 1:
         axis.plot(xs, smooth(ys, window), style, color=color, linewidth=1.6, label=label)  # type: ignore[attr-defined]
@@ -233,9 +272,11 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
             figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), sharex=True, sharey=True)
             panels = list(getattr(axes, "flat", [axes]))
             for axis, key in zip(panels, present, strict=False):
+                window = smoothing_window(runs, present, spec)
                 for run_index, run in enumerate(runs):
                     label = run.label if several else key
-                    _draw(axis, run, key, label, colors[run_index % len(colors)], styles[run_index % len(styles)])
+                    color, style = colors[run_index % len(colors)], styles[run_index % len(styles)]
+                    _draw(axis, run, key, label, color, style, window)
                 axis.set_title(f"slot {key.split('@')[1]}", fontsize=9)
                 axis.grid(alpha=0.3)
                 axis.set_ylim(0, 1)
@@ -250,14 +291,16 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
                 panels[0].legend(fontsize=7)
         else:
             figure, axis = plt.subplots(figsize=(8, 4.5))
+            window = smoothing_window(runs, present, spec)
             for run_index, run in enumerate(runs):
                 for key_index, key in enumerate(present):
                     label = f"{run.label}: {key}" if several else key
                     color = colors[(key_index if not several or len(present) > 1 else run_index) % len(colors)]
-                    _draw(axis, run, key, label, color, styles[run_index % len(styles)])
+                    _draw(axis, run, key, label, color, styles[run_index % len(styles)], window)
             axis.set_xlabel("optimizer step")
             axis.set_ylabel(spec.ylabel)
-            axis.set_title(name.replace("_", " "))
+            smoothing = f"; solid: moving average over {window} steps, faint: every step" if window > 1 else ""
+            axis.set_title(name.replace("_", " ") + smoothing, fontsize=10)
             axis.grid(alpha=0.3)
             if several or len(present) > 1:
                 axis.legend(fontsize=8, ncol=2)
