@@ -19,6 +19,7 @@ from launcher.component import start_component, stop_processes
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.recipe import ResolvedRecipe
+from runtime.shared.contracts import TRAINER_EXIT_STOPPED
 
 POLL_INTERVAL_S = 0.5
 
@@ -153,14 +154,44 @@ class LocalRun:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
+    def _stop_keeping_the_work(self) -> int:
+        """Ctrl-C or SIGTERM: the trainer first, while the capture and its Mooncake master still serve
+        the samples of the step it is in (it finishes that step, checkpoints and leaves), then the
+        capture. Stopped the other way round, the trainer waits for samples that never come and is
+        killed after the grace period without a checkpoint."""
+        print(
+            "[local] stop requested: the trainer finishes its step and writes a checkpoint (up to "
+            f"job.stop_grace_s = {self.stop_grace_s:.0f} s), then the capture and the Mooncake master stop",
+            file=sys.stderr,
+            flush=True,
+        )
+        trainer = self._component_tasks("trainer")
+        stop_processes([t.process for t in trainer], self.stop_grace_s)
+        kept = all(t.process.returncode in (TRAINER_EXIT_STOPPED, 0) for t in trainer)
+        self._finish("trainer", 130, state="STOPPED" if kept else "CANCELLED")
+        self._finish("capture", 130, state="STOPPED")
+        print(self._stop_summary(kept), file=sys.stderr, flush=True)
+        return 130
+
+    def _stop_summary(self, kept: bool) -> str:
+        """What the stop kept and how to go on, from trainer rank 0's log."""
+        log = self.record.log_path("trainer", 0)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        stopped = [line for line in text.splitlines() if "stopped after step" in line]
+        resume = f"python3 -m launcher {self.record.recipe_source} --local --resume {self.record.job_dir}"
+        if kept and stopped:
+            where = stopped[-1].split("[trainer] ", 1)[-1]
+            return f"[local] STOPPED: {where}; resume with `{resume}`"
+        return (
+            f"[local] STOPPED without a new checkpoint (the trainer did not reach its step boundary within "
+            f"job.stop_grace_s = {self.stop_grace_s:.0f} s); `{resume}` continues from the last one there is"
+        )
+
     def _supervise(self) -> int:
         while True:
             self._echo_logs()
             if self._stop_requested:
-                print("[local] stop requested: stopping both components", file=sys.stderr, flush=True)
-                for component in COMPONENTS:
-                    self._finish(component, 130, state="CANCELLED")
-                return 130
+                return self._stop_keeping_the_work()
             trainer_code = self._component_exit("trainer")
             if trainer_code is not None:
                 self._finish("trainer", trainer_code)

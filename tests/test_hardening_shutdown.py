@@ -5,11 +5,12 @@ one task at a time."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.support.launcher_cli import launch, probe_overrides
+from tests.support.launcher_cli import REPO, launch, probe_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -56,3 +57,57 @@ def test_failed_capture_stops_all_trainer_ranks_in_parallel(tmp_path: Path) -> N
     assert len(signalled) == 4 and len(left) == 4, (sorted(signalled), sorted(left), done.stderr[-2000:])
     # every rank got its SIGTERM before any rank had finished stopping: they stop side by side
     assert max(signalled.values()) < min(left.values()), (signalled, left)
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+def test_sigterm_to_the_local_supervisor_keeps_the_work(tmp_path: Path, tiny_assets: Path) -> None:
+    """Ctrl-C or SIGTERM to ``launcher tiny --local``: the trainer is stopped first, finishes its step and
+    checkpoints while the capture still serves it; the console says STOPPED with the step and the resume
+    command, and status says STOPPED. (Before: the capture and its master went first, the trainer waited
+    for samples, was killed after the grace period and no checkpoint was written.)"""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.tiny_runs import metrics
+
+    runs = tmp_path / "runs"
+    # No periodic checkpoint before the stop: the one found afterwards is the stop's.
+    command = [sys.executable, "-m", "launcher", "tiny", "--local", *probe_overrides(runs)]
+    command += ["--set", "trainer.checkpoint.every_steps=1000"]
+    supervisor = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and supervisor.poll() is None:
+            jobs = list((runs / "tiny").glob("*/metrics.jsonl")) if (runs / "tiny").exists() else []
+            if jobs and len(jobs[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert supervisor.poll() is None, "the run ended before the stop"
+        stopped_at = time.monotonic()
+        supervisor.send_signal(signal.SIGTERM)
+        console, _ = supervisor.communicate(timeout=240)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.communicate()
+    took_s = time.monotonic() - stopped_at
+    job_dir = only_job_dir(runs)
+    assert supervisor.returncode == 130, console[-4000:]
+    found = re.search(
+        r"\[local\] STOPPED: stopped after step (\d+) on request; checkpoint (\S+); resume with `(.+)`", console
+    )
+    assert found, console[-4000:]
+    step = int(found.group(1))
+    assert f"--resume {job_dir}" in found.group(3)
+    assert metrics(job_dir)[-1]["step"] == step, "the checkpoint is at the last step the trainer finished"
+    state = json.loads((job_dir / "checkpoints" / "latest" / "trainer_state.json").read_text())
+    assert state["step"] == step and step < 32
+    status = launch(["status", str(job_dir)]).stdout
+    assert re.search(r"^  trainer +1 STOPPED ", status, re.M) and re.search(r"^  capture +0 STOPPED ", status, re.M), (
+        status
+    )
+    print(f"stopped at step {step}; {took_s:.1f} s from SIGTERM to the supervisor's exit")

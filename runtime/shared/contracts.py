@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 # environment: launcher -> component
 # ----------------------------------------------------------------------------------------------
 
+TRAINER_EXIT_STOPPED = 143
+"""A trainer rank's exit code after a stop request (SIGTERM): it finished its step, wrote a checkpoint
+and left (128 + SIGTERM, what a shell reports for a process SIGTERM ended). The supervisor reads it as
+STOPPED with the work kept, not as a failure."""
+
 ENV_JOB_DIR = "DSPARK_JOB_DIR"
 """The job folder (records, logs, checkpoints)."""
 ENV_RECIPE = "DSPARK_RECIPE"

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.shared.contracts import CapturedSample, LossRecord, SampleConsumer, step_sample_indices
+from runtime.shared.contracts import (
+    TRAINER_EXIT_STOPPED,
+    CapturedSample,
+    LossRecord,
+    SampleConsumer,
+    step_sample_indices,
+)
 from runtime.trainer import checkpoints
 from runtime.trainer.distributed import (
     all_reduce_host_sum,
@@ -52,7 +58,7 @@ from runtime.trainer.settings import RunSettings
 from runtime.trainer.sources import check_sample, open_sample_source
 
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
-EXIT_STOPPED = 143
+EXIT_STOPPED = TRAINER_EXIT_STOPPED
 """Exit code after a SIGTERM was honoured at a step boundary (checkpoint written)."""
 
 
