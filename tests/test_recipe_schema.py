@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,24 @@ def test_expert_streaming_knobs_are_checked_with_both_numbers() -> None:
     with pytest.raises(RecipeError) as info:
         load_recipe(K3, overrides=["capture.expert_streaming.prefetch_layers=0"])
     assert "capture.expert_streaming.prefetch_layers" in _problems(info.value)
+
+
+@pytest.mark.parametrize(
+    ("item", "named"),
+    [
+        ("job.setup=['export WANDB_API_KEY=abc123def456']", "WANDB_API_KEY"),
+        ("job.setup=['HF_TOKEN=hf_abcdef python3 x.py']", "HF_TOKEN"),
+        ("capture.sglang.extra_args=['--api-key', 'sk-123']", "--api-key"),
+        ("job.setup=['python3 serve.py --api-key sk-123']", "--api-key"),
+    ],
+)
+def test_a_credential_written_into_any_string_of_the_recipe_is_refused(item: str, named: str) -> None:
+    """Not only job.env names: a setup line or an argument (the flag and its value may be two list
+    elements) that writes a credential down is refused at load time, naming the field; a reference to
+    the environment ($HF_TOKEN) is fine."""
+    with pytest.raises(RecipeError, match=rf"{re.escape(named)} with a literal value") as err:
+        load_recipe(REPO / "recipes" / "tiny.yaml", [item])
+    assert item.split("=", 1)[0] in str(err.value) and "export it in the submitting shell" in str(err.value)
+    load_recipe(
+        REPO / "recipes" / "tiny.yaml", ["job.setup=['export HF_TOKEN=$HF_TOKEN', 'echo ${WANDB_API_KEY:+set}']"]
+    )

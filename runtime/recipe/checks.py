@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 
 from runtime.recipe.errors import Problem
-from runtime.recipe.schema import Recipe
+from runtime.recipe.schema import SECRET_NAME, Recipe
 from runtime.recipe.sizes import SampleSize, segment_shares
 from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
 from runtime.recipe.units import format_bytes
@@ -51,9 +52,50 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_watermarks(recipe)
     problems += _check_capture(recipe)
     problems += _check_trainer(recipe)
+    problems += _check_credentials(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, _streamed_host_bytes(recipe))
     return problems
+
+
+# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
+# ``HF_TOKEN="..."``) or a credential flag with one (``--api-key abc``); a reference to the environment
+# (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down.
+_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;]|$)(?![\"']?\$)")
+_FLAG = re.compile(r"--([a-z0-9-]*(?:key|token|secret|password)[a-z0-9-]*)(?:=|\s+)(?![\"']?\$)(?=\S)", re.IGNORECASE)
+
+
+def _strings(value: object, path: str) -> list[tuple[str, str]]:
+    """Every string in a dumped recipe, with its dotted path (``job.setup[1]``)."""
+    if isinstance(value, str):
+        return [(path, value)]
+    if isinstance(value, dict):
+        return [item for key, sub in value.items() for item in _strings(sub, f"{path}.{key}" if path else str(key))]
+    if isinstance(value, list | tuple):
+        items = [item for index, sub in enumerate(value) for item in _strings(sub, f"{path}[{index}]")]
+        if value and all(isinstance(sub, str) for sub in value):
+            items.append((path, " ".join(value)))  # an argument list: a flag and its value are two elements
+        return items
+    return []
+
+
+def _check_credentials(recipe: Recipe) -> list[Problem]:
+    """No string of the recipe (setup lines, extra arguments, environment values ...) writes a credential
+    down: the recipe is copied into every job folder and rendered into batch scripts."""
+    out: list[Problem] = []
+    for path, text in _strings(recipe.model_dump(mode="json"), ""):
+        names = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
+        names += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
+        if names and not any(path.startswith(p.path) for p in out):  # one problem per field
+            out.append(
+                Problem(
+                    path,
+                    f"writes a credential into the recipe ({', '.join(names)} with a literal value)",
+                    "export it in the submitting shell instead (both components inherit it), or refer to it as "
+                    f"${names[0].lstrip('-').upper().replace('-', '_')}",
+                )
+            )
+    return out
 
 
 def _streamed_host_bytes(recipe: Recipe) -> int:
