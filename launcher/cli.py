@@ -460,6 +460,11 @@ def job_command(command: str, argv: list[str]) -> int:
             for png in sorted((Path(record.job_dir) / "plots").glob("*.png")):
                 print(f"  {_display_path(png)}")
         return 0 if ok else 1
+    if not control.log_files(record, args.component, args.rank):
+        tasks = ", ".join(f"{name} ranks 0..{count - 1}" for name, count in record.components.items())
+        raise LaunchError(
+            f"job {record.job_id} has no task {args.component or 'of any component'} rank {args.rank}: it has {tasks}"
+        )
     control.print_logs(record, args.component, args.rank, args.follow)
     return 0
 

@@ -77,6 +77,10 @@ def test_submit_status_gate_and_cancel_through_the_launcher(fake: FakeSlurm, tmp
     assert "RUNNING" in status.stdout and "(waiting: Resources)" in status.stdout, "why the trainer is pending"
     assert fake.calls("sacct")[-1]["argv"][:2] == ["-j", "4242"]
 
+    no_rank = launch(["logs", "4242", "--rank", "99", "--runs-dir", str(runs)], env=fake.environ())
+    assert no_rank.returncode == 2 and "has no task of any component rank 99" in no_rank.stderr, no_rank.stderr
+    assert "trainer ranks 0..3" in no_rank.stderr
+
     gate = launch(["gate", "4242", "--runs-dir", str(runs)], env=fake.environ())
     assert gate.returncode == 2 and "was not a --smoke job" in gate.stderr and "--smoke" in gate.stderr, gate.stderr
     assert "Traceback" not in gate.stderr and not (Path(record.job_dir) / "gate.json").exists(), "nothing written"
