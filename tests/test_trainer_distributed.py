@@ -170,4 +170,7 @@ def test_resume_equals_uninterrupted_then_warm_start_and_mismatches(tmp_path: Pa
     assert "trainer.schedule.type: the checkpoint has 'cosine', this run has 'linear'" in log
     assert "the checkpoint has 2, this run has 1" in log
     assert f"the checkpoint has '{'ab' * 32}', this run has '{'cd' * 32}'" in log
+    # A refusal is one line for the operator; the traceback is kept beside the logs, not in them.
+    assert "Traceback" not in log and "[trainer rank 0] error: cannot resume from" in log, log[-3000:]
+    assert "CheckpointError" in (changed.job_dir / "logs" / "trainer_0.traceback.txt").read_text()
     assert "trainer.prompt_seed: the checkpoint has 7, this run has 8" in log

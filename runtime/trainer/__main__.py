@@ -12,10 +12,25 @@ import argparse
 import logging
 import os
 import sys
+import traceback
+from pathlib import Path
 
+from runtime.files import atomic_write_text
 from runtime.native_log import route_native_output
-from runtime.recipe import load_resolved
-from runtime.trainer.settings import derive_settings
+from runtime.recipe import RecipeError, load_resolved
+from runtime.shared.data_files import DataFileError
+from runtime.trainer.settings import TrainerSetupError, derive_settings
+
+
+def _write_traceback(job_dir: Path, rank: int) -> Path:
+    """The current exception's traceback in ``logs/trainer_RANK.traceback.txt`` of the job folder."""
+    target = job_dir / "logs" / f"trainer_{rank}.traceback.txt"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, traceback.format_exc())
+    except OSError:
+        traceback.print_exc()  # nowhere to put it: the log gets it after all
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("dspark").setLevel(logging.INFO)
 
+    from runtime.trainer.checkpoints import CheckpointError
+    from runtime.trainer.frozen_vocab import TargetTensorError
     from runtime.trainer.loop import Trainer
+    from runtime.trainer.metrics import MetricsSetupError
 
     trainer = Trainer(resolved, settings)
     try:
         return trainer.run()
+    except (
+        CheckpointError,
+        TargetTensorError,
+        MetricsSetupError,
+        TrainerSetupError,
+        RecipeError,
+        DataFileError,
+    ) as exc:
+        # A refusal the trainer expects (a corrupt or incompatible checkpoint, a missing target tensor,
+        # a bad setting): its message names the file and the fix. The operator sees it once, as one
+        # line; the traceback goes to a file beside the logs, for whoever debugs the trainer itself.
+        where = _write_traceback(settings.job_dir, settings.rank)
+        print(f"[trainer rank {settings.rank}] error: {exc} (traceback: {where})", file=sys.stderr, flush=True)
+        return 1
     finally:
         import torch.distributed as dist
 
