@@ -137,6 +137,7 @@ def test_cached_runs_train_exactly_like_uncached_and_resume_in_epoch_2(
         "trainer.checkpoint.resume_from=auto",
         f"trainer.checkpoint.dir={checkpoints}",
         "job.capture.nodes=2",
+        expected_warnings=("is unusable",),  # the damaged entry is named, removed and captured again
     )
     got = metrics(resumed)
     assert [r["step"] for r in got] == list(range(21, 33)), "continued from step 20"

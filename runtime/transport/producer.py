@@ -304,6 +304,15 @@ class Producer:
 
     def _put_heartbeat_locked(self, data: bytes, final: bool) -> None:
         key = heartbeat_key(self.store_id, self.window.share_index)
+        if self._trainer_leaving:
+            # The run is over and its reader is leaving: one attempt into this producer's own place.
+            # When that is gone too (the sample segment was the trainer node's, and it left with it)
+            # the beat is dropped without retries or warnings: nobody waits for it any more.
+            try:
+                self._put_beat_into(key, data, "", max_retries=0)
+            except TransportError as exc:
+                log.debug("a heartbeat after the end of the run was not put: %s", exc)
+            return
         target = self._rank0_segment
         now = time.monotonic()
         target_error: TransportError | None = None
@@ -321,7 +330,19 @@ class Producer:
                 "trainer rank 0's segment is not known yet (no cursor names it): the heartbeat goes to this "
                 "producer's own segment, and vanishes with it if the producer hangs or dies"
             )
-        self._put_beat_into(key, data, "", max_retries=0 if final or target_error is not None else None)
+        # A producer that mounts no segment (transport.segment_placement: trainer) has nowhere to put a
+        # beat until trainer rank 0 mounts the sample segment: at the start of every such run. That is
+        # expected, not worth retries or a warning; the next beat tries again.
+        nowhere_yet = not target and not self.client.settings.segment_bytes
+        try:
+            self._put_beat_into(
+                key, data, "", max_retries=0 if final or target_error is not None or nowhere_yet else None
+            )
+        except TransportError as exc:
+            if not nowhere_yet:
+                raise
+            log.debug("no segment holds the heartbeat yet (trainer rank 0 has not mounted the sample segment): %s", exc)
+            return
         if target_error is not None and TRANSFER_FAIL in getattr(target_error, "codes", ()):
             # Rank 0's client is dead or stopped (a transfer into its segment failed, perhaps after
             # hanging): rest it instead of stalling every beat. Other failures (the master down or
