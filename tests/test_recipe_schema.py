@@ -289,6 +289,7 @@ def test_a_credential_written_into_any_string_of_the_recipe_is_refused(item: str
     with pytest.raises(RecipeError, match=rf"{re.escape(named)} with a literal value") as err:
         load_recipe(REPO / "recipes" / "tiny.yaml", [item])
     assert item.split("=", 1)[0] in str(err.value) and "export it in the submitting shell" in str(err.value)
+    assert "has 1 problem" in str(err.value), "one mistake, one problem"
     load_recipe(
         REPO / "recipes" / "tiny.yaml", ["job.setup=['export HF_TOKEN=$HF_TOKEN', 'echo ${WANDB_API_KEY:+set}']"]
     )

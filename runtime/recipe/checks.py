@@ -86,7 +86,8 @@ def _check_credentials(recipe: Recipe) -> list[Problem]:
     for path, text in _strings(recipe.model_dump(mode="json"), ""):
         names = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
         names += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
-        if names and not any(path.startswith(p.path) for p in out):  # one problem per field
+        # One problem per field: an argument list's joined form comes after its elements.
+        if names and not any(p.path == path or p.path.startswith(path + "[") for p in out):
             out.append(
                 Problem(
                     path,
