@@ -442,3 +442,24 @@ def test_k3_recipe_watermarks_pass_and_bad_ones_name_both_numbers() -> None:
     with pytest.raises(RecipeError) as info:
         load_recipe(K3, overrides=["transport.store_cap_bytes=2TiB"])
     assert "global_segment_bytes 1.00 TiB" in _problems(info.value)["transport.store_cap_bytes"]
+
+
+def test_free_port_keeps_to_its_workers_range_and_skips_a_taken_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under xdist each worker gets DSPARK_PORT_RANGE (tests/conftest.py): ports come from it in turn,
+    never repeated within a process, and one that is taken is skipped."""
+    import socket
+
+    from runtime.transport import loopback
+
+    monkeypatch.setenv(loopback.ENV_PORT_RANGE, "24000-24009")
+    monkeypatch.setattr(loopback, "_next_in_range", {})
+    first = loopback.free_port()
+    assert 24000 <= first <= 24009
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        taken = 24000 + (first - 24000 + 1) % 10
+        holder.bind(("127.0.0.1", taken))
+        ports = [first] + [loopback.free_port() for _ in range(8)]
+    assert taken not in ports and len(set(ports)) == 9 and all(24000 <= p <= 24009 for p in ports)
+    monkeypatch.setenv(loopback.ENV_PORT_RANGE, "24000")
+    with pytest.raises(ValueError, match="write LOW-HIGH"):
+        loopback.free_port()

@@ -64,9 +64,9 @@ def _bindable(port: int) -> bool:
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now (the one helper tests and benchmarks use).
 
-    Without ``DSPARK_PORT_RANGE`` the kernel picks one. With it, ports come from that range in turn
-    (skipping any that cannot be bound), so successive calls in one process never repeat a port
-    until the range wraps around."""
+    Without ``DSPARK_PORT_RANGE`` the kernel picks one. With it, ports come from that range in turn,
+    from an offset of this process's own (skipping any that cannot be bound), so successive calls in
+    one process never repeat a port until the range wraps around."""
     bounds = _port_range()
     if bounds is None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -74,7 +74,9 @@ def free_port() -> int:
             return int(sock.getsockname()[1])
     low, high = bounds
     span = high - low + 1
-    start = _next_in_range.get(bounds, low)
+    # A child process inherits the range but not this process's place in it: start each process at its
+    # own offset, so a child's first ports are not the ones its parent handed out first.
+    start = _next_in_range.get(bounds, low + (os.getpid() * 97) % span)
     for offset in range(span):
         port = low + (start - low + offset) % span
         if _bindable(port):
