@@ -276,7 +276,7 @@ def test_expert_streaming_knobs_are_checked_with_both_numbers() -> None:
 @pytest.mark.parametrize(
     ("item", "named"),
     [
-        ("job.setup=['export WANDB_API_KEY=abc123def456']", "WANDB_API_KEY"),
+        ("job.setup=['export WANDB_API_KEY=abc123']", "WANDB_API_KEY"),
         ("job.setup=['HF_TOKEN=hf_abcdef python3 x.py']", "HF_TOKEN"),
         ("capture.sglang.extra_args=['--api-key', 'sk-123']", "--api-key"),
         ("job.setup=['python3 serve.py --api-key sk-123']", "--api-key"),
