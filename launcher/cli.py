@@ -6,6 +6,7 @@
     python3 -m launcher cancel JOB
     python3 -m launcher gate JOB              (the smoke gate's table for a --smoke job)
     python3 -m launcher plots JOB             (plots/ of a job's metrics: losses, per-slot accuracy, tau, ...)
+    python3 -m launcher eval JOB [--checkpoint latest|step_N|untrained|DIR] [--local] [--eval-set NAME] [--set eval.k=v]
     python3 -m launcher render [RECIPE ...] [--check]
     python3 -m launcher resolve RECIPE --job-dir DIR [--slurm-job-id ID] [--smoke] [--set k=v ...]
 
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import control, gate, jobs
+from launcher import control, eval_job, gate, jobs
 from launcher.environment import COMPONENTS
 from launcher.inputs import InputPreparationError, prepare_missing_inputs
 from launcher.plan import make_plan
@@ -34,7 +35,7 @@ from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
-SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "render", "resolve")
+SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "eval", "render", "resolve")
 
 
 class LaunchError(RuntimeError):
@@ -71,7 +72,8 @@ def _submit_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python3 -m launcher",
         description="Submit a DSpark recipe as one heterogeneous Slurm job (capture + trainer).",
-        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | plots JOB | render [RECIPE...] | resolve RECIPE",
+        epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | plots JOB | eval JOB | render [RECIPE...] | "
+        "resolve RECIPE",
     )
     _add_recipe_arguments(parser)
     mode = parser.add_mutually_exclusive_group()
@@ -393,17 +395,29 @@ def render(argv: list[str]) -> int:
     stale = []
     for name in names:
         loaded = load(name, [], False)
-        text = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
-        target = sbatch_path(REPO_ROOT, loaded.recipe)
-        if args.stdout:
-            print(text, end="")
-        elif args.check:
-            if not target.exists() or target.read_text() != text:
-                stale.append(_display_path(target))
-        else:
-            target.parent.mkdir(exist_ok=True)
-            atomic_write_text(target, text)
-            print(f"wrote {_display_path(target)}")
+        scripts = [
+            (
+                sbatch_path(REPO_ROOT, loaded.recipe),
+                render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source)),
+            )
+        ]
+        if loaded.recipe.eval is not None:
+            scripts.append(
+                (
+                    eval_job.eval_sbatch_path(REPO_ROOT, loaded.recipe),
+                    eval_job.render_eval_script(loaded.recipe, loaded.source),
+                )
+            )
+        for target, text in scripts:
+            if args.stdout:
+                print(text, end="")
+            elif args.check:
+                if not target.exists() or target.read_text() != text:
+                    stale.append(_display_path(target))
+            else:
+                target.parent.mkdir(exist_ok=True)
+                atomic_write_text(target, text)
+                print(f"wrote {_display_path(target)}")
     if stale:
         print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
         return 1
@@ -479,9 +493,11 @@ def main(argv: list[str] | None = None) -> int:
                 return render(rest)
             if command == "resolve":
                 return resolve(rest)
+            if command == "eval":
+                return eval_job.main(rest, REPO_ROOT)
             return job_command(command, rest)
         return submit(_submit_parser().parse_args(argv))
-    except (RecipeError, LaunchError, InputPreparationError, FileNotFoundError) as exc:
+    except (RecipeError, LaunchError, InputPreparationError, FileNotFoundError, eval_job.EvalLaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

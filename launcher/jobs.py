@@ -125,8 +125,7 @@ def newest_checkpoint(record: JobRecord) -> Path | None:
 
     job_dir = Path(record.job_dir)
     resolved = load_resolved(job_dir / "recipe.resolved.json")
-    configured = resolved.recipe.trainer.checkpoint.dir
-    folder = resolved.resolve_path(configured) if configured else job_dir / "checkpoints"
+    folder = resolved.checkpoint_dir(job_dir)
     complete = sorted(p.parent for p in folder.glob("step_*/trainer_state.json"))
     return complete[-1] if complete else None
 

@@ -103,9 +103,19 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: RenderOptions) -> list[str]:
+def resource_flags(
+    recipe: Recipe,
+    resources: ComponentResources,
+    *,
+    job_name: str,
+    time_limit_min: int,
+    nodes: int,
+    tasks_per_node: int,
+) -> list[tuple[str, str | None]]:
+    """The ``#SBATCH`` flags that place one het group (or a one-node job) on the site: name,
+    partition/account/qos, time, shape, GPUs, memory, exclusivity, constraint."""
     job = recipe.job
-    flags: list[tuple[str, str | None]] = [("job-name", job.name)]
+    flags: list[tuple[str, str | None]] = [("job-name", job_name)]
     if job.partition:
         flags.append(("partition", job.partition))
     if job.account:
@@ -113,9 +123,9 @@ def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: Render
     if job.qos:
         flags.append(("qos", job.qos))
     flags += [
-        ("time", str(job.time_limit_min)),
-        ("nodes", str(resources.nodes)),
-        ("ntasks-per-node", str(resources.tasks_per_node)),
+        ("time", str(time_limit_min)),
+        ("nodes", str(nodes)),
+        ("ntasks-per-node", str(tasks_per_node)),
         ("cpus-per-task", str(resources.cpus_per_task)),
     ]
     if resources.gpus_per_node:
@@ -126,6 +136,24 @@ def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: Render
         flags.append(("exclusive", None))
     if resources.constraint:
         flags.append(("constraint", resources.constraint))
+    return flags
+
+
+def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
+    """``#SBATCH`` lines of ``(flag, value)`` pairs (a None value is a bare flag)."""
+    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_quote(value)}" for key, value in flags]
+
+
+def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: RenderOptions) -> list[str]:
+    job = recipe.job
+    flags = resource_flags(
+        recipe,
+        resources,
+        job_name=job.name,
+        time_limit_min=job.time_limit_min,
+        nodes=resources.nodes,
+        tasks_per_node=resources.tasks_per_node,
+    )
     flags += [
         ("signal", f"{PREEMPT_SIGNAL}@{job.signal_delay_s}"),
         ("requeue", None),
@@ -136,7 +164,7 @@ def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: Render
     else:
         flags.append(("output", f"{options.job_dir}/logs/batch_%j.out"))
     flags += sorted(resources.extra_sbatch.items())
-    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_quote(value)}" for key, value in flags]
+    return sbatch_lines(flags)
 
 
 def _quote(value: str) -> str:
@@ -196,6 +224,17 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
     return lines
 
 
+def container_args(recipe: Recipe) -> list[str]:
+    """``srun`` arguments that run a step in the recipe's container image (none without one)."""
+    if not recipe.job.container_image:
+        return []
+    args = [f"--container-image={shlex.quote(recipe.job.container_image)}"]
+    if recipe.job.container_mounts:
+        args.append(f"--container-mounts={shlex.quote(','.join(recipe.job.container_mounts))}")
+    args.append('--container-workdir="$DSPARK_REPO"')
+    return args
+
+
 def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
     lines: list[str] = []
     python = recipe.job.python
@@ -208,11 +247,7 @@ def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
             "--unbuffered",
             f'--output="$DSPARK_JOB_DIR/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
         ]
-        if recipe.job.container_image:
-            srun.append(f"--container-image={shlex.quote(recipe.job.container_image)}")
-            if recipe.job.container_mounts:
-                srun.append(f"--container-mounts={shlex.quote(','.join(recipe.job.container_mounts))}")
-            srun.append('--container-workdir="$DSPARK_REPO"')
+        srun += container_args(recipe)
         srun += [shlex.quote(a) for a in resources.srun_args]
         worker = [python, "-u", "-m", "launcher.worker", "--component", component, '--job-dir "$DSPARK_JOB_DIR"']
         if options.probe:

@@ -25,14 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from runtime.files import atomic_write_text, exclusive_lock
+from runtime.shared import chat_tokenize
 from runtime.shared.data_files import write_rows
-from tools import chat_tokenize, tiny_corpus
+from tools import tiny_corpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET_DIR = REPO_ROOT / ".cache/tiny/target"
 """Where ``recipes/tiny.yaml`` (``capture.target_path``) expects the target."""
 DEFAULT_CHAT_PATH = REPO_ROOT / ".cache/tiny/data/chat.jsonl"
 """Where ``recipes/tiny.yaml`` (``data.chat_path``) expects the chat corpus."""
+DEFAULT_EVAL_PATH = REPO_ROOT / ".cache/tiny/data/eval.jsonl"
+"""Where ``recipes/tiny.yaml`` (``eval.sets``) expects the held-out eval prompts."""
+EVAL_SEED = 9001
+"""Seed of the eval conversations: neither the target's training corpus nor the draft's chat rows
+use it, so the eval prompts are held out from both (same tasks, other draws)."""
+EVAL_ROWS = 32
 BUILD_FILE = "build.json"
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> "
@@ -312,6 +319,15 @@ def write_chat_corpus(spec: TinyTargetSpec, chat_path: Path) -> str:
     return hashlib.sha256(chat_path.read_bytes()).hexdigest()
 
 
+def write_eval_set(spec: TinyTargetSpec, eval_path: Path) -> str:
+    """Write the held-out eval conversations (deterministic, from :data:`EVAL_SEED`); returns the
+    file's SHA-256. Each keeps its last assistant turn as the reference answer; the eval drops it."""
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    rows = tiny_corpus.generate_conversations(vocabulary, EVAL_ROWS, EVAL_SEED, id_prefix="eval")
+    write_rows(eval_path, rows)
+    return hashlib.sha256(eval_path.read_bytes()).hexdigest()
+
+
 def _fix_config_keys(target_dir: Path, spec: TinyTargetSpec) -> None:
     # transformers renamed the expert count between releases (num_experts / num_local_experts);
     # writing both keeps the checkpoint loadable by the CPU box's and the H200 box's versions.
@@ -326,6 +342,7 @@ def make_tiny_target(
     target_dir: Path = DEFAULT_TARGET_DIR,
     chat_path: Path = DEFAULT_CHAT_PATH,
     spec: TinyTargetSpec | None = None,
+    eval_path: Path = DEFAULT_EVAL_PATH,
     force: bool = False,
     log: Any = print,
 ) -> dict[str, Any]:
@@ -339,6 +356,7 @@ def make_tiny_target(
     # Builds are serialised: tests and helpers may ask for the tiny target at the same time.
     with exclusive_lock(target_dir.parent / ".make_tiny_target.lock"):
         chat_sha = write_chat_corpus(spec, chat_path)
+        write_eval_set(spec, eval_path.resolve())
         record = cached_build(target_dir)
         if record and record.get("cache_key") == key and not force:
             log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
@@ -390,13 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/make_tiny_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR, help="target folder (HF layout)")
     parser.add_argument("--chat-out", type=Path, default=DEFAULT_CHAT_PATH, help="tiny chat JSONL to write")
+    parser.add_argument("--eval-out", type=Path, default=DEFAULT_EVAL_PATH, help="held-out eval JSONL to write")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
     args = parser.parse_args(argv)
     spec = TinyTargetSpec()
     if args.train_steps is not None:
         spec = dataclasses.replace(spec, train_steps=args.train_steps)
-    make_tiny_target(args.out, args.chat_out, spec, force=args.force)
+    make_tiny_target(args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force)
     return 0
 
 

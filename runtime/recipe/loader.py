@@ -70,6 +70,12 @@ class ResolvedRecipe:
         """A recipe path made absolute: relative paths are relative to the repository root."""
         return resolve_recipe_path(value, self.repo_root)
 
+    def checkpoint_dir(self, job_dir: Path | None = None) -> Path:
+        """Where the trainer keeps its checkpoints: ``trainer.checkpoint.dir``, or ``checkpoints/`` in
+        the job folder (``job_dir``, default this recipe's folder)."""
+        configured = self.recipe.trainer.checkpoint.dir
+        return self.resolve_path(configured) if configured else (job_dir or self.job_dir) / "checkpoints"
+
 
 def resolve_recipe_path(value: str, repo_root: Path) -> Path:
     """A path from a recipe: ``~`` and ``${VAR}`` expanded, relative to ``repo_root`` unless absolute."""
@@ -77,9 +83,18 @@ def resolve_recipe_path(value: str, repo_root: Path) -> Path:
     return path if path.is_absolute() else repo_root / path
 
 
+OPTIONAL_SECTIONS = ("eval",)
+"""Top-level sections added after resolved files were first written: left out of the digest while
+unset, so a job folder resolved before they existed still verifies (and resumes)."""
+
+
 def recipe_digest(recipe: Recipe) -> str:
-    """SHA-256 of the canonical JSON form of ``recipe``."""
-    canonical = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the canonical JSON form of ``recipe`` (unset optional sections left out)."""
+    document = recipe.model_dump(mode="json")
+    for name in OPTIONAL_SECTIONS:
+        if document.get(name) is None:
+            document.pop(name, None)
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

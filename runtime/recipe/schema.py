@@ -679,6 +679,66 @@ class DataSection(Section):
 
 
 # ----------------------------------------------------------------------------------------------
+# eval: judging a trained draft under speculative decoding
+# ----------------------------------------------------------------------------------------------
+
+
+class EvalSet(Section):
+    """One eval set: a JSONL file of prompts, pinned by its SHA-256."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    """Short name, used in results and tables (letters, digits, ``_.-``)."""
+    path: str
+    """JSONL, one prompt per line: ``{"id", "conversations": [{role, content}, ...]}`` (rendered with
+    the target tokenizer's chat template and its generation prompt; a trailing assistant turn is
+    dropped) or ``{"id", "input_ids": [...]}`` (used as is). Relative to the repository unless absolute."""
+    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of the file; the eval refuses a file that differs."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Use only the first this many prompts (null: all)."""
+
+
+class EvalSection(Section):
+    """Speculative-decoding evaluation of a trained draft (``python3 -m launcher eval JOB``)."""
+
+    sets: list[EvalSet] = Field(..., min_length=1)
+    """Eval sets, each reported on its own and together."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens generated per prompt at most (generation also stops at a stop token)."""
+    temperatures: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
+    """Sampling temperatures; 0 is greedy verification (longest matching prefix plus the target's
+    token), above 0 the rejection rule of speculative sampling. Each is a separate pass."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Tokens that end a generation besides ``capture.special_tokens.eos_id`` (e.g. end of turn)."""
+    batch_size: int = Field(1, ge=1)
+    """Prompts in flight at once on the SGLang route (concurrent requests). The embedded decoder
+    decodes one prompt at a time."""
+    seed: int = 0
+    """Seed of the sampled passes and of the untrained comparison draft's initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the embedded eval runs: ``auto`` is the first GPU when there is one."""
+    compare_untrained: bool = True
+    """Also evaluate an untrained draft of the same shape (its floor) in the same run."""
+    time_limit_min: int = Field(60, ge=1)
+    """Slurm time limit of the eval job (``python3 -m launcher eval JOB`` without ``--local``)."""
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures_not_negative(cls, value: list[float]) -> list[float]:
+        if any(t < 0 for t in value):
+            raise ValueError(f"temperatures {value} include a negative value. Fix: use 0 (greedy) or a positive value")
+        return value
+
+    @model_validator(mode="after")
+    def _set_names_unique(self) -> EvalSection:
+        names = [s.name for s in self.sets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"eval set names {duplicates} appear more than once. Fix: give each set its own name")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
 # plan: hardware assumptions of the launcher's --plan (nothing at run time reads these)
 # ----------------------------------------------------------------------------------------------
 
@@ -744,6 +804,8 @@ class Recipe(Section):
     """Training data."""
     plan: PlanSection = Field(default_factory=PlanSection)
     """Hardware assumptions of ``--plan``."""
+    eval: EvalSection | None = None
+    """Speculative-decoding evaluation of the trained draft; null: the recipe has none."""
     smoke: dict[str, Any] = Field(default_factory=dict)
     """Overlay applied by ``--smoke``: same structure as the recipe, deep-merged over it."""
 

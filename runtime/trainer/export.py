@@ -123,13 +123,16 @@ def _normalise(name: str) -> str:
     return name.removeprefix("model.")
 
 
-def read_exported_weights(path: Path, expected: set[str]) -> dict[str, torch.Tensor]:
+def read_exported_weights(
+    path: Path, expected: set[str], field: str = "trainer.checkpoint.init_from"
+) -> dict[str, torch.Tensor]:
     """Full tensors of an exported draft (ours, or any with the same names), checked against the
-    model's names: a missing or unknown tensor is an error that lists them."""
+    model's names: a missing or unknown tensor is an error that lists them (and names ``field``,
+    where the path came from)."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise FileNotFoundError(
-            f"trainer.checkpoint.init_from {path}: neither a checkpoint (step_NNNNNNNN with trainer_state.json) "
+            f"{field} {path}: neither a checkpoint (step_NNNNNNNN with trainer_state.json) "
             "nor a folder with *.safetensors draft weights"
         )
     tensors: dict[str, torch.Tensor] = {}
@@ -143,15 +146,15 @@ def read_exported_weights(path: Path, expected: set[str]) -> dict[str, torch.Ten
                     tensors[key] = handle.get_tensor(name).to(torch.float32)
         except Exception as exc:  # safetensors raises its own error type for a damaged header or body
             raise ValueError(
-                f"trainer.checkpoint.init_from {path}: {file} is not a readable safetensors file ({exc}); it is "
-                "truncated or corrupt. Fix: export the draft again, or warm-start from a checkpoint folder"
+                f"{field} {path}: {file} is not a readable safetensors file ({exc}); it is "
+                "truncated or corrupt. Fix: export the draft again, or use a checkpoint folder"
             ) from None
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected)
     if missing or unknown:
         raise ValueError(
-            f"trainer.checkpoint.init_from {path}: the draft weights do not match this recipe's draft; "
+            f"{field} {path}: the draft weights do not match this recipe's draft; "
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unknown {unknown[:8]}"
-            f"{'...' if len(unknown) > 8 else ''}; fix: warm-start from a draft with the recipe's architecture"
+            f"{'...' if len(unknown) > 8 else ''}; fix: use a draft with the recipe's architecture"
         )
     return tensors

@@ -317,11 +317,15 @@ class DSparkDraft(nn.Module):
 
     def draft_hidden(self, hs: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Post-norm draft hidden states [N, S, H] of one sample."""
+        project = compiled(DSparkDraft.project_context) if self.compiled_regions else DSparkDraft.project_context
+        return self.slot_hidden(project(self, hs.to(self.fc.weight.dtype)), layout)
+
+    def slot_hidden(self, context: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        """Post-norm draft hidden states [N, S, H] from the projected context ``H_ctx [T, H]`` (what
+        :meth:`project_context` returns; a decoder projects each accepted row once and keeps them)."""
         dtype = self.fc.weight.dtype
         if self.embed_weight.numel() == 0:
             raise RuntimeError("the frozen embedding is not attached (call attach_frozen_vocab)")
-        project = compiled(DSparkDraft.project_context) if self.compiled_regions else DSparkDraft.project_context
-        context = project(self, hs.to(dtype))
         x = F.embedding(layout.slot_token_ids.reshape(-1), self.embed_weight).to(dtype)
         inputs = self.attention_inputs(layout, dtype)
         for layer in self.layers:

@@ -138,9 +138,7 @@ def derive_settings(resolved: ResolvedRecipe, env: Mapping[str, str] | None = No
     total_steps = min(trainer.max_steps, steps_in_data) if trainer.max_steps else steps_in_data
 
     job_dir = Path(env.get(ENV_JOB_DIR) or resolved.job_dir)
-    checkpoint_dir = (
-        resolved.resolve_path(trainer.checkpoint.dir) if trainer.checkpoint.dir else job_dir / "checkpoints"
-    )
+    checkpoint_dir = resolved.checkpoint_dir(job_dir)
     data_digest = resolve_expected_sha256(resolved.resolve_path(recipe.data.train_path), recipe.data.expected_sha256)
     return RunSettings(
         rank=rank,

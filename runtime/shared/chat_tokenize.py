@@ -5,6 +5,9 @@ whatever closes the turn, e.g. an end-of-turn token), found by rendering the con
 prefix: the tokens of ``messages[:i+1]`` past those of ``messages[:i]`` plus the generation prompt.
 This works with any template that renders a conversation as a growing prefix, with no need for
 ``{% generation %}`` markers; a template that rewrites earlier turns is reported, not guessed at.
+
+An eval prompt (:func:`tokenize_prompt`) is the conversation without its trailing assistant turn,
+rendered with the generation prompt: what a server would feed the target before it answers.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ class TokenizedChat:
     """Whether tokens past ``max_length`` were cut."""
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """Validate the ``conversations`` field of a chat row; returns it as plain dicts."""
+def check_messages(messages: Any, where: str, require_assistant: bool = True) -> list[dict[str, str]]:
+    """Validate the ``conversations`` field of a chat row; returns it as plain dicts. A training row
+    needs an assistant turn (``require_assistant``); a prompt does not."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError(f"{where}: field conversations must be a non-empty list of {{role, content}}")
     checked: list[dict[str, str]] = []
@@ -46,7 +50,7 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ChatFormatError(f"{where}: conversations[{turn_index}].content must be a string")
         checked.append({"role": role, "content": content})
-    if not any(turn["role"] == "assistant" for turn in checked):
+    if require_assistant and not any(turn["role"] == "assistant" for turn in checked):
         raise ChatFormatError(f"{where}: no assistant turn, so the loss mask would be empty; drop the row")
     return checked
 
@@ -84,3 +88,16 @@ def tokenize_chat(
     if truncated:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     return TokenizedChat(input_ids, loss_mask, truncated)
+
+
+def tokenize_prompt(tokenizer: Any, messages: Any, where: str) -> list[int]:
+    """Token ids of an eval prompt: ``messages`` without a trailing assistant turn (the reference
+    answer, if the row has one), then the template's generation prompt."""
+    checked = check_messages(messages, where, require_assistant=False)
+    if checked[-1]["role"] == "assistant":
+        checked = checked[:-1]
+    if not checked:
+        raise ChatFormatError(
+            f"{where}: conversations holds only an assistant turn, so there is no prompt; drop the row"
+        )
+    return _encode(tokenizer, render(tokenizer, checked, add_generation_prompt=True))

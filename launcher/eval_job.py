@@ -1,0 +1,192 @@
+"""``python3 -m launcher eval JOB``: judge a job's trained draft under speculative decoding.
+
+``--local`` runs ``python3 -m runtime.evaluate`` here (the target and draft on this machine's GPU or
+CPU). Without it, a one-node Slurm job on a capture-class node (the recipe's ``job.capture``
+resources, ``eval.time_limit_min``) runs the same command; its batch script is rendered from the
+recipe like the training job's, and checked in as ``sbatch/NAME.eval.sbatch`` for manual
+submission. Results land in ``<job>/eval/<draft>/`` either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher import jobs
+from launcher.render import container_args, resource_flags, sbatch_lines
+from runtime.files import atomic_write_text
+from runtime.recipe import Recipe, load_resolved
+from runtime.recipe.loader import RESOLVED_FILENAME
+
+EVAL_SCRIPT_SUFFIX = ".eval.sbatch"
+
+
+class EvalLaunchError(RuntimeError):
+    """A refusal to start an evaluation, with the reason and the fix in its message."""
+
+
+def eval_sbatch_path(repo_root: Path, recipe: Recipe) -> Path:
+    """Where the checked-in eval batch script of ``recipe`` lives."""
+    return repo_root / "sbatch" / f"{recipe.job.name}{EVAL_SCRIPT_SUFFIX}"
+
+
+def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
+    """The one-node eval batch script of ``recipe`` (needs an ``eval:`` section)."""
+    if recipe.eval is None:
+        raise ValueError(f"{recipe_file} has no eval: section")
+    job, resources = recipe.job, recipe.job.capture
+    flags = resource_flags(
+        recipe,
+        resources,
+        job_name=f"{job.name}-eval",
+        time_limit_min=recipe.eval.time_limit_min,
+        nodes=1,
+        tasks_per_node=1,
+    )
+    flags += [("output", "slurm-%x-%j.out"), *sorted(resources.extra_sbatch.items())]
+    python = job.python
+    evaluate = [
+        "srun",
+        "--ntasks=1",
+        "--unbuffered",
+        *container_args(recipe),
+        *[shlex.quote(a) for a in resources.srun_args],
+        python,
+        "-u",
+        "-m",
+        "runtime.evaluate",
+        f'--recipe "$DSPARK_JOB_DIR/{RESOLVED_FILENAME}"',
+        f"--eval-recipe {shlex.quote(recipe_file)}",
+        '--checkpoint "$DSPARK_EVAL_CHECKPOINT"',
+        "$DSPARK_EVAL_ARGS",
+    ]
+    lines = [
+        "#!/bin/bash",
+        f"# DSpark eval of job '{job.name}': speculative decoding of the target with a trained draft, one node",
+        f"# of the capture kind. Rendered by `python3 -m launcher render` from {recipe_file}. Do not edit by hand:",
+        "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
+        "#",
+        "# `python3 -m launcher eval JOB` submits it for you. Manual submission, from the repository root:",
+        f"#   DSPARK_JOB_DIR=runs/{job.name}/STAMP sbatch sbatch/{job.name}{EVAL_SCRIPT_SUFFIX}",
+        "# Results: $DSPARK_JOB_DIR/eval/<checkpoint>/results.json, summary.txt and plots.",
+        *sbatch_lines(flags),
+        "",
+        "set -uo pipefail",
+        "",
+        "# ---- site settings: edit here, or export them before sbatch ----",
+        'DSPARK_REPO="${DSPARK_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}"',
+        ': "${DSPARK_JOB_DIR:?export DSPARK_JOB_DIR: the folder of the trained job (runs/NAME/STAMP)}"',
+        'DSPARK_EVAL_CHECKPOINT="${DSPARK_EVAL_CHECKPOINT:-latest}"',
+        'DSPARK_EVAL_ARGS="${DSPARK_EVAL_ARGS:-}"',
+        "",
+        'cd "$DSPARK_REPO" || { echo "cannot cd to DSPARK_REPO=$DSPARK_REPO" >&2; exit 1; }',
+    ]
+    if job.setup:
+        lines.append("# ---- environment setup (job.setup) ----")
+        lines += list(job.setup)
+    lines += [
+        'echo "[dspark] eval job $SLURM_JOB_ID of $DSPARK_JOB_DIR, draft $DSPARK_EVAL_CHECKPOINT"',
+        " ".join(evaluate),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m launcher eval",
+        description="Judge a job's draft under speculative decoding: acceptance length against the target.",
+    )
+    parser.add_argument("job", help="job id, job folder, or 'latest' (the most recent submission)")
+    parser.add_argument(
+        "--checkpoint", default="latest", help="latest (default), step_N, untrained, or a draft folder (an export)"
+    )
+    parser.add_argument("--eval-set", dest="eval_sets", action="append", default=[], help="only this set (repeatable)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="eval.KEY=VALUE", help="override eval fields"
+    )
+    parser.add_argument("--local", action="store_true", help="run here instead of as a Slurm job")
+    parser.add_argument("--runs-dir", type=Path, default=None, help="runs folder holding jobs/<id> links")
+    return parser
+
+
+def eval_arguments(args: argparse.Namespace) -> list[str]:
+    """The ``runtime.evaluate`` arguments after ``--checkpoint`` (eval sets, overrides)."""
+    out: list[str] = []
+    for name in args.eval_sets:
+        out += ["--eval-set", name]
+    for item in args.overrides:
+        out += ["--set", item]
+    return out
+
+
+def main(argv: list[str], repo_root: Path) -> int:
+    """Run or submit one evaluation; returns the exit code."""
+    args = _parser().parse_args(argv)
+    runs_dir = args.runs_dir or repo_root / "runs"
+    record = jobs.find_record(args.job, runs_dir)
+    job_dir = Path(record.job_dir)
+    resolved = load_resolved(job_dir / RESOLVED_FILENAME)
+    recipe_file = record.recipe_source
+    if resolved.recipe.eval is None and not (repo_root / recipe_file).is_file():
+        raise EvalLaunchError(
+            f"job {record.job_id} was resolved without an eval: section and its recipe {recipe_file} is gone; fix: "
+            "add an eval: section to the recipe (see recipes/tiny.yaml)"
+        )
+    if args.local:
+        command = [
+            sys.executable,
+            "-m",
+            "runtime.evaluate",
+            "--recipe",
+            str(job_dir / RESOLVED_FILENAME),
+            "--eval-recipe",
+            recipe_file,
+            "--checkpoint",
+            args.checkpoint,
+            *eval_arguments(args),
+        ]
+        return subprocess.run(command, cwd=repo_root, check=False).returncode
+    return _submit(resolved.recipe, recipe_file, job_dir, args, repo_root)
+
+
+def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Namespace, repo_root: Path) -> int:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise EvalLaunchError(
+            "sbatch is not on PATH, so no Slurm job can be submitted from here; fix: run this on a Slurm login node, "
+            "or evaluate on this machine with --local"
+        )
+    extra = " ".join(eval_arguments(args))
+    if "," in extra or "," in args.checkpoint:
+        raise EvalLaunchError(
+            f"eval arguments {extra!r} contain a comma, which sbatch --export cannot carry; fix: drop it"
+        )
+    if recipe.eval is None:
+        raise EvalLaunchError(
+            f"job {job_dir} was resolved without an eval: section; the Slurm eval reads it from there. Fix: run with "
+            "--local, or train again with a recipe that has one"
+        )
+    eval_dir = job_dir / "eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    script = eval_dir / f"{recipe.job.name}{EVAL_SCRIPT_SUFFIX}"
+    atomic_write_text(script, render_eval_script(recipe, recipe_file))
+    exports = f"ALL,DSPARK_REPO={repo_root},DSPARK_JOB_DIR={job_dir},DSPARK_EVAL_CHECKPOINT={args.checkpoint}"
+    command = [
+        sbatch,
+        "--parsable",
+        f"--export={exports},DSPARK_EVAL_ARGS={extra}",
+        f"--output={eval_dir}/slurm-%j.out",
+        str(script),
+    ]
+    done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise EvalLaunchError(f"sbatch refused the eval job: {done.stderr.strip() or done.stdout.strip()}")
+    slurm_id = done.stdout.strip().split(";")[0]
+    print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
+    print(f"  follow: tail -f {eval_dir}/slurm-{slurm_id}.out")
+    print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
+    return 0

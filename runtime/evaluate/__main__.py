@@ -1,0 +1,121 @@
+"""``python3 -m runtime.evaluate --recipe RESOLVED [--checkpoint latest] [--eval-set NAME] [--set eval.k=v]``
+
+Evaluates a draft of the job whose resolved recipe is given (``python3 -m launcher eval JOB`` runs
+this). Writes ``<job>/eval/<draft>/results.json``, ``summary.txt`` and plots, and prints the summary.
+The eval settings are the resolved recipe's ``eval:`` section, or, for a job resolved without one,
+that of ``--eval-recipe`` (the job's recipe file as it is now), with ``--set`` applied.
+
+Exit codes: 0 done; 2 bad input (one line naming the file, the field and the fix); 1 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from runtime.evaluate.draft import DraftSourceError, resolve_draft_source
+from runtime.evaluate.eval_sets import EvalSetError
+from runtime.evaluate.target import TargetLoadError
+from runtime.files import atomic_write_text
+from runtime.recipe import RecipeError, load_recipe, load_resolved
+from runtime.recipe.errors import Problem
+from runtime.recipe.loader import apply_override
+from runtime.recipe.schema import EvalSection
+from runtime.trainer.checkpoints import CheckpointError
+
+RESULTS_FILE = "results.json"
+SUMMARY_FILE = "summary.txt"
+
+
+def eval_settings(
+    resolved_eval: EvalSection | None, eval_recipe: str | None, overrides: list[str], where: str
+) -> EvalSection:
+    """The eval section to run: the job's, else the one of ``eval_recipe``, with ``overrides``."""
+    section = resolved_eval
+    if section is None and eval_recipe:
+        section = load_recipe(Path(eval_recipe)).recipe.eval
+        where = eval_recipe
+    if section is None:
+        raise RecipeError(
+            where,
+            [
+                Problem(
+                    "eval",
+                    "is not set, so there is nothing to evaluate on",
+                    "add an eval: section (see recipes/tiny.yaml)",
+                )
+            ],
+        )
+    if not overrides:
+        return section
+    document = {"eval": section.model_dump(mode="json")}
+    for item in overrides:
+        if not item.startswith("eval."):
+            raise RecipeError(
+                where, [Problem(item.split("=")[0], "cannot change at eval time", "--set eval.* fields only")]
+            )
+        apply_override(document, item, where)
+    try:
+        return EvalSection.model_validate(document["eval"])
+    except ValueError as exc:
+        raise RecipeError(
+            where, [Problem("eval", str(exc).splitlines()[-1].strip(), "correct the --set value")]
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one evaluation; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python3 -m runtime.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True, help="the job's resolved recipe (recipe.resolved.json)")
+    parser.add_argument("--checkpoint", default="latest", help="latest, step_N, untrained, or a draft folder")
+    parser.add_argument(
+        "--eval-set", dest="sets", action="append", default=None, help="only this eval set (repeatable)"
+    )
+    parser.add_argument("--eval-recipe", help="recipe file whose eval: section to use when the job has none")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="eval.KEY=VALUE")
+    parser.add_argument("--out", type=Path, help="results folder (default: <job>/eval/<draft>)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", stream=sys.stdout
+    )
+    try:
+        resolved = load_resolved(args.recipe)
+        settings = eval_settings(resolved.recipe.eval, args.eval_recipe, args.overrides, str(resolved.path))
+        known = [s.name for s in settings.sets]
+        unknown = sorted(set(args.sets or []) - set(known))
+        if unknown:
+            raise RecipeError(
+                str(resolved.path), [Problem("eval.sets", f"has no set {unknown}", f"use one of {known}")]
+            )
+        source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+        from runtime.evaluate.runner import EvalInputs, evaluate
+
+        out_dir = args.out or resolved.job_dir / "eval" / source.label
+        results = evaluate(EvalInputs(resolved, settings, source, args.sets))
+    except (RecipeError, DraftSourceError, EvalSetError, TargetLoadError, CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
+    from runtime.evaluate.report import results_table
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    summary = results_table(results)
+    atomic_write_text(out_dir / SUMMARY_FILE, summary + "\n")
+    print(summary)
+    print(f"\nresults: {out_dir / RESULTS_FILE}")
+    from runtime.evaluate.plots import draw_eval_plots
+
+    for line in draw_eval_plots(out_dir, resolved.job_dir / "eval"):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
