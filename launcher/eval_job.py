@@ -109,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="eval.KEY=VALUE", help="override eval fields"
     )
     parser.add_argument("--local", action="store_true", help="run here instead of as a Slurm job")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: <job>/eval/<draft>)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="runs folder holding jobs/<id> links")
     return parser
 
@@ -120,6 +121,8 @@ def eval_arguments(args: argparse.Namespace) -> list[str]:
         out += ["--eval-set", name]
     for item in args.overrides:
         out += ["--set", item]
+    if args.out is not None:
+        out += ["--out", str(args.out.resolve())]
     return out
 
 

@@ -1,0 +1,296 @@
+"""The speculative decoder and its figures (runtime/evaluate), on a toy target and draft.
+
+Lossless with greedy verification: the output equals the target's own greedy decoding token for
+token, whatever the draft proposes (a random draft, and a scripted one that is right for exactly k
+slots, so every acceptance length 0..S and every rollback is exercised). The draft's proposals
+equal the trainer's teacher-forced forward at the same anchors. The rules, figures, eval sets and
+draft sources are checked on their own; the sampled rule's distribution test is in
+tests/test_evaluate_sampling.py, the whole command on the tiny run in tests/test_evaluate_tiny.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.evaluate.decoder import Generation, VerifyRecord, plain_generate, speculative_generate
+from runtime.evaluate.draft import (
+    DraftSourceError,
+    Proposal,
+    draft_config_from_export,
+    resolve_draft_source,
+)
+from runtime.evaluate.eval_sets import EvalSetError, file_sha256, load_prompts
+from runtime.evaluate.report import greedy_agreement, pass_figures
+from runtime.evaluate.verify import greedy_accept, sampled_accept
+from runtime.recipe import load_recipe
+from runtime.recipe.schema import EvalSet
+from runtime.trainer.layout import BlockLayout
+from tests.conftest import REPO_ROOT
+from tests.support.toy_spec import toy_pair
+
+VOCAB = 24
+BLOCK = 4
+STOP = {VOCAB - 2}
+
+
+def _logits_for(tokens: list[int], vocab: int = 8) -> torch.Tensor:
+    rows = torch.full((len(tokens), vocab), -5.0)
+    for i, token in enumerate(tokens):
+        rows[i, token] = 5.0
+    return rows
+
+
+def test_greedy_accept_takes_the_longest_matching_prefix_and_the_targets_next_token() -> None:
+    # target argmax after each prefix: 3, 1, 4, 1, 5
+    target = _logits_for([3, 1, 4, 1, 5])
+    assert greedy_accept(torch.tensor([3, 1, 4, 1]), target) == (4, 5)
+    assert greedy_accept(torch.tensor([3, 1, 0, 1]), target) == (2, 4)  # a later match does not count
+    assert greedy_accept(torch.tensor([2, 1, 4, 1]), target) == (0, 3)
+    with pytest.raises(ValueError, match="S \\+ 1 target rows"):
+        greedy_accept(torch.tensor([3, 1, 4]), target)
+
+
+def test_sampled_accept_follows_the_probability_ratio() -> None:
+    generator = torch.Generator().manual_seed(0)
+    # p >= q on the drafted tokens: always accepted, then the last row gives the token
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.0, 0.8]])
+    assert sampled_accept(torch.tensor([1, 2]), q, p, generator) == (2, 0)
+    # p = 0 on the drafted token: always rejected, and the token comes from max(p - q, 0)
+    p = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.9, 0.1, 0.0]])
+    assert sampled_accept(torch.tensor([0]), q, p, generator) == (0, 2)
+
+
+def test_greedy_speculative_output_is_the_targets_greedy_output() -> None:
+    pair = toy_pair(VOCAB, BLOCK, seed=3, logit_scale=4.0)
+    prompts = [[1, 5, 7], [2], [9, 3, 3, 8, 1, 4], [11, 12, 13, 14]]
+    for prompt in prompts:
+        spec = speculative_generate(
+            pair.target,
+            pair.proposer,
+            "p",
+            prompt,
+            max_new_tokens=30,
+            temperature=0.0,
+            stop_ids=STOP,
+            generator=torch.Generator().manual_seed(0),
+        )
+        plain = plain_generate(
+            pair.target,
+            "p",
+            prompt,
+            max_new_tokens=30,
+            temperature=0.0,
+            stop_ids=STOP,
+            generator=torch.Generator().manual_seed(0),
+        )
+        assert spec.output_ids == plain.output_ids, prompt
+        assert spec.stopped_by == plain.stopped_by
+        assert sum(s.accepted + 1 for s in spec.steps) >= len(spec.output_ids) - 1  # every token was committed
+
+
+class _ScriptedProposer:
+    """Proposes the target's true greedy continuation for the first ``right`` slots of every block
+    and a wrong token after that: every verify step must accept exactly ``right`` tokens."""
+
+    def __init__(self, real: object, truth: list[int], prompt_length: int, right: int) -> None:
+        self.real, self.truth, self.prompt_length, self.right = real, truth, prompt_length, right
+        self.block_size = BLOCK
+        self.model = real.model  # type: ignore[attr-defined]
+        self.position = 0
+
+    def reset(self, aux: torch.Tensor) -> None:
+        self.position = aux.shape[0]
+
+    def append(self, aux: torch.Tensor) -> None:
+        self.position += aux.shape[0]
+
+    def propose(self, anchor_token: int, temperature: float, generator: torch.Generator) -> Proposal:
+        start = self.position - self.prompt_length + 1  # index in ``truth`` of the token after the anchor
+        tokens = []
+        for k in range(BLOCK):
+            true = self.truth[start + k] if start + k < len(self.truth) else 0
+            tokens.append(true if k < self.right else (true + 1) % (VOCAB - 3))
+        return Proposal(tokens=torch.tensor(tokens), probs=None, confidence=[0.5] * BLOCK)
+
+
+@pytest.mark.parametrize("right", range(BLOCK + 1))
+def test_every_acceptance_length_commits_the_right_tokens_and_rolls_the_cache_back(right: int) -> None:
+    pair = toy_pair(VOCAB, BLOCK, seed=4, logit_scale=4.0)
+    prompt = [3, 1, 4, 1, 5]
+    truth = plain_generate(
+        pair.target,
+        "p",
+        prompt,
+        max_new_tokens=40,
+        temperature=0.0,
+        stop_ids=set(),
+        generator=torch.Generator(),
+    ).output_ids
+    scripted = _ScriptedProposer(pair.proposer, truth, len(prompt), right)
+    spec = speculative_generate(
+        pair.target,
+        scripted,
+        "p",
+        prompt,
+        max_new_tokens=40,
+        temperature=0.0,
+        stop_ids=set(),  # type: ignore[arg-type]
+        generator=torch.Generator(),
+    )
+    assert spec.output_ids == truth
+    # (the last step may run past the 40 known tokens, where the script guesses)
+    assert [s.accepted for s in spec.steps[:-1]] == [right] * (len(spec.steps) - 1)
+    assert len(spec.steps) >= 40 // (right + 1) - 1
+
+
+def test_the_drafts_proposal_equals_the_trainers_teacher_forced_forward() -> None:
+    """At an anchor, the decoder's greedy block (Markov head fed the drafted tokens) equals the
+    trainer's forward over the full sequence (block mask, Markov head fed the true tokens) wherever
+    the drafted prefix is the true one."""
+    pair = toy_pair(VOCAB, BLOCK, seed=5)
+    draft = pair.proposer.model
+    ids = torch.tensor([1, 7, 3, 9, 2, 2, 5, 11, 6, 4, 8, 10])
+    features = pair.target.features(ids.tolist())
+    for anchor in (3, 6, 7):
+        pair.proposer.reset(features.hs[:anchor])
+        proposal = pair.proposer.propose(int(ids[anchor]), 0.0, torch.Generator())
+        positions = anchor + torch.arange(BLOCK)
+        prev = torch.cat([ids[anchor : anchor + 1], proposal.tokens[:-1]])[None]
+        slots = torch.full((1, BLOCK), draft.cfg.mask_token_id)
+        slots[0, 0] = ids[anchor]
+        zeros = torch.zeros((1, BLOCK), dtype=torch.int64)
+        layout = BlockLayout(
+            anchors=torch.tensor([anchor]),
+            keep=torch.tensor([True]),
+            slot_token_ids=slots,
+            positions=positions[None],
+            labels=zeros,
+            teacher_index=zeros,
+            prev_tokens=prev,
+            eval_mask=torch.ones((1, BLOCK), dtype=torch.bool),
+            weights=torch.ones((1, BLOCK)),
+            supervised_rows=torch.arange(BLOCK),
+            weight_sum=float(BLOCK),
+            num_eligible=1,
+            seq_len=len(ids),
+        )
+        with torch.no_grad():
+            hidden = draft.draft_hidden(features.hs, layout)
+            latent, embedded = draft.markov_head(prev, hidden)
+            logits = hidden[0] @ draft.lm_head_weight.t() + latent[0] @ draft.markov_head.markov_w2.weight.t()
+            confidence = torch.sigmoid(draft.confidence_head(hidden, embedded))[0]
+        assert logits.argmax(-1).tolist() == proposal.tokens.tolist()
+        assert torch.allclose(confidence, torch.tensor(proposal.confidence), atol=1e-5)
+
+
+def _generation(accepted: list[int], confidence: list[float] | None, tokens: int = 5) -> Generation:
+    steps = [VerifyRecord(a, confidence) for a in accepted]
+    return Generation("g", list(range(tokens)), 0.5, steps, "stop_token")
+
+
+def test_pass_figures_count_acceptance_length_per_slot_rates_and_calibration() -> None:
+    gens = [_generation([0, 2, 3], [0.9, 0.5, 0.25]), _generation([1], [0.9, 0.5, 0.25], tokens=3)]
+    figures = pass_figures(gens, block_size=3)
+    assert figures["verify_steps"] == 4
+    assert figures["mean_acceptance_length"] == pytest.approx((1 + 3 + 4 + 2) / 4)
+    slots = figures["slots"]
+    # slot 1 verified in all 4 steps, accepted in 3; slot 2 reached 3 times, accepted 2; slot 3: 2 and 1
+    assert [(s["reached"], s["accept_rate"]) for s in slots] == [(4, 0.75), (3, pytest.approx(2 / 3)), (2, 0.5)]
+    assert [s["cumulative_rate"] for s in slots] == [0.75, 0.5, 0.25]
+    assert slots[0]["mean_confidence"] == pytest.approx(0.9)
+    assert figures["generated_tokens"] == 8 and figures["tokens_per_s"] == pytest.approx(8.0)
+    bins = {b["predicted_low"]: b for b in figures["calibration_bins"] if b["count"]}
+    assert bins[0.9]["count"] == 4 and bins[0.9]["observed"] == 0.75
+    assert figures["expected_calibration_error"] == pytest.approx((0.6 + 0.5 + 0.5) / 9, abs=1e-6)
+    assert "calibration_bins" not in pass_figures([_generation([1], None)], block_size=3)
+
+
+def test_greedy_agreement_names_the_prompts_that_differ() -> None:
+    same, other = Generation("a", [1, 2], 0.1), Generation("b", [1, 3], 0.1)
+    verdict = greedy_agreement([same, other], [Generation("a", [1, 2], 0.1), Generation("b", [1, 2], 0.1)])
+    assert verdict == {"prompts": 2, "identical": 1, "differing": ["b"]}
+
+
+def _eval_set(path: Path, sha: str | None = None) -> EvalSet:
+    return EvalSet(name="s", path=str(path), sha256=sha or file_sha256(path))
+
+
+def test_eval_sets_are_pinned_and_bad_rows_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n\n{"input_ids": [4]}\n')
+    prompts = load_prompts(_eval_set(path), 0, Path, None, vocab_size=8)
+    assert [(p.prompt_id, p.input_ids) for p in prompts] == [("a", [1, 2, 3]), ("row-1", [4])]
+    with pytest.raises(EvalSetError, match=r"eval.sets\[0\].sha256: .* hashes to [0-9a-f]{64}, the recipe pins 0{64}"):
+        load_prompts(_eval_set(path, "0" * 64), 0, Path, None, vocab_size=8)
+    with pytest.raises(EvalSetError, match=r"eval.sets\[2\].path: .*missing.jsonl does not exist"):
+        load_prompts(EvalSet(name="s", path=str(tmp_path / "missing.jsonl"), sha256="0" * 64), 2, Path, None, 8)
+    for text, message in (
+        ('{"input_ids": [1, 99]}\n', r"prompts.jsonl:1: input_ids must be .* token ids in 0..7"),
+        ("not json\n", r"prompts.jsonl:1: not valid JSON"),
+        ('{"id": "x"}\n', r"prompts.jsonl:1: the row has neither conversations nor input_ids"),
+        ('{"conversations": [{"role": "user", "content": "hi"}]}\n', r"needs the target's tokenizer"),
+    ):
+        path.write_text(text)
+        with pytest.raises(EvalSetError, match=message):
+            load_prompts(_eval_set(path), 0, Path, None, vocab_size=8)
+
+
+def test_a_conversation_prompt_drops_the_reference_answer_and_adds_the_generation_prompt(tiny_assets: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "target")
+    path = tiny_assets / "data" / "eval.jsonl"
+    prompts = load_prompts(_eval_set(path), 0, Path, tokenizer, vocab_size=2048)
+    first = json.loads(path.read_text().splitlines()[0])["conversations"]
+    text = tokenizer.decode(prompts[0].input_ids)
+    assert text.endswith("<|assistant|>") and first[-1]["content"] not in text and first[0]["content"] in text
+
+
+def test_draft_sources(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    for step in (8, 16):
+        (checkpoints / f"step_{step:08d}").mkdir(parents=True)
+        (checkpoints / f"step_{step:08d}" / "trainer_state.json").write_text("{}")
+    assert resolve_draft_source("latest", checkpoints).label == "step_00000016"
+    assert resolve_draft_source("8", checkpoints).step == 8
+    assert resolve_draft_source("untrained", checkpoints).kind == "untrained"
+    with pytest.raises(DraftSourceError, match="this run has step_00000008, step_00000016"):
+        resolve_draft_source("step_4", checkpoints)
+    with pytest.raises(DraftSourceError, match="holds no complete checkpoint"):
+        resolve_draft_source("latest", tmp_path / "none")
+    export = tmp_path / "export-step_00000016"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    assert resolve_draft_source(str(export), checkpoints).step == 16
+    with pytest.raises(DraftSourceError, match="neither latest"):
+        resolve_draft_source(str(tmp_path), checkpoints)
+
+
+def test_a_draft_for_another_target_is_refused_with_every_difference(tmp_path: Path) -> None:
+    from runtime.trainer.export import draft_config
+
+    recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe
+    config = draft_config(recipe, torch.float32)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert draft_config_from_export(path, recipe) == recipe.trainer.draft
+    config.update(hidden_size=512, vocab_size=4096, mask_token_id=5000)
+    config["dflash_config"] = {**config["dflash_config"], "target_layer_ids": [2, 4], "mask_token_id": 5000}
+    path.write_text(json.dumps(config))
+    with pytest.raises(DraftSourceError) as info:
+        draft_config_from_export(path, recipe)
+    message = str(info.value)
+    for part in (
+        "hidden_size is 512, the target's capture.hidden_size is 256",
+        "vocab_size is 4096, the target's capture.vocab_size is 2048",
+        "target_layer_ids is [2, 4], the target's capture.aux_layer_ids is [1, 3, 5]",
+        "mask_token_id 5000 is not a token id",
+        "Fix: evaluate it with the recipe of the target it was trained for",
+    ):
+        assert part in message
