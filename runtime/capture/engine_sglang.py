@@ -313,7 +313,7 @@ def installed_patch_check(python: str | Path | None = None) -> Callable[[str], A
     """The patch check of the SGLang that ``python`` (default: this interpreter) imports."""
 
     def check(target: str) -> Any:
-        from runtime.shared.sglang_patch import check_installed
+        from runtime.shared.sglang_patch_check import check_installed
 
         return check_installed(target, python=python)
 
