@@ -14,6 +14,10 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
   import capture;
 - tools/ (benchmarks included) does not import tests/;
 - within the light layer runtime/recipe is the lower floor: runtime/shared imports it, never the reverse;
+  within runtime/recipe the fit and throughput model (runtime/recipe/fit) is below the checks and the
+  loader, which call it;
+- the planning walk (``launcher kimi_k3_v1c --plan`` under tools/room_walk) runs down once: from the
+  launcher into runtime/recipe, never on into runtime/shared and back;
 - the light layer holds no patching: it imports neither ``zipfile`` (unpacking wheels) nor
   ``py_compile`` (byte-compiling), and runs no program (pip, GNU patch) but one: the SGLang patch
   check asks another interpreter where its ``sglang`` lives;
@@ -56,7 +60,12 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (
         "runtime.recipe",
         ("runtime.shared",),
-        "the recipe (schema, loader, checks, fit budgets) is the light layer's lower floor: shared builds on it, never the reverse",
+        "the recipe (schema, loader, checks, fit model) is the light layer's lower floor: shared builds on it, never the reverse",
+    ),
+    (
+        "runtime.recipe.fit",
+        ("runtime.recipe.checks", "runtime.recipe.loader"),
+        "the fit and throughput model sits below the checks and the loader: they call it, it never calls them",
     ),
 )
 """(importer prefix, imported prefixes, why)."""
@@ -314,6 +323,18 @@ def test_no_forbidden_arrows() -> None:
     assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
 
 
+def test_the_planning_walk_runs_down_once() -> None:
+    """``--plan`` calls from the launcher into runtime/recipe (the fit model) and returns: no call
+    path bounces on into runtime/shared and back (measured with tools/room_walk)."""
+    from tools.room_walk import walk_launcher
+
+    walk, code = walk_launcher(["kimi_k3_v1c", "--plan"])
+    assert code == 0
+    assert walk.deepest_stack_changes == 1, walk.render(list_edges=True)
+    into_shared = [edge for edge in walk.module_edges if walk.room_of(edge[1]) == "runtime.shared"]
+    assert not into_shared, walk.render(list_edges=True)
+
+
 def test_no_import_cycles() -> None:
     cycles = import_cycles(build_graph())
     assert not cycles, "import cycles among repo modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
@@ -327,6 +348,10 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "runtime/__init__.py": "",
         "runtime/shared/__init__.py": "",
         "runtime/shared/helper.py": "import zipfile\ndef f():\n    import runtime.capture.engine\n",
+        "runtime/recipe/__init__.py": "",
+        "runtime/recipe/checks.py": "",
+        "runtime/recipe/fit/__init__.py": "",
+        "runtime/recipe/fit/model.py": "from runtime.recipe import checks\n",
         "runtime/sglang_patching/__init__.py": "",
         "runtime/sglang_patching/tree.py": "import subprocess\n",
         "runtime/capture/__init__.py": "",
@@ -352,6 +377,7 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     arrows = arrow_violations(modules, tmp_path)
     assert any("runtime/moe/loader.py:5 imports runtime.capture.engine" in a for a in arrows), arrows
     assert any("tools/bench.py:1 imports tests.conftest" in a for a in arrows), arrows
+    assert any("runtime/recipe/fit/model.py:1 imports runtime.recipe.checks" in a for a in arrows), arrows
     assert not any("tests.x" in a for a in arrows), "TYPE_CHECKING imports never run"
     assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
     assert patching_in_the_light_layer(modules, tmp_path) == ["runtime/shared/helper.py:1 imports zipfile"]

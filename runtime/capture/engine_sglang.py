@@ -32,7 +32,7 @@ from typing import Any
 
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.sglang_wire import CaptureReceipt, CaptureTicket, WireError, encode_loss_mask, generate_body
-from runtime.recipe.checks import nodes_per_engine
+from runtime.recipe.capture_layout import nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
 from runtime.shared.lifecycle import die_with_parent
