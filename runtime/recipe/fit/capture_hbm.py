@@ -6,7 +6,8 @@ This answers, with numbers, the question of patches/sglang/README.md ("Fitting K
 node"): how much of the routed experts must leave HBM, how much host RAM that takes next to the
 Mooncake segment, how many bytes cross PCIe per prefill, and whether SGLang 0.5.23 can do it for
 this recipe at all. Model assumptions (K3 defaults): the store for offloaded experts is pinned host
-memory, and every offloaded expert a prefill routes to crosses PCIe once per prefill
+memory, copied at ``plan.pcie_h2d_bytes_per_s`` per link (the rate streaming uses too), and every
+offloaded expert a prefill routes to crosses PCIe once per prefill
 (:mod:`runtime.recipe.fit.expert_routing`).
 """
 
@@ -24,8 +25,6 @@ from runtime.recipe.units import GB
 KV_RESERVE_BYTES_PER_GPU = 5 * GB
 """KV pool for one 66K-token request plus linear-attention state slots (an estimate; MLA keeps
 576 bf16 values per token per MLA layer)."""
-PCIE_H2D_BYTES_PER_S = 50 * GB
-"""Pinned host-to-device copy rate of one PCIe Gen5 x16 link (about 50 GB/s in practice)."""
 B300_MEMORY_BYTES = 288 * GB
 
 
@@ -181,7 +180,7 @@ def _add_offload(report: FitReport, recipe: Recipe, budget: WeightBudget) -> Non
         return
     t = recipe.data.max_length
     untouched = untouched_expert_fraction(t, K3_TOP_K, K3_ROUTED_EXPERTS)
-    pcie_rate = PCIE_H2D_BYTES_PER_S
+    pcie_rate = recipe.plan.pcie_h2d_bytes_per_s
     pcie_bytes = offloaded * (1.0 - untouched)
     pcie_s = pcie_bytes / tp / pcie_rate
     segment = recipe.transport.global_segment_bytes
