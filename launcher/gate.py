@@ -89,7 +89,9 @@ def check_sglang_patch(loaded: LoadedRecipe, repo_root: Path) -> Check:
     recipe = loaded.recipe
     if recipe.capture.engine != "sglang":
         return Check("sglang patch", SKIP, f"capture.engine is {recipe.capture.engine}: no SGLang involved")
-    from runtime.shared.sglang_patch import PatchError, check_installed, check_wheel, installed_sglang_root
+    from runtime.sglang_patching.pinned_wheel import check_wheel
+    from runtime.shared.sglang_patch_check import check_installed, installed_sglang_root
+    from runtime.shared.sglang_patch_manifest import PatchError
 
     target = recipe.capture.sglang.patch_target
     python = recipe.capture.sglang.python

@@ -14,6 +14,15 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
   import capture;
 - tools/ (benchmarks included) does not import tests/;
 - within the light layer runtime/recipe is the lower floor: runtime/shared imports it, never the reverse;
+  within runtime/recipe the fit and throughput model (runtime/recipe/fit) is below the checks and the
+  loader, which call it;
+- the planning walk (``launcher kimi_k3_v1c --plan`` under tools/room_walk) runs down once: from the
+  launcher into runtime/recipe, never on into runtime/shared and back;
+- the light layer holds no patching: it imports neither ``zipfile`` (unpacking wheels) nor
+  ``py_compile`` (byte-compiling), and runs no program (pip, GNU patch) but one: the SGLang patch
+  check asks another interpreter where its ``sglang`` lives;
+- runtime/sglang_patching (download, apply, regenerate) is imported only by the launcher's pre-flight
+  check of the pinned wheel, the tools and the tests: no other runtime room;
 - no import cycle among repo modules.
 """
 
@@ -33,6 +42,14 @@ GROUND_FLOOR = ("runtime.files",)
 """Modules every room may import; they import nothing of the repository."""
 LIGHT_LAYER = ("runtime.shared", "runtime.recipe", *GROUND_FLOOR)
 
+PATCHING_MODULES = ("zipfile", "py_compile", "subprocess")
+"""Standard-library modules of patching (unpacking the wheel, byte-compiling, running pip and GNU patch)."""
+LIGHT_PROGRAM_RUNNERS = {"runtime.shared.sglang_patch_check": "subprocess"}
+"""The light modules allowed one of :data:`PATCHING_MODULES`: the check probes another interpreter."""
+PATCHING_ROOM = "runtime.sglang_patching"
+PATCHING_IMPORTERS = ("launcher.gate", "tools", "tests", PATCHING_ROOM)
+"""Who may import :data:`PATCHING_ROOM`: the pre-flight check of the pinned wheel, tools, tests."""
+
 FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("runtime", ("launcher", "tools", "tests"), "runtime/ runs in the allocation and imports only runtime/"),
     ("launcher", ("tools", "tests"), "tools/ are command-line wrappers: nothing imports them"),
@@ -43,7 +60,12 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (
         "runtime.recipe",
         ("runtime.shared",),
-        "the recipe (schema, loader, checks, fit budgets) is the light layer's lower floor: shared builds on it, never the reverse",
+        "the recipe (schema, loader, checks, fit model) is the light layer's lower floor: shared builds on it, never the reverse",
+    ),
+    (
+        "runtime.recipe.fit",
+        ("runtime.recipe.checks", "runtime.recipe.loader"),
+        "the fit and throughput model sits below the checks and the loader: they call it, it never calls them",
     ),
 )
 """(importer prefix, imported prefixes, why)."""
@@ -236,6 +258,45 @@ def test_the_light_layer_reaches_neither_torch_nor_the_rest_of_runtime() -> None
     assert not inward, "the light layer imports only itself:\n" + "\n".join(inward)
 
 
+def patching_in_the_light_layer(modules: dict[str, Module], repo_root: Path = REPO_ROOT) -> list[str]:
+    """Every import of :data:`PATCHING_MODULES` in the light layer that :data:`LIGHT_PROGRAM_RUNNERS`
+    does not allow."""
+    return [
+        f"{module.path.relative_to(repo_root)}:{line} imports {name}"
+        for module in modules.values()
+        if any(_within(module.name, p) for p in LIGHT_LAYER)
+        for name, line in module.external.items()
+        if name in PATCHING_MODULES and LIGHT_PROGRAM_RUNNERS.get(module.name) != name
+    ]
+
+
+def patching_importers(modules: dict[str, Module], repo_root: Path = REPO_ROOT) -> list[str]:
+    """Every import of :data:`PATCHING_ROOM` from outside :data:`PATCHING_IMPORTERS`."""
+    return [
+        f"{module.path.relative_to(repo_root)}:{line} imports {target}"
+        for module in modules.values()
+        if not any(_within(module.name, p) for p in PATCHING_IMPORTERS)
+        for target, line in module.repo_imports.items()
+        if _within(target, PATCHING_ROOM)
+    ]
+
+
+def test_the_light_layer_holds_no_patching() -> None:
+    modules = build_graph()
+    problems = patching_in_the_light_layer(modules)
+    assert not problems, "download/apply/regenerate belong to runtime/sglang_patching:\n" + "\n".join(problems)
+    assert all(runner in modules for runner in LIGHT_PROGRAM_RUNNERS)
+
+
+def test_only_the_gate_and_the_tools_import_the_patching() -> None:
+    modules = build_graph()
+    assert PATCHING_ROOM in modules
+    problems = patching_importers(modules)
+    assert not problems, "the capture engine and the light layer only check the patch:\n" + "\n".join(problems)
+    chains = heavy_paths(PATCHING_ROOM + ".regenerate", modules) + heavy_paths(PATCHING_ROOM + ".pinned_wheel", modules)
+    assert not chains, "the patching runs on login nodes without torch:\n" + "\n".join(chains)
+
+
 def test_the_ground_floor_imports_nothing_of_the_repository() -> None:
     modules = build_graph()
     assert all(name in modules for name in GROUND_FLOOR)
@@ -262,6 +323,18 @@ def test_no_forbidden_arrows() -> None:
     assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
 
 
+def test_the_planning_walk_runs_down_once() -> None:
+    """``--plan`` calls from the launcher into runtime/recipe (the fit model) and returns: no call
+    path bounces on into runtime/shared and back (measured with tools/room_walk)."""
+    from tools.room_walk import walk_launcher
+
+    walk, code = walk_launcher(["kimi_k3_v1c", "--plan"])
+    assert code == 0
+    assert walk.deepest_stack_changes == 1, walk.render(list_edges=True)
+    into_shared = [edge for edge in walk.module_edges if walk.room_of(edge[1]) == "runtime.shared"]
+    assert not into_shared, walk.render(list_edges=True)
+
+
 def test_no_import_cycles() -> None:
     cycles = import_cycles(build_graph())
     assert not cycles, "import cycles among repo modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
@@ -274,9 +347,15 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "launcher/cli.py": "from runtime.shared import helper\n",
         "runtime/__init__.py": "",
         "runtime/shared/__init__.py": "",
-        "runtime/shared/helper.py": "def f():\n    import runtime.capture.engine\n",
+        "runtime/shared/helper.py": "import zipfile\ndef f():\n    import runtime.capture.engine\n",
+        "runtime/recipe/__init__.py": "",
+        "runtime/recipe/checks.py": "",
+        "runtime/recipe/fit/__init__.py": "",
+        "runtime/recipe/fit/model.py": "from runtime.recipe import checks\n",
+        "runtime/sglang_patching/__init__.py": "",
+        "runtime/sglang_patching/tree.py": "import subprocess\n",
         "runtime/capture/__init__.py": "",
-        "runtime/capture/engine.py": "import torch\nfrom runtime.moe import loader\n",
+        "runtime/capture/engine.py": "import torch\nfrom runtime.moe import loader\nfrom runtime.sglang_patching import tree\n",
         "runtime/moe/__init__.py": "",
         "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
         "def g():\n    from runtime.capture.engine import X\n",
@@ -298,5 +377,8 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     arrows = arrow_violations(modules, tmp_path)
     assert any("runtime/moe/loader.py:5 imports runtime.capture.engine" in a for a in arrows), arrows
     assert any("tools/bench.py:1 imports tests.conftest" in a for a in arrows), arrows
+    assert any("runtime/recipe/fit/model.py:1 imports runtime.recipe.checks" in a for a in arrows), arrows
     assert not any("tests.x" in a for a in arrows), "TYPE_CHECKING imports never run"
     assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
+    assert patching_in_the_light_layer(modules, tmp_path) == ["runtime/shared/helper.py:1 imports zipfile"]
+    assert "runtime/capture/engine.py:3 imports runtime.sglang_patching.tree" in patching_importers(modules, tmp_path)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtime.recipe import load_recipe
-from runtime.recipe.checks import capture_shares, check_recipe
+from runtime.recipe.capture_layout import capture_shares
+from runtime.recipe.checks import check_recipe
 from runtime.transport.window import WindowLimits, WindowState
 from tests.support.tiny_runs import committed_per_capture_task, final_weights, metrics, run_tiny, weights_at
 

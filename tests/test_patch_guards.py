@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.shared import sglang_patch as pc
+from runtime.sglang_patching.pinned_wheel import extract_from_wheel, fetch_wheel
+from runtime.sglang_patching.tree import check_tree
+from runtime.shared.sglang_patch_manifest import PatchError, load_manifest
 
 TOPK_SUM = "sglang/kernels/ops/moe/moe_topk_sum.py"
 MARLIN_MOE = "sglang/srt/layers/moe/fused_moe_triton/fused_marlin_moe.py"
@@ -32,13 +34,13 @@ REPO = Path(__file__).resolve().parent.parent
 def patched_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("patch") is None:
         pytest.skip("GNU patch is not installed (apt-get install patch)")
-    target = pc.load_manifest().resolve(None)[0]
+    target = load_manifest().resolve(None)[0]
     try:
-        wheel = pc.fetch_wheel(target)
-    except pc.PatchError as exc:  # a machine without network: carry .cache/sglang/<wheel> to it
+        wheel = fetch_wheel(target)
+    except PatchError as exc:  # a machine without network: carry .cache/sglang/<wheel> to it
         pytest.skip(f"the pinned SGLang wheel is not available here: {exc}")
-    root = pc.extract_from_wheel(wheel, target.files, tmp_path_factory.mktemp("patched"))
-    report = pc.check_tree(root, apply=True)
+    root = extract_from_wheel(wheel, target.files, tmp_path_factory.mktemp("patched"))
+    report = check_tree(root, apply=True)
     assert report.ok, report.render()
     return root
 
@@ -93,8 +95,8 @@ def test_topk_sum_never_launches_more_than_65535_rows_on_grid_y(patched_root: Pa
 
 
 def test_unpatched_topk_sum_would_exceed_grid_y_at_64k(tmp_path: Path) -> None:
-    target = pc.load_manifest().resolve(None)[0]
-    root = pc.extract_from_wheel(pc.fetch_wheel(target), [TOPK_SUM], tmp_path)
+    target = load_manifest().resolve(None)[0]
+    root = extract_from_wheel(fetch_wheel(target), [TOPK_SUM], tmp_path)
     kernel = GridLimitedTopkSum()
     ns = _definitions(root / TOPK_SUM, {"moe_topk_sum"}, {"torch": torch, "_jit_topk_sum_module": lambda: kernel})
     x = torch.zeros(65536, 2, 8, dtype=torch.bfloat16)

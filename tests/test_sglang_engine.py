@@ -105,17 +105,20 @@ def test_server_environment_puts_the_repository_on_pythonpath() -> None:
 
 def _patched_full_tree() -> Path:
     """The whole 0.5.23 ``sglang/`` tree with the patch applied, built once per patch version."""
-    from runtime.shared import sglang_patch as pc
+    from runtime.sglang_patching.pinned_wheel import fetch_wheel
+    from runtime.sglang_patching.tree import check_tree
+    from runtime.shared.sglang_patch_check import RECORD_NAME
+    from runtime.shared.sglang_patch_manifest import load_manifest
 
-    target = pc.load_manifest().resolve(None)[0]
+    target = load_manifest().resolve(None)[0]
     final = REPO / ".cache" / "sglang" / f"patched-{target.patch_sha256[:12]}"
-    if (final / "sglang" / pc.RECORD_NAME).is_file():
+    if (final / "sglang" / RECORD_NAME).is_file():
         return final
-    wheel = pc.fetch_wheel(target)
+    wheel = fetch_wheel(target)
     staging = Path(tempfile.mkdtemp(prefix="patched-", dir=final.parent))
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(staging, [n for n in archive.namelist() if n.startswith("sglang/")])
-    report = pc.check_tree(staging, apply=True)
+    report = check_tree(staging, apply=True)
     assert report.ok, report.render()
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
@@ -573,7 +576,7 @@ def test_a_cpu_server_gets_its_interpreter_device_library_path_and_environment(t
 def test_the_patch_check_looks_at_the_servers_interpreter(tmp_path: Path) -> None:
     """``capture.sglang.python`` set: the check runs against that interpreter's sglang (here one
     that has none), not this process's."""
-    from runtime.shared.sglang_patch import check_installed
+    from runtime.shared.sglang_patch_check import check_installed
 
     other = tmp_path / "python"
     other.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')

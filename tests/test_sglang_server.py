@@ -173,12 +173,13 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
 def test_an_unpatched_sglang_is_refused_before_anything_starts(live: CpuServer, tmp_path: Path) -> None:
     """An interpreter whose ``sglang`` is the pristine 0.5.23 (the wheel unpacked in front of the
     venv's site-packages) is refused with the fix, and no server is launched."""
-    from runtime.shared import sglang_patch as pc
+    from runtime.sglang_patching.pinned_wheel import fetch_wheel
+    from runtime.shared.sglang_patch_manifest import load_manifest
     from runtime.transport.loopback import loopback_recipe
 
-    target = pc.load_manifest().resolve(None)[0]
+    target = load_manifest().resolve(None)[0]
     pristine = tmp_path / "pristine"
-    with zipfile.ZipFile(pc.fetch_wheel(target)) as archive:
+    with zipfile.ZipFile(fetch_wheel(target)) as archive:
         archive.extractall(pristine, [n for n in archive.namelist() if n.startswith("sglang")])
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={pristine} exec {REPO / CAPTURE_VENV_PYTHON} "$@"\n')

@@ -106,11 +106,11 @@ def test_nan_on_one_rank_fails_the_update_check_naming_the_rank(tmp_path: Path, 
 def test_allowed_blockers_need_no_sglang_on_the_login_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """--allow-blockers on a login node without SGLang: the patch is checked against the pinned wheel."""
     from launcher import gate
-    from runtime.shared import sglang_patch
+    from runtime.shared import sglang_patch_check
 
     if not sorted((REPO / ".cache" / "sglang").glob("sglang-0.5.23-*.whl")):
         pytest.skip("the pinned SGLang wheel is not cached (tools/bootstrap caches it)")
-    monkeypatch.setattr(sglang_patch, "installed_sglang_root", lambda: None)
+    monkeypatch.setattr(sglang_patch_check, "installed_sglang_root", lambda: None)
     # A blocker to allow: a trainer disk too small for the feature cache.
     loaded = load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml", ["plan.trainer_local_disk_bytes=1GB"])
     checks = {c.name: c for c in gate.preflight_checks(loaded, REPO, allow_blockers=True)}

@@ -1,5 +1,6 @@
-"""``tools/check_patch``: the command line over :mod:`runtime.shared.sglang_patch` (which holds the
-manifest, the checker, the applier and the regenerator; see ``patches/sglang/README.md``)."""
+"""``tools/check_patch``: the command line over ``runtime/sglang_patching`` (check and apply on a tree
+or the pinned wheel, regenerate) and :mod:`runtime.shared.sglang_patch_check` (the installed
+package); see ``patches/sglang/README.md``."""
 
 from __future__ import annotations
 
@@ -7,15 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.shared.sglang_patch import (
-    MANIFEST_PATH,
-    PatchError,
-    check_installed,
-    check_tree,
-    check_wheel,
-    installed_sglang_root,
-    regenerate,
-)
+from runtime.sglang_patching.pinned_wheel import check_wheel
+from runtime.sglang_patching.regenerate import regenerate
+from runtime.sglang_patching.tree import check_tree
+from runtime.shared.sglang_patch_check import check_installed, installed_sglang_root
+from runtime.shared.sglang_patch_manifest import MANIFEST_PATH, PatchError
 
 # ----------------------------------------------------------------------------------------------
 # CLI

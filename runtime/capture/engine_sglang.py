@@ -32,7 +32,7 @@ from typing import Any
 
 from runtime.capture.engine import CaptureRequest, SampleRef
 from runtime.capture.sglang_wire import CaptureReceipt, CaptureTicket, WireError, encode_loss_mask, generate_body
-from runtime.recipe.checks import nodes_per_engine
+from runtime.recipe.capture_layout import nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import Recipe
 from runtime.shared.lifecycle import die_with_parent
@@ -313,7 +313,7 @@ def installed_patch_check(python: str | Path | None = None) -> Callable[[str], A
     """The patch check of the SGLang that ``python`` (default: this interpreter) imports."""
 
     def check(target: str) -> Any:
-        from runtime.shared.sglang_patch import check_installed
+        from runtime.shared.sglang_patch_check import check_installed
 
         return check_installed(target, python=python)
 

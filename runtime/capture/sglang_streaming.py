@@ -17,7 +17,7 @@ The capture patch calls two functions of this module, in each TP rank's schedule
    uses). The kernels read the same bytes, so captures equal the all-resident server's.
 
 The split is decided before the model exists, from the recipe, as ``--plan`` computes it
-(:func:`runtime.recipe.checks.target_streaming_split`: ``capture.routed_expert_weight_bytes`` over
+(:func:`runtime.recipe.fit.expert_streaming.target_streaming_split`: ``capture.routed_expert_weight_bytes`` over
 ``capture.num_moe_layers`` and ``tp_size``); after loading, the real per-layer bytes are checked
 against the GPU budget. Prefill-only: CUDA graphs must be off (the K3 recipe sets
 ``capture.sglang.disable_cuda_graph``), a graph would replay whatever its buffers last held.
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from runtime.moe.streaming import StreamedExpertStore
-from runtime.recipe.checks import target_streaming_split
+from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.loader import ResolvedRecipe, load_resolved
 from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, split_layers
 

@@ -2,59 +2,35 @@
 
 from __future__ import annotations
 
-import math
 import re
 
+from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
+from runtime.recipe.fit.expert_streaming import target_streaming_split
+from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
+from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.schema import SECRET_NAME, Recipe
-from runtime.recipe.sizes import SampleSize, segment_shares
-from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, check_host_memory, split_layers
+from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
 from runtime.recipe.units import format_bytes
 
 MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
 """mooncake-transfer-engine 0.3.13 refuses a global segment below 16 MiB at client setup."""
 
 
-def largest_sample(recipe: Recipe) -> SampleSize:
-    """Size of a sample at ``data.max_length`` tokens: the largest one the run can produce."""
-    return SampleSize(recipe.data.max_length, recipe.num_aux_layers, recipe.capture.hidden_size)
-
-
-def nodes_per_engine(recipe: Recipe) -> int:
-    """Capture nodes one engine spans: an SGLang server whose ``tp_size`` exceeds a node's GPUs
-    runs across nodes; the embedded engine stays on one node."""
-    c, gpus = recipe.capture, recipe.job.capture.gpus_per_node
-    if c.engine == "sglang" and gpus:
-        return max(1, math.ceil(c.sglang.tp_size / gpus))
-    return 1
-
-
-def capture_shares(recipe: Recipe) -> int:
-    """Independent engine + producer pairs of the capture component: ``job.capture.nodes`` over
-    :func:`nodes_per_engine`. Share ``k`` captures the g with ``g % shares == k``."""
-    return max(1, recipe.job.capture.nodes // nodes_per_engine(recipe))
-
-
-def max_samples_in_flight(recipe: Recipe) -> int:
-    """Samples the capture component may have claimed but not committed at once: one batch per
-    embedded engine, or SGLang's concurrent requests."""
-    c = recipe.capture
-    if c.engine == "sglang":
-        return c.sglang.max_running_requests
-    engines = c.engines_per_node or max(1, recipe.job.capture.gpus_per_node)
-    return c.batch_size * engines * recipe.job.capture.nodes
-
-
 def check_recipe(recipe: Recipe) -> list[Problem]:
     """Every cross-field problem of ``recipe`` (an empty list when it is consistent)."""
     problems: list[Problem] = []
     problems += _check_batch(recipe)
-    problems += _check_watermarks(recipe)
+    budget = store_budget(recipe)
+    problems += _check_watermark_samples(recipe)
+    problems += _check_watermark_bytes(recipe, budget)
+    problems += _check_segment(recipe, budget)
+    problems += _check_ports(recipe)
     problems += _check_capture(recipe)
     problems += _check_trainer(recipe)
     problems += _check_credentials(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
-        problems += _check_host_memory_per_node(recipe, _streamed_host_bytes(recipe))
+        problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
     return problems
 
 
@@ -99,14 +75,6 @@ def _check_credentials(recipe: Recipe) -> list[Problem]:
     return out
 
 
-def _streamed_host_bytes(recipe: Recipe) -> int:
-    try:
-        split = target_streaming_split(recipe)
-    except (StreamingBudgetError, ValueError):
-        return 0
-    return 0 if split is None else split.host_bytes * recipe.job.capture.gpus_per_node
-
-
 def _check_batch(recipe: Recipe) -> list[Problem]:
     t = recipe.trainer
     world = recipe.trainer_world_size
@@ -126,7 +94,8 @@ def _check_batch(recipe: Recipe) -> list[Problem]:
     ]
 
 
-def _check_watermarks(recipe: Recipe) -> list[Problem]:
+def _check_watermark_samples(recipe: Recipe) -> list[Problem]:
+    """The sample watermarks hold one global step, low below high."""
     tr = recipe.transport
     g = recipe.trainer.global_batch_size
     out: list[Problem] = []
@@ -157,17 +126,25 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 "make the low watermark <= the high watermark",
             )
         )
-    largest = largest_sample(recipe).total_bytes
-    step_bytes = g * largest
-    if tr.high_watermark_bytes < step_bytes:
+    return out
+
+
+def _check_watermark_bytes(recipe: Recipe, budget: StoreBudget) -> list[Problem]:
+    """The byte watermarks hold one global step of the largest samples, low below high, and the
+    store stays under its eviction cap even with the samples in flight at a pause."""
+    tr = recipe.transport
+    g = recipe.trainer.global_batch_size
+    largest = budget.sample.total_bytes
+    out: list[Problem] = []
+    if tr.high_watermark_bytes < budget.step_bytes:
         out.append(
             Problem(
                 "transport.high_watermark_bytes",
                 f"is {format_bytes(tr.high_watermark_bytes)}, below one global step of the largest "
                 f"samples: trainer.global_batch_size {g} x {format_bytes(largest)} "
-                f"(data.max_length {recipe.data.max_length}) = {format_bytes(step_bytes)}",
-                f"raise transport.high_watermark_bytes to at least {step_bytes} "
-                f"({format_bytes(step_bytes)}) or lower data.max_length",
+                f"(data.max_length {recipe.data.max_length}) = {format_bytes(budget.step_bytes)}",
+                f"raise transport.high_watermark_bytes to at least {budget.step_bytes} "
+                f"({format_bytes(budget.step_bytes)}) or lower data.max_length",
             )
         )
     if tr.low_watermark_bytes > tr.high_watermark_bytes:
@@ -190,28 +167,41 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 "the store cap and segment",
             )
         )
-    in_flight = max_samples_in_flight(recipe)
-    overshoot = tr.high_watermark_bytes + in_flight * largest
-    if tr.high_watermark_bytes <= tr.store_cap_bytes < overshoot:
-        # The producer pauses once resident bytes reach the high watermark, but samples already
-        # being captured still land: up to one capture batch of the largest samples on top.
-        out.append(
-            Problem(
-                "transport.high_watermark_bytes",
-                f"is {format_bytes(tr.high_watermark_bytes)}; with {in_flight} sample(s) in flight at the "
-                f"pause (largest {format_bytes(largest)}) the store can hold {format_bytes(overshoot)}, above "
-                f"transport.store_cap_bytes {format_bytes(tr.store_cap_bytes)}: Mooncake would evict samples "
-                "the trainer has not consumed",
-                (
-                    f"lower transport.high_watermark_bytes to at most {tr.store_cap_bytes - in_flight * largest} "
-                    "or raise transport.store_cap_bytes (and the segment)"
-                    if tr.store_cap_bytes > in_flight * largest
-                    else f"raise transport.store_cap_bytes (and transport.global_segment_bytes) to at least "
-                    f"{format_bytes(overshoot)}, or lower capture.batch_size: {in_flight} sample(s) in flight "
-                    f"alone need {format_bytes(in_flight * largest)}"
-                ),
-            )
+    out += _check_paused_peak(recipe, budget)
+    return out
+
+
+def _check_paused_peak(recipe: Recipe, budget: StoreBudget) -> list[Problem]:
+    """The producer pauses once resident bytes reach the high watermark, but samples already being
+    captured still land: up to one capture batch of the largest samples on top."""
+    tr = recipe.transport
+    in_flight, in_flight_bytes, peak = budget.in_flight_samples, budget.in_flight_bytes, budget.paused_peak_bytes
+    if not tr.high_watermark_bytes <= tr.store_cap_bytes < peak:
+        return []
+    return [
+        Problem(
+            "transport.high_watermark_bytes",
+            f"is {format_bytes(tr.high_watermark_bytes)}; with {in_flight} sample(s) in flight at the "
+            f"pause (largest {format_bytes(budget.sample.total_bytes)}) the store can hold {format_bytes(peak)}, "
+            f"above transport.store_cap_bytes {format_bytes(tr.store_cap_bytes)}: Mooncake would evict samples "
+            "the trainer has not consumed",
+            (
+                f"lower transport.high_watermark_bytes to at most {tr.store_cap_bytes - in_flight_bytes} "
+                "or raise transport.store_cap_bytes (and the segment)"
+                if tr.store_cap_bytes > in_flight_bytes
+                else f"raise transport.store_cap_bytes (and transport.global_segment_bytes) to at least "
+                f"{format_bytes(peak)}, or lower capture.batch_size: {in_flight} sample(s) in flight "
+                f"alone need {format_bytes(in_flight_bytes)}"
+            ),
         )
+    ]
+
+
+def _check_segment(recipe: Recipe, budget: StoreBudget) -> list[Problem]:
+    """The Mooncake segment holds the store cap, Mooncake's smallest segment and one sample."""
+    tr = recipe.transport
+    largest = budget.sample.total_bytes
+    out: list[Problem] = []
     if tr.store_cap_bytes > tr.global_segment_bytes:
         out.append(
             Problem(
@@ -239,6 +229,12 @@ def _check_watermarks(recipe: Recipe) -> list[Problem]:
                 f"raise transport.global_segment_bytes above {largest}",
             )
         )
+    return out
+
+
+def _check_ports(recipe: Recipe) -> list[Problem]:
+    """Every port of :func:`job_ports` has its own number."""
+    out: list[Problem] = []
     seen: dict[int, str] = {}
     for name, port in job_ports(recipe).items():
         if port in seen:
@@ -332,26 +328,6 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
     return out
 
 
-def target_streaming_split(recipe: Recipe) -> StreamingSplit | None:
-    """The resident/streamed split of one capture GPU for an SGLang target whose routed-expert
-    bytes the recipe states (TP shards every MoE layer's experts over ``tp_size`` GPUs); None when
-    streaming is off or the recipe lacks the sizes. Raises :class:`StreamingBudgetError`."""
-    c = recipe.capture
-    s = c.expert_streaming
-    if not s.enabled or c.engine != "sglang" or not c.routed_expert_weight_bytes:
-        return None
-    if (s.gpu_budget_bytes is None) == (s.resident_fraction is None):
-        return None
-    layers = c.num_moe_layers or c.num_target_layers
-    return split_layers(
-        layers,
-        math.ceil(c.routed_expert_weight_bytes / layers / c.sglang.tp_size),
-        prefetch_layers=s.prefetch_layers,
-        gpu_budget_bytes=s.gpu_budget_bytes,
-        resident_fraction=s.resident_fraction,
-    )
-
-
 def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
     c = recipe.capture
     s = c.expert_streaming
@@ -383,18 +359,6 @@ def _check_expert_streaming(recipe: Recipe) -> list[Problem]:
         message, _, fix = str(exc).partition("; fix: ")
         return [Problem("capture.expert_streaming.gpu_budget_bytes", message.split(" is ", 1)[-1], fix)]
     return []
-
-
-def host_needs_per_node(recipe: Recipe, streamed_expert_bytes: int = 0) -> dict[str, dict[str, int]]:
-    """What lives in the host memory of each node (``capture``, ``trainer``): its share of the
-    Mooncake sample segment, and on the capture node the streamed experts of all its GPUs."""
-    tr = recipe.transport
-    capture_share, trainer_share = segment_shares(tr.global_segment_bytes, tr.segment_placement)
-    segment = f"Mooncake segment ({tr.segment_placement} share of transport.global_segment_bytes)"
-    capture = {segment: capture_share}
-    if streamed_expert_bytes:
-        capture = {"streamed experts": streamed_expert_bytes, **capture}
-    return {"capture": capture, "trainer": {segment: trainer_share}}
 
 
 def _check_host_memory_per_node(recipe: Recipe, streamed_expert_bytes: int) -> list[Problem]:

@@ -19,6 +19,8 @@ _UNITS: dict[str, int] = {
     "gib": 2**30,
     "tib": 2**40,
 }
+GB = _UNITS["gb"]
+"""Bytes in a decimal gigabyte: the unit of the plan's weight and HBM figures."""
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 

@@ -4,13 +4,13 @@ runtime components all import.
 - ``contracts``: every cross-process contract (environment names, store keys, the sample contract
   and its one check, the producer/consumer protocols, the smoke-gate records);
 - ``data_files``: pre-tokenized data files and their manifests (read, verify, hash, write);
-- ``sglang_fit``: does the target fit the SGLang capture node, and what would expert offload cost;
-- ``sglang_patch``: the SGLang capture patch manifest, checker and applier (``tools/check_patch``
-  is its command line).
-- ``streaming_budget``: which MoE layers keep their routed experts on the GPU and which are streamed
-  from host memory (the arithmetic behind ``capture.expert_streaming``; runtime/moe/streaming.py
-  does the streaming).
+- ``sglang_patch_manifest``: the SGLang capture patch manifest (``patches/sglang/MANIFEST.yaml``);
+- ``sglang_patch_check``: is the installed SGLang patched with it (the fast check the launcher, the
+  smoke gate and the SGLang engine run; applying the patch is runtime/sglang_patching, run by
+  ``tools/check_patch``);
+- ``lifecycle``, ``prompt_order``: a child that dies with its parent; g -> epoch and data row.
 
-The recipe schema (``runtime.recipe``) belongs to the same layer. Nothing here imports torch, and
+The recipe schema, its checks and the capture-fit and throughput model (``runtime.recipe``, with
+``runtime.recipe.fit``) are the same layer's lower floor: this package imports them, never the reverse. Nothing here imports torch, and
 nothing here imports the rest of ``runtime`` (tests/test_architecture.py enforces both).
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.checks import largest_sample
+from runtime.recipe.fit.store_budget import largest_sample
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.units import format_bytes
 from runtime.shared.contracts import CapturedSample

@@ -51,7 +51,7 @@ def run_master(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
     feature cache, how much of it trainer ranks asked for)."""
-    from runtime.recipe.checks import capture_shares
+    from runtime.recipe.capture_layout import capture_shares
     from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key, want_key
     from runtime.transport.records import Cursor, Heartbeat
     from runtime.transport.store import ClientSettings, StoreClient

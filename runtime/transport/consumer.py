@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.checks import capture_shares
+from runtime.recipe.capture_layout import capture_shares
 from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     META_FIELD,

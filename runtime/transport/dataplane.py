@@ -26,7 +26,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from runtime.recipe.checks import capture_shares, nodes_per_engine
+from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.sizes import segment_shares
 from runtime.shared.contracts import ENV_TASK_RANK

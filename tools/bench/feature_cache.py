@@ -47,7 +47,7 @@ import torch
 
 from runtime.files import atomic_write_text
 from runtime.recipe import load_recipe
-from runtime.recipe.checks import largest_sample
+from runtime.recipe.fit.store_budget import largest_sample
 from runtime.recipe.sizes import SampleSize
 from runtime.recipe.units import format_bytes
 from runtime.shared.contracts import CapturedSample

@@ -1,4 +1,4 @@
-"""The capture-node memory plan for SGLang recipes (runtime/shared/sglang_fit.py)."""
+"""The capture GPUs' memory plan for SGLang recipes (runtime/recipe/fit/capture_hbm.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.recipe.fit.capture_hbm import capture_hbm_fit, offload_support_0_5_23
+from runtime.recipe.fit.expert_routing import K3_ROUTED_EXPERTS, K3_TOP_K, untouched_expert_fraction
+from runtime.recipe.fit.report import Finding
 from runtime.recipe.loader import load_recipe
-from runtime.shared.sglang_fit import (
-    K3_ROUTED_EXPERTS,
-    K3_TOP_K,
-    expert_offload_plan,
-    offload_support_0_5_23,
-    untouched_expert_fraction,
-)
 
 K3 = Path(__file__).resolve().parent.parent / "recipes" / "kimi_k3_v1c.yaml"
 GB = 10**9
@@ -25,11 +21,11 @@ NO_STREAMING = ["capture.expert_streaming.enabled=false"]
 
 def test_k3_on_one_h200_node_does_not_fit_and_0_5_23_offers_no_offload() -> None:
     recipe = load_recipe(K3, NO_STREAMING).recipe
-    plan = expert_offload_plan(recipe)
+    plan = capture_hbm_fit(recipe)
     assert plan is not None
-    levels = [level for level, _ in plan.findings]
+    levels = [f.level for f in plan.findings]
     assert levels == ["blocker"]
-    text = plan.findings[0][1]
+    text = plan.findings[0].message
     assert "do not fit 8 x H200 at TP8" in text
     assert "single-GPU only" in text and "MXFP4 Marlin repack" in text and "--offload-group-size" in text
     n = plan.numbers
@@ -53,21 +49,21 @@ def test_k3_on_one_h200_node_does_not_fit_and_0_5_23_offers_no_offload() -> None
 
 def test_the_alternatives_fit() -> None:
     two_nodes = load_recipe(K3, ["job.capture.nodes=2", "capture.sglang.tp_size=16", *NO_STREAMING]).recipe
-    assert expert_offload_plan(two_nodes).findings == [("ok", "the weights fit resident: 97.5 GB per GPU at TP16")]
+    assert capture_hbm_fit(two_nodes).findings == [Finding("ok", "the weights fit resident: 97.5 GB per GPU at TP16")]
     b300 = load_recipe(K3, ["plan.accelerator=B300", "plan.accelerator_memory_bytes=288GB", *NO_STREAMING]).recipe
-    assert expert_offload_plan(b300).findings[0][0] == "ok"
+    assert capture_hbm_fit(b300).findings[0].level == "ok"
     b200 = load_recipe(K3, ["plan.accelerator=B200", "plan.accelerator_memory_bytes=192GB", *NO_STREAMING]).recipe
-    assert expert_offload_plan(b200).findings[-1][0] == "blocker"
+    assert capture_hbm_fit(b200).findings[-1].level == "blocker"
 
 
 def test_tp_size_must_cover_the_capture_gpus() -> None:
     # Two capture nodes at TP8: a server per node (two capture shares), no blocker.
-    per_node = expert_offload_plan(load_recipe(K3, ["job.capture.nodes=2"]).recipe)
-    assert not [m for level, m in per_node.findings if level == "blocker"]
+    per_node = capture_hbm_fit(load_recipe(K3, ["job.capture.nodes=2"]).recipe)
+    assert not per_node.blockers
     # TP12 on two 8-GPU nodes fits neither a server per node nor one across both.
     recipe = load_recipe(K3, ["job.capture.nodes=2", "capture.sglang.tp_size=12"]).recipe
-    plan = expert_offload_plan(recipe)
-    assert plan.findings[0] == (
+    plan = capture_hbm_fit(recipe)
+    assert plan.findings[0] == Finding(
         "blocker",
         "capture.sglang.tp_size is 12 but the capture group has 16 GPUs (2 node(s) x 8) for 1 server(s); set "
         "tp_size to 8 (a server per node) or 16 (one server across the nodes)",
@@ -97,12 +93,12 @@ def test_paged_experts_would_be_allowed_only_for_single_gpu_non_marlin() -> None
 
 def test_embedded_recipes_have_no_sglang_plan() -> None:
     tiny = load_recipe(Path(K3).parent / "tiny.yaml").recipe
-    assert expert_offload_plan(tiny) is None
+    assert capture_hbm_fit(tiny) is None
 
 
 def test_k3_fits_with_streaming_and_the_plan_shows_the_numbers() -> None:
     recipe = load_recipe(K3).recipe
-    plan = expert_offload_plan(recipe)
+    plan = capture_hbm_fit(recipe)
     assert plan is not None
     n = plan.numbers
     layer = math.ceil(1.45e12 / 92 / 8)
@@ -117,20 +113,20 @@ def test_k3_fits_with_streaming_and_the_plan_shows_the_numbers() -> None:
     assert n["pcie_seconds_per_prefill"] == pytest.approx(52 * layer / (50 * GB))
     expert_flops = 2 * 65536 * (1.45e12 * 8 / 4.25) * 16 / 896 / 8
     assert n["expert_compute_seconds_per_prefill"] == pytest.approx(expert_flops / 500e12)
-    levels = dict((message.split(":")[0], level) for level, message in plan.findings)
+    levels = {f.message.split(":")[0]: f.level for f in plan.findings}
     assert levels["fits with streaming"] == "ok"
-    assert not [m for level, m in plan.findings if level == "blocker"]
-    assert any(level == "warning" and "not yet on a GPU" in m for level, m in plan.findings), "the plan is honest"
+    assert not plan.blockers
+    assert any(f.level == "warn" and "not yet on a GPU" in f.message for f in plan.findings), "the plan is honest"
     rows = dict(plan.rows)
     assert rows["resident vs streamed per GPU"].startswith("78.8 GB resident + 5.9 GB buffers")
 
 
 def test_a_streaming_budget_above_the_hbm_budget_is_a_blocker() -> None:
-    plan = expert_offload_plan(load_recipe(K3, ["capture.expert_streaming.gpu_budget_bytes=95GB"]).recipe)
-    (message,) = [m for level, m in plan.findings if level == "blocker"]
+    plan = capture_hbm_fit(load_recipe(K3, ["capture.expert_streaming.gpu_budget_bytes=95GB"]).recipe)
+    (message,) = [f.message for f in plan.blockers]
     assert "94.6 GB of experts and buffers" in message and "102.2 GB weight budget" in message
     assert "at most 88.4 GB" in message
     by_fraction = load_recipe(
         K3, ["capture.expert_streaming.gpu_budget_bytes=null", "capture.expert_streaming.resident_fraction=0.6"]
     ).recipe
-    assert any("weight budget" in m for level, m in expert_offload_plan(by_fraction).findings if level == "blocker")
+    assert any("weight budget" in f.message for f in capture_hbm_fit(by_fraction).blockers)

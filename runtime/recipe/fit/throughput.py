@@ -1,0 +1,253 @@
+"""The throughput model: capture, commit, transfer and train seconds per sample at
+``data.max_length``, the bottleneck and the trainer's expected idle fraction, and the run time (with
+the trainer's node-local feature cache: epoch 0 captured, later epochs read from its disk)."""
+
+from __future__ import annotations
+
+from runtime.recipe.fit.report import Finding, FitReport
+from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.fit.trainer_memory import draft_parameter_counts
+from runtime.recipe.schema import Recipe
+from runtime.recipe.sizes import SampleSize
+from runtime.recipe.units import format_bytes
+
+TRAINER_IDLE_WARN_FRACTION = 0.5
+"""Above this expected idle fraction the plan warns (and names the fix when capture is the bottleneck)."""
+
+
+def prefill_seconds(recipe: Recipe, gpus: int) -> float:
+    """Seconds of one ``data.max_length`` prefill of the target on ``gpus`` accelerators: 2 FLOPs
+    per active parameter and token at ``plan.capture_efficiency`` of peak (attention not counted)."""
+    hw = recipe.plan
+    peak_flops = hw.accelerator_peak_tflops * 1e12
+    return (
+        2.0 * recipe.capture.target_active_params * recipe.data.max_length / (gpus * peak_flops * hw.capture_efficiency)
+    )
+
+
+def draft_train_flops_per_sample(recipe: Recipe) -> float:
+    """Training FLOPs of one sample at ``data.max_length`` (forward x3 for trained parts; the
+    frozen lm_head costs a forward for the teacher and forward + input-gradient for the draft)."""
+    d = recipe.trainer.draft
+    t = recipe.data.max_length
+    slots = recipe.trainer.loss.num_anchors * d.block_size
+    h, v = d.hidden_size, recipe.capture.vocab_size
+    counts = draft_parameter_counts(d, recipe.num_aux_layers, v)
+    fc = 2.0 * t * recipe.num_aux_layers * h * h
+    context_kv = 2.0 * t * h * 2 * d.num_key_value_heads * d.head_dim * d.num_layers
+    slot_layers = 2.0 * slots * counts["decoder_layers"]
+    mean_context = t / 2 + d.block_size
+    attention = 2.0 * 2 * slots * d.num_attention_heads * d.head_dim * mean_context * d.num_layers
+    markov = 2.0 * slots * d.markov_rank * v
+    lm_head = 2.0 * slots * h * v
+    trained = fc + context_kv + slot_layers + attention + markov
+    return 3 * trained + 2 * lm_head + lm_head  # draft logits fwd + input grad, teacher logits fwd
+
+
+def throughput_model(recipe: Recipe) -> FitReport:
+    """The plan's throughput section: seconds per sample of each stage, the bottleneck, the run time."""
+    report = FitReport("throughput model")
+    sample = largest_sample(recipe)
+    stages = _stage_seconds(recipe, report, sample)
+    bottleneck = max(stages, key=lambda k: stages[k])
+    slowest = stages[bottleneck]
+    idle = 1.0 - stages["train"] / slowest
+    report.rows.append(("bottleneck", f"{bottleneck} ({slowest:.3f} s/sample, {1 / slowest:.3f} samples/s)"))
+    report.rows.append(("trainer idle fraction", f"{idle:.1%}"))
+    cached = recipe.trainer.feature_cache.enabled and "capture" in stages and bool(recipe.data.num_rows)
+    if recipe.data.num_rows:
+        idle = _run_time(recipe, report, stages, sample, cached, idle)
+    report.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
+    report.numbers.update(trainer_idle_fraction=idle)
+    report.findings.append(_bottleneck_finding(recipe, bottleneck, idle, cached))
+    return report
+
+
+def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dict[str, float]:
+    """Seconds per sample of capture (with its commit; only when the recipe states the target's
+    active parameters), transfer and train, each with its row."""
+    hw = recipe.plan
+    stages: dict[str, float] = {}
+    capture_units = max(1, recipe.job.capture.gpus_per_node * recipe.job.capture.nodes)
+    if recipe.capture.target_active_params:
+        stages["capture"] = prefill_seconds(recipe, capture_units)
+        report.rows.append(
+            (
+                "capture s/sample",
+                f"{stages['capture']:.3f} s  (2 x {recipe.capture.target_active_params:.3g} active "
+                f"params x {recipe.data.max_length} tokens on {capture_units} x {hw.accelerator} at "
+                f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
+            )
+        )
+        _commit_overlap(recipe, report, stages, sample, capture_units)
+    link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
+    stages["transfer"] = sample.total_bytes / link_bytes_s
+    report.rows.append(
+        (
+            "transfer s/sample",
+            f"{stages['transfer']:.3f} s  ({format_bytes(sample.total_bytes)} over "
+            f"{hw.link_gbps:g} Gbit/s at {hw.link_efficiency:.0%})",
+        )
+    )
+    trainer_units = (
+        max(1, recipe.job.trainer.gpus_per_node * recipe.job.trainer.nodes)
+        if recipe.job.trainer.gpus_per_node
+        else recipe.trainer_world_size
+    )
+    train_flops = draft_train_flops_per_sample(recipe)
+    peak_flops = hw.accelerator_peak_tflops * 1e12
+    stages["train"] = train_flops / (trainer_units * peak_flops * hw.train_mfu)
+    report.rows.append(
+        (
+            "train s/sample",
+            f"{stages['train']:.3f} s  ({train_flops / 1e12:,.1f} TFLOP per sample on "
+            f"{trainer_units} x {hw.accelerator} at {hw.train_mfu:.0%} MFU)",
+        )
+    )
+    return stages
+
+
+def _commit_overlap(
+    recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize, capture_units: int
+) -> None:
+    """The capture side's commit (the Mooncake put of each sample): hidden behind the next forward
+    by the commit pipeline, or added to the capture time without it."""
+    cap = recipe.capture
+    commit_s = sample.total_bytes / (recipe.plan.store_put_gbps * 1e9)
+    # SGLang: one sink per server (TP group); embedded: one pipeline per replica, one batch each.
+    slots = cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else capture_units)
+    if slots:
+        stages["capture"] = max(stages["capture"], commit_s)
+        how = (
+            f"overlapped with the next forward ({slots} staging slot(s), capture.commit_staging_slots; "
+            f"{format_bytes(slots * sample.feature_bytes)} pinned host memory)"
+        )
+    else:
+        stages["capture"] += commit_s
+        how = "added to the capture: capture.commit_staging_slots is 0 (no pipeline)"
+    report.rows.append(
+        (
+            "commit s/sample",
+            f"{commit_s:.3f} s  (Mooncake put at {recipe.plan.store_put_gbps:g} GB/s, checksums on the GPU), {how}",
+        )
+    )
+
+
+def run_steps(recipe: Recipe) -> int:
+    """Optimizer steps of the run: every epoch's samples over the global batch, at most
+    ``trainer.max_steps``."""
+    steps = (recipe.data.num_rows or 0) * recipe.trainer.epochs // recipe.trainer.global_batch_size
+    return min(steps, recipe.trainer.max_steps) if recipe.trainer.max_steps else steps
+
+
+def _run_time(
+    recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize, cached: bool, idle: float
+) -> float:
+    """The run's steps and time at the bottleneck, with the feature cache when it is on (else what
+    it would give a multi-epoch run); returns the trainer's idle fraction over the run."""
+    samples = (recipe.data.num_rows or 0) * recipe.trainer.epochs
+    steps = run_steps(recipe)
+    seconds = steps * recipe.trainer.global_batch_size * max(stages.values())
+    report.rows.append(("optimizer steps", f"{steps} ({samples} samples over {recipe.trainer.epochs} epoch(s))"))
+    report.numbers.update(steps=steps, run_seconds=seconds)
+    if cached:
+        return _feature_cache(recipe, report, stages, steps, sample)
+    report.rows.append(
+        ("run time at the bottleneck", f"{seconds / 3600:.2f} h (every sample at max_length: an upper bound)")
+    )
+    if "capture" in stages and recipe.trainer.epochs > 1:
+        _capture_once_projection(recipe, report, stages, steps)
+    return idle
+
+
+def cached_run_seconds(recipe: Recipe, stages: dict[str, float], steps: int) -> tuple[float, float, float]:
+    """Run time, trainer idle fraction and cache-read seconds per sample with the feature cache:
+    epoch 0 (each row once) at the slowest stage, later epochs at the slower of the trainer and
+    the trainer node's disk."""
+    rows_count = recipe.data.num_rows or 0
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    read_s = largest_sample(recipe).total_bytes / (recipe.plan.cache_read_gbps * 1e9)
+    seconds = first * max(stages.values()) + (samples - first) * max(stages["train"], read_s)
+    idle = 1.0 - samples * stages["train"] / seconds if seconds else 0.0
+    return seconds, idle, read_s
+
+
+def _capture_once_projection(recipe: Recipe, report: FitReport, stages: dict[str, float], steps: int) -> None:
+    """What the node-local feature cache would give this recipe (it is off): the first epoch at
+    the capture rate, later epochs at the trainer's or the cache's."""
+    seconds, idle, _ = cached_run_seconds(recipe, stages, steps)
+    report.rows.append(
+        (
+            "with trainer.feature_cache",
+            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%}: each row captured once, later epochs read from the "
+            "trainer node's disk (off in this recipe: --set trainer.feature_cache.enabled=true "
+            "--set trainer.feature_cache.dir=/local/nvme/dspark_cache)",
+        )
+    )
+    report.numbers.update(capture_once_run_seconds=seconds, capture_once_trainer_idle_fraction=idle)
+
+
+def _feature_cache(
+    recipe: Recipe, report: FitReport, stages: dict[str, float], steps: int, sample: SampleSize
+) -> float:
+    """The run with ``trainer.feature_cache``: its disk, its read rate and the run time; returns the
+    trainer's idle fraction over the whole run."""
+    rows_count = recipe.data.num_rows or 0
+    cache_bytes = rows_count * sample.total_bytes
+    disk = recipe.plan.trainer_local_disk_bytes
+    seconds, idle, read_s = cached_run_seconds(recipe, stages, steps)
+    samples = steps * recipe.trainer.global_batch_size
+    first = min(samples, rows_count)
+    report.rows += [
+        (
+            "feature cache size",
+            f"{format_bytes(cache_bytes)} ({rows_count} rows x {format_bytes(sample.total_bytes)}) on the trainer "
+            f"node's disk ({format_bytes(disk)} assumed free, plan.trainer_local_disk_bytes)",
+        ),
+        (
+            "cache read s/sample",
+            f"{read_s:.3f} s  ({format_bytes(sample.total_bytes)} at {recipe.plan.cache_read_gbps:g} GB/s, "
+            "plan.cache_read_gbps: assumed until measured on the trainer node with tools/bench/feature_cache.py)",
+        ),
+        (
+            "run time with the cache",
+            f"{seconds / 3600:.2f} h: epoch 0's {first} samples at {max(stages.values()):.3f} s (captured once), "
+            f"then {samples - first} at {max(stages['train'], read_s):.3f} s (the slower of train and cache read); "
+            f"trainer idle {idle:.0%} over the run",
+        ),
+    ]
+    report.numbers.update(
+        feature_cache_bytes=cache_bytes,
+        run_seconds=seconds,
+        cache_read_s_per_sample=read_s,
+        run_trainer_idle_fraction=idle,
+    )
+    if cache_bytes > disk:
+        report.findings.append(
+            Finding(
+                "blocker",
+                f"trainer.feature_cache needs {format_bytes(cache_bytes)} on the trainer node's disk, "
+                f"plan.trainer_local_disk_bytes is {format_bytes(disk)}",
+                (
+                    "point trainer.feature_cache.dir at a larger disk and set plan.trainer_local_disk_bytes to its free size",
+                    "or set trainer.feature_cache.enabled: false (every epoch is captured again)",
+                ),
+            )
+        )
+    return idle
+
+
+def _bottleneck_finding(recipe: Recipe, bottleneck: str, idle: float, cached: bool) -> Finding:
+    level = "warn" if idle > TRAINER_IDLE_WARN_FRACTION else "ok"
+    return Finding(
+        level,
+        f"bottleneck is {bottleneck}; the trainer is expected to idle {idle:.0%} of the time"
+        + (" over the run (epoch 0 captured, later epochs from the feature cache)" if cached else ""),
+        (
+            f"add capture nodes: --set job.capture.nodes={recipe.job.capture.nodes + 1} (each runs its own "
+            "engine and producer and captures every other g; the plan then shows the shorter run)",
+        )
+        if level == "warn" and bottleneck == "capture"
+        else (),
+    )

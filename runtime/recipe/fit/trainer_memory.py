@@ -1,0 +1,96 @@
+"""The DSpark draft's parameter counts and the estimated bytes per trainer rank (FSDP2, fp32 master
+weights + AdamW), at ``data.max_length``."""
+
+from __future__ import annotations
+
+import math
+
+from runtime.recipe.fit.report import Finding, FitReport
+from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.schema import DraftConfig, Recipe
+from runtime.recipe.units import format_bytes
+
+TRAINER_MEMORY_HEADROOM = 0.9
+"""Share of one accelerator's memory a trainer rank may plan to use (the rest: allocator, NCCL, ...)."""
+
+
+def draft_parameter_counts(draft: DraftConfig, num_aux_layers: int, vocab_size: int) -> dict[str, int]:
+    """Trainable and frozen parameter counts of the DSpark draft, by part."""
+    h, heads, kv, hd, inter = (
+        draft.hidden_size,
+        draft.num_attention_heads,
+        draft.num_key_value_heads,
+        draft.head_dim,
+        draft.intermediate_size,
+    )
+    bias = draft.attention_bias
+    attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q, k, v, o, q/k norms
+    if bias:
+        attention += heads * hd + 2 * kv * hd + h
+    layer = attention + 3 * h * inter + 2 * h
+    markov = 2 * vocab_size * draft.markov_rank
+    confidence = (h + draft.markov_rank + 1) if draft.confidence_head else 0
+    counts = {
+        "decoder_layers": draft.num_layers * layer,
+        "largest_layer": layer,
+        "fc_context": num_aux_layers * h * h + h,
+        "final_norm": h,
+        "markov_head": markov,
+        "confidence_head": confidence,
+        "frozen_embedding_and_lm_head": 2 * vocab_size * h,
+    }
+    counts["trainable"] = sum(
+        counts[k] for k in ("decoder_layers", "fc_context", "final_norm", "markov_head", "confidence_head")
+    )
+    return counts
+
+
+def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
+    """Estimated bytes per trainer rank at ``data.max_length`` (FSDP2, fp32 master + AdamW)."""
+    d = recipe.trainer.draft
+    world = recipe.trainer_world_size
+    t = recipe.data.max_length
+    h, v = d.hidden_size, recipe.capture.vocab_size
+    counts = draft_parameter_counts(d, recipe.num_aux_layers, v)
+    p = counts["trainable"]
+    compute_bytes = 2 if recipe.trainer.param_dtype == "bfloat16" else 4
+    slots = recipe.trainer.loss.num_anchors * d.block_size
+    chunk_slots = min(recipe.trainer.loss.objective_chunk_blocks, recipe.trainer.loss.num_anchors) * d.block_size
+    sample = largest_sample(recipe)
+    kv = d.num_key_value_heads * d.head_dim
+    return {
+        "fp32 master params (sharded)": math.ceil(4 * p / world),
+        "AdamW moments (sharded)": math.ceil(8 * p / world),
+        "fp32 gradients (sharded)": math.ceil(4 * p / world),
+        "gathered compute params (2 units)": 2 * compute_bytes * max(counts["largest_layer"], counts["fc_context"]),
+        "frozen embedding + lm_head": compute_bytes * counts["frozen_embedding_and_lm_head"],
+        "input sample (hs, lhs, ids, mask)": sample.total_bytes,
+        "context projection activations": 3 * t * h * compute_bytes,
+        "context keys/values (all layers)": d.num_layers * 3 * t * kv * compute_bytes,
+        "draft slot activations": d.num_layers * slots * (10 * h + 4 * d.intermediate_size) * compute_bytes,
+        "loss chunk (fp32 logits/softmax)": 5 * chunk_slots * v * 4,
+    }
+
+
+def trainer_memory_fit(recipe: Recipe) -> FitReport:
+    """The plan's trainer memory section: the bytes per rank by use, and (on GPUs) whether they fit
+    one accelerator."""
+    memory = trainer_memory_per_rank(recipe)
+    total_memory = sum(memory.values())
+    counts = draft_parameter_counts(recipe.trainer.draft, recipe.num_aux_layers, recipe.capture.vocab_size)
+    report = FitReport(f"trainer memory per rank ({recipe.trainer_world_size} ranks)")
+    report.numbers.update(trainer_memory_per_rank=total_memory, draft_trainable_params=counts["trainable"])
+    report.rows.append(("trainable draft parameters", f"{counts['trainable']:,}"))
+    report.rows += [(label, format_bytes(value)) for label, value in memory.items()]
+    report.rows.append(("total per rank (estimate)", format_bytes(total_memory)))
+    if recipe.job.trainer.gpus_per_node:
+        hw = recipe.plan
+        capacity = hw.accelerator_memory_bytes
+        report.findings.append(
+            Finding(
+                "ok" if total_memory < TRAINER_MEMORY_HEADROOM * capacity else "blocker",
+                f"trainer rank needs about {format_bytes(total_memory)} of "
+                f"{format_bytes(capacity)} on one {hw.accelerator}",
+            )
+        )
+    return report

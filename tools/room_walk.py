@@ -1,0 +1,147 @@
+"""How often a launcher command's call path crosses between rooms of the repository.
+
+    python -m tools.room_walk [--rooms launcher,runtime.recipe,runtime.shared] [--edges] -- kimi_k3_v1c --plan
+
+Runs ``launcher.cli.main`` on the arguments after ``--`` (its output is discarded) with a profile
+hook, and counts every call of a Python function whose nearest repository caller sits in another
+room. A room is the longest of ``--rooms`` that prefixes a function's module; functions outside
+every room (third-party code, the standard library, other repository modules) are stepped over, so
+``launcher.plan`` -> pydantic -> ``runtime.recipe.schema`` is one crossing. Code that runs while a
+module is imported (module and class bodies, and whatever they call) is not counted: it is the cost
+of an import, not of the walk.
+
+The result is four numbers: cross-room calls (every call counted; each returns, so the walk
+changes room twice as often), distinct cross-room function edges (caller function -> callee
+function), distinct cross-room module edges (caller module -> callee module), and the most room
+changes on one call stack (``launcher`` -> ``runtime.shared`` -> ``runtime.recipe`` is 2: a call
+path that bounces). ``--edges`` lists the module edges and the function edges in the order they
+were first taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+DEFAULT_ROOMS = ("launcher", "runtime.recipe", "runtime.shared")
+CO_OPTIMIZED = 0x1
+"""Set on the code of functions; unset on module and class bodies (import-time code)."""
+
+
+@dataclass
+class RoomWalk:
+    """The cross-room calls seen while the profile hook was installed."""
+
+    rooms: tuple[str, ...]
+    edges: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(caller ``module:function``, callee ``module:function``) -> calls, in first-seen order."""
+    deepest_stack_changes: int = 0
+    """The most room changes seen on one call stack (repository frames in a room, innermost first)."""
+
+    @property
+    def crossings(self) -> int:
+        """Every cross-room call."""
+        return sum(self.edges.values())
+
+    @property
+    def module_edges(self) -> Counter[tuple[str, str]]:
+        """(caller module, callee module) -> calls, in first-seen order."""
+        modules: Counter[tuple[str, str]] = Counter()
+        for (caller, callee), count in self.edges.items():
+            modules[(caller.split(":")[0], callee.split(":")[0])] += count
+        return modules
+
+    def room_of(self, module: str) -> str | None:
+        """The longest room that prefixes ``module``; None outside every room."""
+        matches = [r for r in self.rooms if module == r or module.startswith(r + ".")]
+        return max(matches, key=len) if matches else None
+
+    def _frame_room(self, frame: FrameType) -> str | None:
+        return self.room_of(str(frame.f_globals.get("__name__", "")))
+
+    def profile(self, frame: FrameType, event: str, _arg: Any) -> None:
+        """The ``sys.setprofile`` hook."""
+        if event != "call" or not _is_function(frame.f_code):
+            return
+        callee_room = self._frame_room(frame)
+        if callee_room is None:
+            return
+        caller = frame.f_back
+        while caller is not None and self._frame_room(caller) is None:
+            caller = caller.f_back
+        if caller is None or not _is_function(caller.f_code):
+            return
+        caller_room = self._frame_room(caller)
+        if caller_room != callee_room:
+            self.edges[(_qualified(caller), _qualified(frame))] += 1
+            self.deepest_stack_changes = max(self.deepest_stack_changes, self._stack_changes(frame))
+
+    def _stack_changes(self, frame: FrameType) -> int:
+        rooms = []
+        at: FrameType | None = frame
+        while at is not None:
+            room = self._frame_room(at)
+            if room is not None and (not rooms or rooms[-1] != room):
+                rooms.append(room)
+            at = at.f_back
+        return len(rooms) - 1
+
+    def render(self, list_edges: bool) -> str:
+        """The summary line, and with ``list_edges`` one line per edge."""
+        lines = [
+            f"{self.crossings} cross-room calls, {len(self.edges)} distinct function edges, "
+            f"{len(self.module_edges)} distinct module edges, at most {self.deepest_stack_changes} room changes on "
+            f"one call stack (rooms: {', '.join(self.rooms)})"
+        ]
+        if list_edges:
+            lines += [f"  module {a} -> {b}  x{count}" for (a, b), count in self.module_edges.items()]
+            lines += [f"  {a} -> {b}  x{count}" for (a, b), count in self.edges.items()]
+        return "\n".join(lines)
+
+
+def _is_function(code: CodeType) -> bool:
+    return bool(code.co_flags & CO_OPTIMIZED)
+
+
+def _qualified(frame: FrameType) -> str:
+    return f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_qualname}"
+
+
+def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tuple[RoomWalk, int]:
+    """Run ``launcher.cli.main(argv)`` under the hook; returns the walk and the launcher's exit code."""
+    from launcher.cli import main
+
+    walk = RoomWalk(rooms)
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        sys.setprofile(walk.profile)
+        try:
+            code = main(argv)
+        finally:
+            sys.setprofile(None)
+    return walk, code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: print the walk of one launcher command."""
+    parser = argparse.ArgumentParser(prog="python -m tools.room_walk", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rooms", default=",".join(DEFAULT_ROOMS), help="comma-separated module prefixes")
+    parser.add_argument("--edges", action="store_true", help="list every distinct cross-room edge")
+    parser.add_argument("launcher_args", nargs=argparse.REMAINDER, help="-- then the launcher's arguments")
+    args = parser.parse_args(argv)
+    launcher_args = args.launcher_args[1:] if args.launcher_args[:1] == ["--"] else args.launcher_args
+    walk, code = walk_launcher(launcher_args, tuple(r for r in args.rooms.split(",") if r))
+    print(walk.render(args.edges))
+    if code:
+        print(f"the launcher exited with {code}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
