@@ -23,6 +23,8 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
   check asks another interpreter where its ``sglang`` lives;
 - runtime/sglang_patching (download, apply, regenerate) is imported only by the launcher's pre-flight
   check of the pinned wheel, the tools and the tests: no other runtime room;
+- runtime/evaluate (the speculative decoder that judges a draft) may import capture and trainer, but
+  no other runtime room imports it, and the launcher only starts it as a program;
 - no import cycle among repo modules.
 """
 
@@ -49,6 +51,9 @@ LIGHT_PROGRAM_RUNNERS = {"runtime.shared.sglang_patch_check": "subprocess"}
 PATCHING_ROOM = "runtime.sglang_patching"
 PATCHING_IMPORTERS = ("launcher.gate", "tools", "tests", PATCHING_ROOM)
 """Who may import :data:`PATCHING_ROOM`: the pre-flight check of the pinned wheel, tools, tests."""
+
+EVALUATE_ROOM = "runtime.evaluate"
+"""The draft evaluation: a top room of runtime (it reads capture and trainer; nothing imports it)."""
 
 FORBIDDEN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("runtime", ("launcher", "tools", "tests"), "runtime/ runs in the allocation and imports only runtime/"),
@@ -297,6 +302,24 @@ def test_only_the_gate_and_the_tools_import_the_patching() -> None:
     assert not chains, "the patching runs on login nodes without torch:\n" + "\n".join(chains)
 
 
+def evaluate_importers(modules: dict[str, Module], repo_root: Path = REPO_ROOT) -> list[str]:
+    """Every import of :data:`EVALUATE_ROOM` from outside it (the tests excepted)."""
+    return [
+        f"{module.path.relative_to(repo_root)}:{line} imports {target}"
+        for module in modules.values()
+        if not _within(module.name, EVALUATE_ROOM) and not _within(module.name, "tests")
+        for target, line in module.repo_imports.items()
+        if _within(target, EVALUATE_ROOM)
+    ]
+
+
+def test_nothing_imports_the_evaluation() -> None:
+    modules = build_graph()
+    assert EVALUATE_ROOM + ".decoder" in modules
+    problems = evaluate_importers(modules)
+    assert not problems, "the evaluation is run as a program (python3 -m runtime.evaluate):\n" + "\n".join(problems)
+
+
 def test_the_ground_floor_imports_nothing_of_the_repository() -> None:
     modules = build_graph()
     assert all(name in modules for name in GROUND_FLOOR)
@@ -356,6 +379,10 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "runtime/sglang_patching/tree.py": "import subprocess\n",
         "runtime/capture/__init__.py": "",
         "runtime/capture/engine.py": "import torch\nfrom runtime.moe import loader\nfrom runtime.sglang_patching import tree\n",
+        "runtime/evaluate/__init__.py": "",
+        "runtime/evaluate/decoder.py": "from runtime.capture import engine\n",
+        "runtime/trainer/__init__.py": "",
+        "runtime/trainer/loop.py": "from runtime.evaluate import decoder\n",
         "runtime/moe/__init__.py": "",
         "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
         "def g():\n    from runtime.capture.engine import X\n",
@@ -382,3 +409,4 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
     assert patching_in_the_light_layer(modules, tmp_path) == ["runtime/shared/helper.py:1 imports zipfile"]
     assert "runtime/capture/engine.py:3 imports runtime.sglang_patching.tree" in patching_importers(modules, tmp_path)
+    assert "runtime/trainer/loop.py:1 imports runtime.evaluate.decoder" in evaluate_importers(modules, tmp_path)

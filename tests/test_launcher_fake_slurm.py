@@ -157,3 +157,46 @@ def test_cancel_of_a_finished_local_job_leaves_a_process_that_reused_its_pid_alo
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def _resolved_job(tmp_path: Path, *overrides: str) -> JobRecord:
+    """A finished-looking job folder: its resolved tiny recipe and a job record."""
+    from launcher.jobs import write_record
+
+    record = slurm_record(tmp_path, job_id="5151")
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    done = launch(["resolve", "tiny", "--job-dir", record.job_dir, "--slurm-job-id", "5151", *sets])
+    assert done.returncode == 0, done.stderr
+    write_record(record, tmp_path / "runs")
+    return record
+
+
+def test_eval_is_submitted_as_a_one_node_job_running_the_rendered_script(fake: FakeSlurm, tmp_path: Path) -> None:
+    from launcher.eval_job import render_eval_script
+    from runtime.recipe import load_resolved
+
+    record = _resolved_job(tmp_path)
+    fake.answer("sbatch", stdout="6161\n")
+    args = ["eval", record.job_dir, "--checkpoint", "step_8", "--eval-set", "tiny-heldout", "--set", "eval.seed=3"]
+    done = launch(args, env=fake.environ())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "submitted eval job 6161" in done.stdout and f"tail -f {record.job_dir}/eval/slurm-6161.out" in done.stdout
+    (call,) = fake.calls("sbatch")
+    recipe = load_resolved(Path(record.job_dir) / "recipe.resolved.json").recipe
+    assert call["script"] == render_eval_script(recipe, "recipes/tiny.yaml")
+    argv = call["argv"]
+    assert "--parsable" in argv and f"--output={record.job_dir}/eval/slurm-%j.out" in argv
+    (exports,) = [a for a in argv if a.startswith("--export=")]
+    assert f"DSPARK_JOB_DIR={record.job_dir}" in exports and "DSPARK_EVAL_CHECKPOINT=step_8" in exports
+    assert exports.endswith("DSPARK_EVAL_ARGS=--eval-set tiny-heldout --set eval.seed=3")
+    # a refusal by sbatch reaches the operator in one line
+    fake.answer("sbatch", stderr="sbatch: error: invalid partition specified: gpu\n", exit_code=1)
+    done = launch(["eval", record.job_dir], env=fake.environ())
+    assert done.returncode == 2 and "sbatch refused the eval job: sbatch: error: invalid partition" in done.stderr
+
+
+def test_eval_without_slurm_says_to_use_local(tmp_path: Path) -> None:
+    record = _resolved_job(tmp_path)
+    done = launch(["eval", record.job_dir], env={"PATH": "/nonexistent"})
+    assert done.returncode == 2
+    assert "sbatch is not on PATH" in done.stderr and "--local" in done.stderr

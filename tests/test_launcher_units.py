@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.environment import RENDEZVOUS_VARIABLES, component_environment, expand_hostlist, slurm_placement
+from launcher.eval_job import render_eval_script
 from launcher.hetjob import HetInfoWatcher, task_index, task_owner
 from launcher.plan import make_plan
 from launcher.render import RenderOptions, render_script
@@ -175,6 +176,14 @@ def test_golden_sbatch_scripts_match_the_renderer() -> None:
         expected = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
         checked_in = (REPO / "sbatch" / f"{loaded.recipe.job.name}.sbatch").read_text()
         assert checked_in == expected, f"sbatch/{loaded.recipe.job.name}.sbatch is stale: python3 -m launcher render"
+        eval_script = REPO / "sbatch" / f"{loaded.recipe.job.name}.eval.sbatch"
+        if loaded.recipe.eval is None:
+            assert not eval_script.exists(), f"{eval_script.name} is left over: its recipe has no eval: section"
+        else:
+            expected = render_eval_script(loaded.recipe, loaded.source)
+            assert eval_script.read_text() == expected, (
+                f"sbatch/{eval_script.name} is stale: python3 -m launcher render"
+            )
 
 
 def test_hetjob_script_shape() -> None:

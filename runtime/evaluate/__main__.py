@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out_dir / RESULTS_FILE}")
     from runtime.evaluate.plots import draw_eval_plots
 
-    for line in draw_eval_plots(out_dir, resolved.job_dir / "eval"):
+    # A results folder of the operator's choosing keeps every plot inside it (the job folder is not touched).
+    eval_root = resolved.job_dir / "eval" if args.out is None else out_dir
+    for line in draw_eval_plots(out_dir, eval_root):
         print(line)
     return 0
 

@@ -15,7 +15,8 @@ CALIBRATION_FILE = "calibration.png"
 
 def _results(eval_root: Path) -> list[dict[str, Any]]:
     found = []
-    for path in sorted(eval_root.glob("*/results.json")):
+    own = [eval_root / "results.json"] if (eval_root / "results.json").is_file() else []
+    for path in own + sorted(eval_root.glob("*/results.json")):
         try:
             found.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
