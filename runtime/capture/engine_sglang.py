@@ -82,6 +82,24 @@ def server_arguments(
     """
     cap = recipe.capture
     s = cap.sglang
+    args = serving_arguments(recipe, model_path=model_path)
+    # DSPARK aux capture on the target alone (no draft is loaded): the layer ids name layer outputs.
+    args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
+    args += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in cap.aux_layer_ids)]
+    args += ["--dspark-capture-sink", s.capture_sink, "--dspark-capture-recipe", str(recipe_path)]
+    if nnodes > 1:
+        if not dist_init_addr:
+            raise SGLangEngineError("a multi-node server needs dist_init_addr (the first capture node's host:port)")
+        args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+    args += list(s.extra_args)
+    return args
+
+
+def serving_arguments(recipe: Recipe, *, model_path: str | Path | None = None) -> list[str]:
+    """The server's shape from ``capture.sglang`` (model, address, parallelism, memory, backends,
+    expert offload), shared by the capture server and the eval's DSpark serving."""
+    cap = recipe.capture
+    s = cap.sglang
     args = [
         "--model-path", str(model_path or cap.target_path),
         "--host", s.host,
@@ -105,21 +123,12 @@ def server_arguments(
         args.append("--skip-tokenizer-init")
     if s.trust_remote_code:
         args.append("--trust-remote-code")
-    # DSPARK aux capture on the target alone (no draft is loaded): the layer ids name layer outputs.
-    args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
-    args += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in cap.aux_layer_ids)]
-    args += ["--dspark-capture-sink", s.capture_sink, "--dspark-capture-recipe", str(recipe_path)]
     if s.expert_offload == "paged_experts":
         args += ["--enable-paged-experts"]
         if s.paged_experts_num_resident is not None:
             args += ["--paged-experts-num-resident", str(s.paged_experts_num_resident)]
     elif s.expert_offload == "cpu_offload":
         args += ["--cpu-offload-gb", str(s.cpu_offload_gib_per_gpu)]
-    if nnodes > 1:
-        if not dist_init_addr:
-            raise SGLangEngineError("a multi-node server needs dist_init_addr (the first capture node's host:port)")
-        args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
-    args += list(s.extra_args)
     return args
 
 

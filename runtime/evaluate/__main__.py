@@ -19,6 +19,7 @@ from pathlib import Path
 
 from runtime.evaluate.draft import DraftSourceError, resolve_draft_source
 from runtime.evaluate.eval_sets import EvalSetError
+from runtime.evaluate.sglang_route import SGLangRouteError
 from runtime.evaluate.target import TargetLoadError
 from runtime.files import atomic_write_text
 from runtime.recipe import RecipeError, load_recipe, load_resolved
@@ -92,11 +93,24 @@ def main(argv: list[str] | None = None) -> int:
                 str(resolved.path), [Problem("eval.sets", f"has no set {unknown}", f"use one of {known}")]
             )
         source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
-        from runtime.evaluate.runner import EvalInputs, evaluate
+        from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
 
         out_dir = args.out or resolved.job_dir / "eval" / source.label
-        results = evaluate(EvalInputs(resolved, settings, source, args.sets))
-    except (RecipeError, DraftSourceError, EvalSetError, TargetLoadError, CheckpointError, FileNotFoundError) as exc:
+        inputs = EvalInputs(resolved, settings, source, args.sets)
+        if route_of(inputs) == "sglang":
+            out_dir.mkdir(parents=True, exist_ok=True)
+            results = evaluate_with_sglang(inputs, out_dir)
+        else:
+            results = evaluate(inputs)
+    except (
+        RecipeError,
+        DraftSourceError,
+        EvalSetError,
+        TargetLoadError,
+        CheckpointError,
+        FileNotFoundError,
+        SGLangRouteError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception:

@@ -127,7 +127,7 @@ def results_table(results: dict[str, Any]) -> str:
     ]
     teacher = results.get("teacher_forced", {})
     for entry in results["passes"]:
-        plain_rate = entry["plain"]["overall"]["tokens_per_s"]
+        plain_rate = entry["plain"]["overall"]["tokens_per_s"] if entry["plain"] else None
         for label, figures in entry["drafts"].items():
             overall = figures["overall"]
             tau = teacher.get(label, {}).get("tau")
@@ -153,6 +153,9 @@ def results_table(results: dict[str, Any]) -> str:
                 f"  confidence head predicted/observed: {pairs} "
                 f"(calibration error {_num(figures['overall'].get('expected_calibration_error'), 3)})"
             )
+        server = figures.get("server_avg_spec_accept_length")
+        if server is not None:
+            lines.append(f"  SGLang's own running average (/server_info avg_spec_accept_length): {server:.3f}")
         agreement = figures.get("greedy_agreement")
         if agreement is not None:
             lines.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,3 +228,111 @@ def _per_set(by_set: dict[str, list[Generation]], figures: Any) -> dict[str, Any
     out = {"sets": {name: figures(generations) for name, generations in by_set.items()}}
     out["overall"] = figures([g for generations in by_set.values() for g in generations])
     return out
+
+
+def route_of(inputs: EvalInputs) -> str:
+    """``embedded`` or ``sglang`` (``auto``: the recipe's capture engine)."""
+    route = inputs.eval.route
+    return inputs.resolved.recipe.capture.engine if route == "auto" else route
+
+
+def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
+    """The SGLang route (see :mod:`runtime.evaluate.sglang_route`): export the draft if it is a
+    checkpoint, serve the target with it, send every prompt at each temperature, read the figures."""
+    from runtime.capture.engine_sglang import ServerProcess, SGLangEngine
+    from runtime.evaluate.sglang_route import (
+        EvalClient,
+        outcome_figures,
+        refuse_off_accelerator,
+        refuse_simulated_acceptance,
+        serving_command,
+        serving_environment,
+    )
+    from runtime.trainer.export import export_draft
+
+    started = time.monotonic()
+    recipe, settings, source = inputs.resolved.recipe, inputs.eval, inputs.source
+    sglang = recipe.capture.sglang
+    refuse_off_accelerator("cpu" if sglang.device == "cpu" or not torch.cuda.is_available() else "cuda")
+    refuse_simulated_acceptance(sglang.server_env)
+    if source.kind == UNTRAINED:
+        raise RuntimeError(
+            "the SGLang route serves an exported draft; --checkpoint untrained needs eval.route: embedded"
+        )
+    sets = [(i, s) for i, s in enumerate(settings.sets) if inputs.set_names is None or s.name in inputs.set_names]
+    target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
+    prompts = {
+        s.name: load_prompts(
+            s, i, inputs.resolved.resolve_path, _load_tokenizer(target_path), recipe.capture.vocab_size
+        )
+        for i, s in sets
+    }
+    draft_path = source.path
+    if source.kind == "checkpoint":
+        model = build_draft(source, recipe, seed=settings.seed, device="cpu", dtype=torch.float32)
+        draft_path = export_draft(
+            model, work_dir / f"export-{source.label}", recipe, dtype=torch.bfloat16, is_main=True
+        )
+    assert draft_path is not None
+    block_size = recipe.trainer.draft.block_size
+    python = str(inputs.resolved.resolve_path(sglang.python)) if sglang.python else sys.executable
+    engine = SGLangEngine(
+        inputs.resolved,
+        log_path=work_dir / "sglang_server.log",
+        command=serving_command(
+            recipe,
+            draft_path,
+            python=python,
+            model_path=target_path,
+            batch_size=settings.batch_size,
+            block_size=block_size,
+        ),
+    )
+    engine.env = serving_environment(engine.env, settings.sglang_verify_mode)
+    stop_ids = sorted({recipe.capture.special_tokens.eos_id, *settings.stop_token_ids})
+    passes = []
+    try:
+        engine.check_patch()
+        engine.process = ServerProcess(engine.command, engine.env, engine.log_path)
+        engine.process.start()
+        engine.wait_until_healthy()
+        client = EvalClient(engine.base_url, settings.request_timeout_s)
+        for temperature in settings.temperatures:
+            by_set, every, total_s = {}, [], 0.0
+            for name, rows in prompts.items():
+                outcomes, wall_s = client.generate_all(
+                    rows,
+                    batch_size=settings.batch_size,
+                    temperature=temperature,
+                    max_new_tokens=settings.max_new_tokens,
+                    stop_ids=stop_ids,
+                )
+                by_set[name] = outcome_figures(outcomes, block_size, wall_s)
+                every += outcomes
+                total_s += wall_s
+                log.info("eval: SGLang, T=%g, set %s: %d prompts in %.0f s", temperature, name, len(rows), wall_s)
+            figures: dict[str, Any] = {"sets": by_set, "overall": outcome_figures(every, block_size, total_s)}
+            figures["server_avg_spec_accept_length"] = client.server_accept_length()
+            figures["speedup_vs_plain"] = None
+            passes.append({"temperature": temperature, "plain": None, "drafts": {source.label: figures}})
+    finally:
+        engine.close()
+    return {
+        "format": RESULTS_FORMAT,
+        "route": "sglang",
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "job_dir": str(inputs.resolved.job_dir),
+        "recipe_digest": inputs.resolved.digest,
+        "draft": {"label": source.label, "kind": source.kind, "path": str(draft_path), "step": source.step},
+        "compared_with": [],
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "block_size": block_size,
+        "max_new_tokens": settings.max_new_tokens,
+        "stop_token_ids": stop_ids,
+        "sglang_verify_mode": settings.sglang_verify_mode,
+        "sets": {name: len(rows) for name, rows in prompts.items()},
+        "passes": passes,
+        "teacher_forced": {},
+        "seconds": round(time.monotonic() - started, 2),
+    }

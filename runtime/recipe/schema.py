@@ -721,6 +721,16 @@ class EvalSection(Section):
     """Also evaluate an untrained draft of the same shape (its floor) in the same run."""
     time_limit_min: int = Field(60, ge=1)
     """Slurm time limit of the eval job (``python3 -m launcher eval JOB`` without ``--local``)."""
+    route: Literal["auto", "embedded", "sglang"] = "auto"
+    """How the target decodes: ``embedded`` (our speculative decoder over the transformers target,
+    on one device), ``sglang`` (SGLang serving the exported draft with ``--speculative-algorithm
+    DSPARK``, GPU only), ``auto`` (the capture engine's: ``capture.engine``)."""
+    sglang_verify_mode: Literal["static", "cap-accept", "compact"] = "cap-accept"
+    """``SGLANG_RAGGED_VERIFY_MODE`` of the SGLang route: ``cap-accept`` and ``compact`` size each
+    request's verify from the draft's confidence head (so the head is used); ``static`` verifies whole
+    blocks and ignores it."""
+    request_timeout_s: float = Field(1800.0, gt=0)
+    """Longest wait for one prompt's answer on the SGLang route."""
 
     @field_validator("temperatures")
     @classmethod
