@@ -52,8 +52,9 @@ def run_status(args: argparse.Namespace) -> int:
     """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
     feature cache, how much of it trainer ranks asked for)."""
     from runtime.recipe.checks import capture_shares
-    from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key, want_key
-    from runtime.transport.records import Cursor, Heartbeat
+    from runtime.shared.contracts import META_FIELD, cursor_key, sample_key, want_key
+    from runtime.transport.liveness import stored_heartbeat
+    from runtime.transport.records import Cursor
     from runtime.transport.store import ClientSettings, StoreClient
 
     resolved = load_resolved(args.recipe)
@@ -69,9 +70,9 @@ def run_status(args: argparse.Namespace) -> int:
         )
         shares = capture_shares(recipe)
         for share in range(shares):
-            raw = client.get_bytes(heartbeat_key(store_id, share))
+            beat = stored_heartbeat(client, store_id, share)
             where = f"capture share {share} of {shares}: " if shares > 1 else ""
-            print(where + (Heartbeat.decode(raw).summary() if raw else "no producer heartbeat"))
+            print(where + (beat.summary() if beat else "no producer heartbeat"))
         if cursor is not None:
             high = recipe.transport.high_watermark_samples
             window = range(cursor.value, cursor.value + high)
