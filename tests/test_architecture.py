@@ -14,7 +14,8 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
   import capture;
 - tools/ (benchmarks included) does not import tests/;
 - within the light layer runtime/recipe is the lower floor: runtime/shared imports it, never the reverse;
-- no import cycle among repo modules.
+- no import cycle among repo modules;
+- only runtime/transport/liveness.py reads or writes the producer's heartbeat object (its key and record).
 """
 
 from __future__ import annotations
@@ -257,6 +258,37 @@ def test_temporary_file_and_rename_are_written_in_one_place() -> None:
     assert not found, "write through runtime.files (atomic_write_text / atomic_path) instead:\n" + "\n".join(found)
 
 
+HEARTBEAT_NAMES = ("heartbeat_key", "Heartbeat")
+"""The heartbeat's store key and record: what a module needs to read or write the object itself."""
+HEARTBEAT_OWNER = "runtime.transport.liveness"
+
+
+def heartbeat_users(repo_root: Path = REPO_ROOT) -> list[str]:
+    """Imports of the heartbeat's key or record in runtime/, outside the liveness module and the
+    contract that names the key (imports under ``if TYPE_CHECKING:`` do not count)."""
+    found = []
+    for path in sorted((repo_root / "runtime").rglob("*.py")):
+        name = module_name(path, repo_root)
+        if name in (HEARTBEAT_OWNER, "runtime.shared.contracts"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = _type_checking_lines(tree)  # a type in an annotation reads nothing
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.lineno in skipped:
+                continue
+            for alias in node.names:
+                if alias.name in HEARTBEAT_NAMES:
+                    found.append(f"{path.relative_to(repo_root)}:{node.lineno} imports {node.module}.{alias.name}")
+    return found
+
+
+def test_only_the_liveness_module_reads_or_writes_the_heartbeat() -> None:
+    """Placement (rank 0's segment, fallback, moves) and aging on the reader's clock live in one
+    module: a second reader or writer would bypass them."""
+    users = heartbeat_users()
+    assert not users, f"read or write the heartbeat through {HEARTBEAT_OWNER}:\n" + "\n".join(users)
+
+
 def test_no_forbidden_arrows() -> None:
     problems = arrow_violations(build_graph())
     assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
@@ -300,3 +332,5 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert any("tools/bench.py:1 imports tests.conftest" in a for a in arrows), arrows
     assert not any("tests.x" in a for a in arrows), "TYPE_CHECKING imports never run"
     assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
+    (tmp_path / "runtime/capture/status.py").write_text("from runtime.shared.contracts import heartbeat_key\n")
+    assert heartbeat_users(tmp_path) == ["runtime/capture/status.py:1 imports runtime.shared.contracts.heartbeat_key"]

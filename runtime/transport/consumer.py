@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,10 +34,13 @@ from runtime.shared.contracts import (
 )
 from runtime.transport.deadline import STATUS_TIMEOUT_S, DeadlineCaller, StoreUnresponsiveError
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
-from runtime.transport.liveness import Heartbeat, HeartbeatReader
+from runtime.transport.liveness import HeartbeatReader
 from runtime.transport.records import Cursor
 from runtime.transport.sample_format import FieldLayout, decode_meta, field_layouts, sample_keys, verify_field
 from runtime.transport.store import StoreClient
+
+if TYPE_CHECKING:
+    from runtime.transport.liveness import Heartbeat
 
 log = logging.getLogger("dspark.transport.consumer")
 
