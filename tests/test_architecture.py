@@ -15,7 +15,9 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
 - tools/ (benchmarks included) does not import tests/;
 - within the light layer runtime/recipe is the lower floor: runtime/shared imports it, never the reverse;
 - no import cycle among repo modules;
-- only runtime/transport/liveness.py reads or writes the producer's heartbeat object (its key and record).
+- only runtime/transport/liveness.py reads or writes the producer's heartbeat object (its key and record);
+- only runtime/transport/settings.py reads the recipe for the transport's components (the doors load a
+  resolved recipe and hand it there), and it reaches no torch (the master's command line starts without).
 """
 
 from __future__ import annotations
@@ -289,6 +291,32 @@ def test_only_the_liveness_module_reads_or_writes_the_heartbeat() -> None:
     assert not users, f"read or write the heartbeat through {HEARTBEAT_OWNER}:\n" + "\n".join(users)
 
 
+TRANSPORT_SETTINGS = "runtime.transport.settings"
+"""The one module of runtime/transport that reads the recipe (schema, checks, sizes)."""
+
+
+def recipe_readers_in_transport(modules: dict[str, Module]) -> list[str]:
+    """Modules of runtime/transport, other than its settings module, that import more of
+    runtime/recipe than the loader (which the doors use to load a resolved recipe)."""
+    return [
+        f"{module.path.name} imports {target}"
+        for module in modules.values()
+        if _within(module.name, "runtime.transport") and module.name != TRANSPORT_SETTINGS
+        for target in module.repo_imports
+        if _within(target, "runtime.recipe")
+        and not _within(target, "runtime.recipe.loader")
+        and target != "runtime.recipe"
+    ]
+
+
+def test_only_the_transport_settings_read_the_recipe() -> None:
+    """Each transport component takes its own typed settings, built once from the recipe in one place."""
+    modules = build_graph()
+    readers = recipe_readers_in_transport(modules)
+    assert not readers, f"build the settings in {TRANSPORT_SETTINGS} and pass them:\n" + "\n".join(readers)
+    assert not heavy_paths(TRANSPORT_SETTINGS, modules), heavy_paths(TRANSPORT_SETTINGS, modules)
+
+
 def test_no_forbidden_arrows() -> None:
     problems = arrow_violations(build_graph())
     assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
@@ -312,6 +340,10 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "runtime/moe/__init__.py": "",
         "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
         "def g():\n    from runtime.capture.engine import X\n",
+        "runtime/recipe/__init__.py": "",
+        "runtime/recipe/schema.py": "",
+        "runtime/transport/__init__.py": "",
+        "runtime/transport/window.py": "from runtime.recipe.schema import Recipe\n",
         "tools/__init__.py": "",
         "tools/bench.py": "from tests.conftest import free_port\n",
         "tests/__init__.py": "",
@@ -332,5 +364,6 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert any("tools/bench.py:1 imports tests.conftest" in a for a in arrows), arrows
     assert not any("tests.x" in a for a in arrows), "TYPE_CHECKING imports never run"
     assert import_cycles(modules) == [["runtime.capture.engine", "runtime.moe.loader"]]
+    assert recipe_readers_in_transport(modules) == ["window.py imports runtime.recipe.schema"]
     (tmp_path / "runtime/capture/status.py").write_text("from runtime.shared.contracts import heartbeat_key\n")
     assert heartbeat_users(tmp_path) == ["runtime/capture/status.py:1 imports runtime.shared.contracts.heartbeat_key"]

@@ -24,8 +24,9 @@ from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, TransportError
 from runtime.transport.liveness import Heartbeat
-from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
-from runtime.transport.store import ClientSettings, StoreClient
+from runtime.transport.loopback import loopback_endpoints, loopback_env, loopback_master, loopback_recipe
+from runtime.transport.settings import TransportSettings
+from runtime.transport.store import StoreClient
 from tests.conftest import free_port
 from tests.support.trainer_runs import BASE_OVERRIDES, Run, launch, make_inputs
 
@@ -81,7 +82,7 @@ def plane(tmp_path: Path) -> Iterator[tuple[ResolvedRecipe, Endpoints]]:
         [*ONE_RANK, *FAST_FAILURES, "transport.idle_timeout_s=4", "transport.wait_log_interval_s=1"],
     )
     with loopback_master(resolved):
-        yield resolved, Endpoints.loopback(resolved.recipe)
+        yield resolved, loopback_endpoints(resolved)
 
 
 @pytest.mark.slow
@@ -181,8 +182,8 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
     store_id = resolved.recipe.store_id
     key = heartbeat_key(store_id)
     with loopback_master(resolved) as master:
-        endpoints = Endpoints.loopback(resolved.recipe)
-        settings = ClientSettings.from_recipe(resolved.recipe, endpoints, 0)
+        endpoints = loopback_endpoints(resolved)
+        settings = TransportSettings.from_recipe(resolved.recipe).client(endpoints, 0)
         with (
             StoreClient(settings, name="reader").connect() as reader,
             open_producer(resolved, endpoints=endpoints, start_cursor=None) as producer,

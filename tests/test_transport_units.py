@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from runtime.recipe import RecipeError, SampleSize, load_recipe
-from runtime.recipe.checks import capture_shares
 from runtime.shared.contracts import TENSOR_FIELDS, global_sample_index, sample_key
-from runtime.transport.endpoints import Endpoints
+from runtime.transport.consumer import Consumer
 from runtime.transport.errors import CorruptSampleError, code_name
-from runtime.transport.liveness import Heartbeat, HeartbeatReader
-from runtime.transport.master import MasterSettings, eviction_ratio
+from runtime.transport.liveness import Heartbeat
+from runtime.transport.master import eviction_ratio
 from runtime.transport.records import Cursor
 from runtime.transport.sample_format import (
     CRC_CHUNK_BYTES,
@@ -35,6 +34,7 @@ from runtime.transport.sample_format import (
     tensor_nbytes,
     verify_field,
 )
+from runtime.transport.settings import TransportSettings
 from runtime.transport.window import WindowLimits, WindowState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -307,13 +307,8 @@ def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.
         liveness_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time, sleep=time.sleep)
     )
     recipe = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2"]).recipe
-    rank = HeartbeatReader(
-        None,  # type: ignore[arg-type]
-        recipe.store_id,
-        interval_s=recipe.transport.heartbeat_interval_s,
-        capture_shares=capture_shares(recipe),
-        name="rank 0",
-    )
+    settings = TransportSettings.from_recipe(recipe).consumer
+    rank = Consumer(None, settings, 0, settings.world_size).liveness  # type: ignore[arg-type]
 
     old = _beat(1, wall_age_s=100.0)
     rank.observe(old)  # the first beat this rank reads: only its timestamp tells its age
@@ -350,13 +345,8 @@ def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.
 
     # Several capture nodes: each share's producer is watched on its own and named with its share.
     two = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2", "job.capture.nodes=2"]).recipe
-    rank = HeartbeatReader(
-        None,  # type: ignore[arg-type]
-        two.store_id,
-        interval_s=two.transport.heartbeat_interval_s,
-        capture_shares=capture_shares(two),
-        name="rank 0",
-    )
+    settings = TransportSettings.from_recipe(two).consumer
+    rank = Consumer(None, settings, 0, settings.world_size).liveness  # type: ignore[arg-type]
     fresh, stale = _beat(1, 0.0, pid=10), _beat(1, 100.0, pid=11)
     rank.observe(fresh, 0)
     rank.observe(stale, 1)
@@ -373,26 +363,27 @@ def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.
 
 def test_endpoints_from_the_launcher_env_contract() -> None:
     recipe = load_recipe(TINY).recipe
+    transport = TransportSettings.from_recipe(recipe)
     env = {
         "DSPARK_MOONCAKE_MASTER": "10.0.0.5:50151",
         "DSPARK_MOONCAKE_METADATA": "http://10.0.0.5:18180/metadata",
         "DSPARK_BIND_ADDRESS": "10.0.0.9",
     }
-    e = Endpoints.from_env(recipe, env)
+    e = transport.endpoints_from_env(env)
     assert (e.master_host, e.master_rpc_port, e.bind_address) == ("10.0.0.5", 50151, "10.0.0.9")
-    e = Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5", "DSPARK_BIND_ADDRESS": "10.0.0.9"})
+    e = transport.endpoints_from_env({"DSPARK_CAPTURE_HOST": "10.0.0.5", "DSPARK_BIND_ADDRESS": "10.0.0.9"})
     assert e.metadata_url == f"http://10.0.0.5:{recipe.transport.metadata_http_port}/metadata"
     with pytest.raises(ValueError, match="DSPARK_BIND_ADDRESS is not set"):
-        Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5"})
+        transport.endpoints_from_env({"DSPARK_CAPTURE_HOST": "10.0.0.5"})
     with pytest.raises(ValueError, match="cannot find the Mooncake master"):
-        Endpoints.from_env(recipe, {"DSPARK_BIND_ADDRESS": "10.0.0.9"})
+        transport.endpoints_from_env({"DSPARK_BIND_ADDRESS": "10.0.0.9"})
     with pytest.raises(ValueError, match="not host:port"):
-        Endpoints.from_env(recipe, {**env, "DSPARK_MOONCAKE_MASTER": "10.0.0.5"})
+        transport.endpoints_from_env({**env, "DSPARK_MOONCAKE_MASTER": "10.0.0.5"})
 
 
 def test_master_command_uses_recipe_values_and_eviction_ratio() -> None:
     recipe = load_recipe(K3).recipe
-    settings = MasterSettings.from_recipe(recipe, "10.1.2.3")
+    settings = TransportSettings.from_recipe(recipe).master("10.1.2.3")
     cmd = settings.command()
     assert cmd[0] == "mooncake_master"
     for flag in (

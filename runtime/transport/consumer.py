@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.recipe.checks import capture_shares
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     META_FIELD,
     TENSOR_FIELDS,
@@ -37,6 +35,7 @@ from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, Trans
 from runtime.transport.liveness import HeartbeatReader
 from runtime.transport.records import Cursor
 from runtime.transport.sample_format import FieldLayout, decode_meta, field_layouts, sample_keys, verify_field
+from runtime.transport.settings import ConsumerSettings
 from runtime.transport.store import StoreClient
 
 if TYPE_CHECKING:
@@ -84,31 +83,24 @@ class Consumer:
     def __init__(
         self,
         client: StoreClient,
-        recipe: Recipe,
+        settings: ConsumerSettings,
         rank: int,
         world_size: int,
-        *,
-        store_id: str | None = None,
     ) -> None:
-        if world_size != recipe.trainer_world_size:
+        """Trainer rank ``rank`` of ``world_size`` (which must be the recipe's trainer ranks) reading
+        through ``client``."""
+        if world_size != settings.world_size:
             raise ValueError(
-                f"world_size {world_size} differs from the recipe's trainer ranks {recipe.trainer_world_size} "
+                f"world_size {world_size} differs from the recipe's trainer ranks {settings.world_size} "
                 "(job.trainer.nodes x tasks_per_node): the g-to-rank mapping would not match the global batch"
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
         self.client = client
-        self.recipe = recipe
+        self.settings = settings
         self.rank = rank
         self.world_size = world_size
-        self.store_id = store_id or recipe.store_id
-        tr = recipe.transport
-        self.idle_timeout_s = tr.idle_timeout_s
-        self.poll_interval_s = tr.poll_interval_s
-        self.wait_log_interval_s = tr.wait_log_interval_s
-        self.verify_checksums = tr.verify_checksums
-        self.max_corrupt_retries = max(1, tr.max_retries)
-        self.global_batch_size = recipe.trainer.global_batch_size
+        self.store_id = settings.store_id
         self._consumed: set[int] = set()
         self._asked: set[int] = set()
         """g this rank asked the producer for (``want`` keys it put and has not removed yet)."""
@@ -123,8 +115,8 @@ class Consumer:
         self.liveness = HeartbeatReader(
             client,
             self.store_id,
-            interval_s=tr.heartbeat_interval_s,
-            capture_shares=capture_shares(recipe),
+            interval_s=settings.heartbeat_interval_s,
+            capture_shares=settings.capture_shares,
             name=f"rank {rank}",
         )
         """What the producers' heartbeats say while this rank waits."""
@@ -133,8 +125,8 @@ class Consumer:
 
     def samples_of_step(self, step: int) -> list[int]:
         """The g this rank consumes in optimizer step ``step``, in micro-step order."""
-        t = self.recipe.trainer
-        return step_sample_indices(step, self.rank, self.world_size, t.micro_batch_size, t.gradient_accumulation_steps)
+        s = self.settings
+        return step_sample_indices(step, self.rank, self.world_size, s.micro_batch_size, s.gradient_accumulation_steps)
 
     # -- SampleConsumer ---------------------------------------------------------------------
 
@@ -144,7 +136,7 @@ class Consumer:
         With a CUDA ``device`` the bytes land in reusable pinned buffers and are copied to fresh
         device tensors; otherwise the returned CPU tensors are freshly allocated and owned by the caller.
         """
-        wait = _SampleWait.begin(g, sample_key(self.store_id, g, META_FIELD), self.idle_timeout_s)
+        wait = _SampleWait.begin(g, sample_key(self.store_id, g, META_FIELD), self.settings.idle_timeout_s)
         self._delete_last_step(wait)
         while time.monotonic() < wait.deadline:
             sample = self._read_committed(wait, device) if self._meta_present(wait) else None
@@ -193,7 +185,7 @@ class Consumer:
             sample = self._calls.call(lambda: self._read(g, wait.meta_key, device), wait.left_s(), f"read sample g={g}")
         except CorruptSampleError as exc:
             wait.corrupt_reads += 1
-            if wait.corrupt_reads > self.max_corrupt_retries:
+            if wait.corrupt_reads > self.settings.corrupt_read_retries:
                 raise
             log.warning(
                 "rank %d: %s; reading g=%d again (%d/%d)",
@@ -201,7 +193,7 @@ class Consumer:
                 exc,
                 g,
                 wait.corrupt_reads,
-                self.max_corrupt_retries,
+                self.settings.corrupt_read_retries,
             )
             wait.state = f"its last read was corrupt ({exc})"
             return None
@@ -227,18 +219,18 @@ class Consumer:
             # this rank's own clock.
             wait.last_beat_read = now
             self.liveness.follow(self.liveness.share_of(wait.g), min(STATUS_TIMEOUT_S, wait.left_s()))
-        if now - wait.last_log >= self.wait_log_interval_s:
+        if now - wait.last_log >= self.settings.wait_log_interval_s:
             log.info(
                 "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
                 self.rank,
                 now - wait.start,
-                self.idle_timeout_s,
+                self.settings.idle_timeout_s,
                 wait.g,
                 wait.state,
                 self.liveness.describe(wait.g),
             )
             wait.last_log = now
-        time.sleep(min(self.poll_interval_s, wait.left_s()))
+        time.sleep(min(self.settings.poll_interval_s, wait.left_s()))
         return True
 
     def commit_step(self, step: int) -> None:
@@ -251,7 +243,7 @@ class Consumer:
         not answer, rank 0 retries for up to ``idle_timeout_s``: without the new cursor the
         producer's window cannot move on.
         """
-        cursor = (step + 1) * self.global_batch_size
+        cursor = (step + 1) * self.settings.global_batch_size
         if self.rank == 0:
 
             def publish() -> None:
@@ -300,12 +292,12 @@ class Consumer:
                 return
             except TransportError as exc:
                 waited = time.monotonic() - start
-                if waited >= self.idle_timeout_s:
+                if waited >= self.settings.idle_timeout_s:
                     raise TransportError(
                         f"rank {self.rank}: {what} failed for {waited:.0f} s (transport.idle_timeout_s): {exc}"
                     ) from exc
                 log.warning("rank %d: %s failed (%s); retrying", self.rank, what, exc)
-                time.sleep(self.poll_interval_s)
+                time.sleep(self.settings.poll_interval_s)
 
     def publish_cursor(self, cursor: int) -> None:
         """Publish the cursor as is (a restarted trainer republishes its checkpoint's cursor).
@@ -317,7 +309,7 @@ class Consumer:
         if self.rank != 0:
             return
         self._until_store_answers(
-            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.global_batch_size)
+            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.settings.global_batch_size)
         )
 
     def ask_for(self, gs: list[int]) -> None:
@@ -363,7 +355,7 @@ class Consumer:
                     self.rank,
                     self._published,
                 )
-                self._write_cursor(self._published, self._published // self.global_batch_size)
+                self._write_cursor(self._published, self._published // self.settings.global_batch_size)
         except TransportError as exc:
             log.debug("cursor check failed: %s", exc)
 
@@ -386,14 +378,14 @@ class Consumer:
         # A ``sum16`` field is verified where its bytes end up (on the GPU for a CUDA reader: no
         # host pass over the big fields); CRC-32 fields on the host.
         on_device = [use_staging and layout.sum16 is not None for layout in layouts]
-        if self.verify_checksums:
+        if self.settings.verify_checksums:
             for layout, tensor, later in zip(layouts, host, on_device, strict=True):
                 if not later:
                     verify_field(g, layout, tensor)
         if use_staging:
             tensors = [t.to(target, non_blocking=True) for t in host]
             torch.cuda.current_stream(target).synchronize()
-            if self.verify_checksums:
+            if self.settings.verify_checksums:
                 for layout, tensor, later in zip(layouts, tensors, on_device, strict=True):
                     if later:
                         verify_field(g, layout, tensor)
@@ -423,7 +415,7 @@ class Consumer:
         except TransportError:
             cursor_text = "cursor unreadable"
         return (
-            f"rank {self.rank} waited {waited:.0f} s (transport.idle_timeout_s = {self.idle_timeout_s:g}) for sample "
+            f"rank {self.rank} waited {waited:.0f} s (transport.idle_timeout_s = {self.settings.idle_timeout_s:g}) for sample "
             f"g={g} (key {meta_key}): {state}; {self.liveness.describe(g)}; {cursor_text}. Check the capture "
             "component's log (is the producer alive, paused or failing?)"
         )

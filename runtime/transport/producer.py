@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from runtime.files import atomic_write_text
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     CONTRACT_DTYPES,
     META_FIELD,
@@ -53,8 +52,9 @@ from runtime.transport.sample_format import (
     sample_keys,
     submit_crc32_chunks,
 )
+from runtime.transport.settings import ProducerSettings
 from runtime.transport.store import StoreClient
-from runtime.transport.window import WindowLimits, WindowState
+from runtime.transport.window import WindowState
 
 log = logging.getLogger("dspark.transport.producer")
 
@@ -65,9 +65,8 @@ class Producer:
     def __init__(
         self,
         client: StoreClient,
-        recipe: Recipe,
+        settings: ProducerSettings,
         *,
-        store_id: str | None = None,
         state_path: Path | None = None,
         start_cursor: int | None = None,
         auto_heartbeat: bool = True,
@@ -76,14 +75,11 @@ class Producer:
         """``share``: (index, count) of this producer among the capture nodes' producers; it captures
         and cleans up the g with ``g % count == index`` and beats under its own heartbeat key."""
         self.client = client
-        self.recipe = recipe
-        self.store_id = store_id or recipe.store_id
+        self.settings = settings
+        self.store_id = settings.store_id
         self.state_path = state_path
         self.start_cursor = start_cursor
-        tr = recipe.transport
-        self.poll_interval_s = tr.poll_interval_s
-        self.wait_log_interval_s = tr.wait_log_interval_s
-        self.window = WindowState(WindowLimits.from_recipe(recipe), share_index=share[0], share_count=share[1])
+        self.window = WindowState(settings.window, share_index=share[0], share_count=share[1])
         if not 0 <= share[0] < share[1]:
             raise ValueError(f"capture share {share[0]} outside 0..{share[1] - 1}")
         self._bytes: dict[int, int] = {}
@@ -104,7 +100,7 @@ class Producer:
             client,
             self.store_id,
             share[0],
-            tr.heartbeat_interval_s,
+            settings.heartbeat_interval_s,
             self._report,
             read_cursor=self._read_cursor,
             on_failure=self._note_error,
@@ -143,10 +139,10 @@ class Producer:
             now = time.monotonic()
             if timeout_s is not None and now - start >= timeout_s:
                 return []
-            if now - last_log >= self.wait_log_interval_s:
+            if now - last_log >= self.settings.wait_log_interval_s:
                 log.info("producer idle for %.0f s: %s", now - start, self.describe_wait())
                 last_log = now
-            time.sleep(self.poll_interval_s)
+            time.sleep(self.settings.poll_interval_s)
         return []
 
     accepts_checksums = True
@@ -499,7 +495,7 @@ class Producer:
 
     def _maybe_log_progress(self) -> None:
         now = time.monotonic()
-        if now - self._last_progress_log < self.wait_log_interval_s:
+        if now - self._last_progress_log < self.settings.wait_log_interval_s:
             return
         self._last_progress_log = now
         s = self.stats()
