@@ -25,6 +25,9 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
   check of the pinned wheel, the tools and the tests: no other runtime room;
 - runtime/evaluate (the speculative decoder that judges a draft) may import capture and trainer, but
   no other runtime room imports it, and the launcher only starts it as a program;
+- only runtime/transport/liveness.py reads or writes the producer's heartbeat object (its key and record);
+- only runtime/transport/settings.py reads the recipe for the transport's components (the doors load a
+  resolved recipe and hand it there), and it reaches no torch (the master's command line starts without);
 - no import cycle among repo modules.
 """
 
@@ -341,6 +344,63 @@ def test_temporary_file_and_rename_are_written_in_one_place() -> None:
     assert not found, "write through runtime.files (atomic_write_text / atomic_path) instead:\n" + "\n".join(found)
 
 
+HEARTBEAT_NAMES = ("heartbeat_key", "Heartbeat")
+"""The heartbeat's store key and record: what a module needs to read or write the object itself."""
+HEARTBEAT_OWNER = "runtime.transport.liveness"
+
+
+def heartbeat_users(repo_root: Path = REPO_ROOT) -> list[str]:
+    """Imports of the heartbeat's key or record in runtime/, outside the liveness module and the
+    contract that names the key (imports under ``if TYPE_CHECKING:`` do not count)."""
+    found = []
+    for path in sorted((repo_root / "runtime").rglob("*.py")):
+        name = module_name(path, repo_root)
+        if name in (HEARTBEAT_OWNER, "runtime.shared.contracts"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = _type_checking_lines(tree)  # a type in an annotation reads nothing
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.lineno in skipped:
+                continue
+            for alias in node.names:
+                if alias.name in HEARTBEAT_NAMES:
+                    found.append(f"{path.relative_to(repo_root)}:{node.lineno} imports {node.module}.{alias.name}")
+    return found
+
+
+def test_only_the_liveness_module_reads_or_writes_the_heartbeat() -> None:
+    """Placement (rank 0's segment, fallback, moves) and aging on the reader's clock live in one
+    module: a second reader or writer would bypass them."""
+    users = heartbeat_users()
+    assert not users, f"read or write the heartbeat through {HEARTBEAT_OWNER}:\n" + "\n".join(users)
+
+
+TRANSPORT_SETTINGS = "runtime.transport.settings"
+"""The one module of runtime/transport that reads the recipe (schema, checks, sizes)."""
+
+
+def recipe_readers_in_transport(modules: dict[str, Module]) -> list[str]:
+    """Modules of runtime/transport, other than its settings module, that import more of
+    runtime/recipe than the loader (which the doors use to load a resolved recipe)."""
+    return [
+        f"{module.path.name} imports {target}"
+        for module in modules.values()
+        if _within(module.name, "runtime.transport") and module.name != TRANSPORT_SETTINGS
+        for target in module.repo_imports
+        if _within(target, "runtime.recipe")
+        and not _within(target, "runtime.recipe.loader")
+        and target != "runtime.recipe"
+    ]
+
+
+def test_only_the_transport_settings_read_the_recipe() -> None:
+    """Each transport component takes its own typed settings, built once from the recipe in one place."""
+    modules = build_graph()
+    readers = recipe_readers_in_transport(modules)
+    assert not readers, f"build the settings in {TRANSPORT_SETTINGS} and pass them:\n" + "\n".join(readers)
+    assert not heavy_paths(TRANSPORT_SETTINGS, modules), heavy_paths(TRANSPORT_SETTINGS, modules)
+
+
 def test_no_forbidden_arrows() -> None:
     problems = arrow_violations(build_graph())
     assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
@@ -386,6 +446,10 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "runtime/moe/__init__.py": "",
         "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
         "def g():\n    from runtime.capture.engine import X\n",
+        "runtime/recipe/__init__.py": "",
+        "runtime/recipe/schema.py": "",
+        "runtime/transport/__init__.py": "",
+        "runtime/transport/window.py": "from runtime.recipe.schema import Recipe\n",
         "tools/__init__.py": "",
         "tools/bench.py": "from tests.conftest import free_port\n",
         "tests/__init__.py": "",
@@ -410,3 +474,6 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert patching_in_the_light_layer(modules, tmp_path) == ["runtime/shared/helper.py:1 imports zipfile"]
     assert "runtime/capture/engine.py:3 imports runtime.sglang_patching.tree" in patching_importers(modules, tmp_path)
     assert "runtime/trainer/loop.py:1 imports runtime.evaluate.decoder" in evaluate_importers(modules, tmp_path)
+    assert recipe_readers_in_transport(modules) == ["window.py imports runtime.recipe.schema"]
+    (tmp_path / "runtime/capture/status.py").write_text("from runtime.shared.contracts import heartbeat_key\n")
+    assert heartbeat_users(tmp_path) == ["runtime/capture/status.py:1 imports runtime.shared.contracts.heartbeat_key"]

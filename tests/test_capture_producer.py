@@ -23,8 +23,7 @@ from runtime.shared.contracts import META_FIELD, sample_key
 from runtime.shared.data_files import sha256_file, write_manifest, write_rows
 from runtime.shared.prompt_order import PromptOrder
 from runtime.transport.dataplane import open_consumer, open_producer
-from runtime.transport.endpoints import Endpoints
-from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
+from runtime.transport.loopback import free_port, loopback_endpoints, loopback_env, loopback_master, loopback_recipe
 from runtime.transport.master import port_in_use
 from runtime.transport.sample_format import sample_keys
 from tests.conftest import REPO_ROOT
@@ -130,7 +129,7 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
     consumer = None
     try:
         _wait_until(lambda: port_in_use("127.0.0.1", recipe.transport.master_rpc_port), 60, "the master", proc)
-        consumer = open_consumer(resolved, 0, recipe.trainer_world_size, endpoints=Endpoints.loopback(recipe))
+        consumer = open_consumer(resolved, 0, recipe.trainer_world_size, endpoints=loopback_endpoints(resolved))
         _wait_until(lambda: all(_present(consumer.client, store_id, range(high))), 180, f"samples 0..{high - 1}", proc)
         time.sleep(1.0)
         assert not any(_present(consumer.client, store_id, range(high, high + 8))), (
@@ -211,7 +210,7 @@ def test_stop_mid_batch_leaves_no_half_written_sample(tmp_path: Path, target: Pa
     resolved = _resolve(tmp_path, target, data_file)
     store_id = resolved.recipe.store_id
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=Endpoints.loopback(resolved.recipe))
+        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
         try:
             loop, committed = _loop(resolved, producer, stop_after=6)
             assert loop.run() == "stopped"
@@ -231,7 +230,7 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
     resolved = _resolve(tmp_path, target, data_file, ["trainer.max_steps=2"])
     store_id = resolved.recipe.store_id
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=Endpoints.loopback(resolved.recipe))
+        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
         try:
             loop, committed = _loop(resolved, producer)
             result: list[str] = []
@@ -242,7 +241,7 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
             assert sorted(committed) == list(range(16)), "nothing past the run's last sample is captured"
             assert not any(producer.client.exist([sample_key(store_id, g, META_FIELD) for g in range(16, 32)]))
             consumer = open_consumer(
-                resolved, 0, resolved.recipe.trainer_world_size, endpoints=Endpoints.loopback(resolved.recipe)
+                resolved, 0, resolved.recipe.trainer_world_size, endpoints=loopback_endpoints(resolved)
             )
             consumer.publish_cursor(16)
             thread.join(timeout=30)

@@ -14,9 +14,8 @@ import pytest
 
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
-from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import TRANSIENT_CODES, IdleTimeoutError, code_name
-from runtime.transport.loopback import loopback_master, loopback_recipe
+from runtime.transport.loopback import loopback_endpoints, loopback_master, loopback_recipe
 from tests.conftest import free_port
 
 IDLE_TIMEOUT_S = 8
@@ -67,7 +66,7 @@ def test_stopped_master_fails_the_wait_within_idle_timeout(tmp_path: Path) -> No
         ],
     )
     with loopback_master(resolved) as master:
-        endpoints = Endpoints.loopback(resolved.recipe)
+        endpoints = loopback_endpoints(resolved)
         with (
             open_producer(resolved, endpoints=endpoints),
             open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,

@@ -23,9 +23,10 @@ from runtime.shared.contracts import heartbeat_key
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, TransportError
-from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
-from runtime.transport.records import Heartbeat
-from runtime.transport.store import ClientSettings, StoreClient
+from runtime.transport.liveness import Heartbeat
+from runtime.transport.loopback import loopback_endpoints, loopback_env, loopback_master, loopback_recipe
+from runtime.transport.settings import TransportSettings
+from runtime.transport.store import StoreClient
 from tests.conftest import free_port
 from tests.support.trainer_runs import BASE_OVERRIDES, Run, launch, make_inputs
 
@@ -81,7 +82,7 @@ def plane(tmp_path: Path) -> Iterator[tuple[ResolvedRecipe, Endpoints]]:
         [*ONE_RANK, *FAST_FAILURES, "transport.idle_timeout_s=4", "transport.wait_log_interval_s=1"],
     )
     with loopback_master(resolved):
-        yield resolved, Endpoints.loopback(resolved.recipe)
+        yield resolved, loopback_endpoints(resolved)
 
 
 @pytest.mark.slow
@@ -181,8 +182,8 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
     store_id = resolved.recipe.store_id
     key = heartbeat_key(store_id)
     with loopback_master(resolved) as master:
-        endpoints = Endpoints.loopback(resolved.recipe)
-        settings = ClientSettings.from_recipe(resolved.recipe, endpoints, 0)
+        endpoints = loopback_endpoints(resolved)
+        settings = TransportSettings.from_recipe(resolved.recipe).client(endpoints, 0)
         with (
             StoreClient(settings, name="reader").connect() as reader,
             open_producer(resolved, endpoints=endpoints, start_cursor=None) as producer,
@@ -200,7 +201,7 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
                     return moved and (segment is None or reader.segment_of(key) == segment)
 
                 _wait_for(f"no heartbeat {what}", advanced, timeout_s=60)
-                assert producer._heartbeat_thread is not None and producer._heartbeat_thread.is_alive()
+                assert producer.heartbeat_writer.thread is not None and producer.heartbeat_writer.thread.is_alive()
 
             rank0 = _spawn(resolved, "rank0.log", ["train", "--state-dir", str(tmp_path / "state"), "--steps", "1"])
             try:
@@ -208,14 +209,14 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
                 def rank0_known() -> bool:
                     with contextlib.suppress(TransportError):
                         producer.refresh()  # reads the cursor, which names rank 0's segment
-                    return bool(producer._rank0_segment)
+                    return bool(producer.heartbeat_writer.rank0_segment)
 
                 _wait_for(
                     "rank 0 never published its segment in the cursor",
                     rank0_known,
                     context=lambda: (resolved.job_dir / "rank0.log").read_text()[-3000:],
                 )
-                segment_of_rank0 = producer._rank0_segment
+                segment_of_rank0 = producer.heartbeat_writer.rank0_segment
                 assert segment_of_rank0
                 beats_on("in the first rank 0's segment", segment_of_rank0)
                 rank0.kill()
@@ -227,7 +228,7 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
             def rank0_forgotten() -> bool:
                 with contextlib.suppress(TransportError):
                     producer.refresh()
-                return producer._rank0_segment == ""
+                return producer.heartbeat_writer.rank0_segment == ""
 
             # its cursor went with its segment: beats stop aiming at the gone segment (no warning per beat)
             _wait_for("the producer kept aiming at the dead rank 0's segment", rank0_forgotten, timeout_s=60)

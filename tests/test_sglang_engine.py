@@ -34,7 +34,7 @@ from runtime.capture.engine_sglang import (
 )
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
-from runtime.transport.loopback import free_port
+from runtime.transport.loopback import free_port, loopback_endpoints
 from tests.test_sglang_server import require_capture_venv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -499,7 +499,6 @@ def test_a_server_dies_with_a_producer_killed_by_sigkill(tmp_path: Path) -> None
 @pytest.mark.mooncake
 def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.transport.dataplane import open_consumer, open_producer
-    from runtime.transport.endpoints import Endpoints
     from runtime.transport.loopback import loopback_env, loopback_master, loopback_recipe
 
     resolved = loopback_recipe(
@@ -524,7 +523,7 @@ def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
     state = Double(sink_kind="mooncake", recipe_path=str(resolved.path))
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     try:
         with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
             engine = SGLangEngine(

@@ -26,6 +26,7 @@ from runtime.capture.sglang_sink import (
 )
 from runtime.capture.sglang_wire import CaptureTicket, WireError, encode_loss_mask
 from runtime.recipe.sizes import SampleSize
+from runtime.transport.loopback import loopback_endpoints
 
 K3_T, K3_H, K3_AUX = 65536, 7168, 5
 H, LAYERS = 256, (1, 3, 5)
@@ -273,7 +274,6 @@ def test_capture_from_sglang_reports_missing_hidden_states_clearly() -> None:
 @pytest.mark.mooncake
 def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.transport.dataplane import open_consumer, open_producer
-    from runtime.transport.endpoints import Endpoints
     from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
     from runtime.transport.sample_format import sample_keys
 
@@ -294,7 +294,7 @@ def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
     )
     for key, value in loopback_env(resolved).items():
         monkeypatch.setenv(key, value)
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     lengths = [37, 120]
     aux, last = _packed(lengths, 3 * H, seed=11), _packed(lengths, H, seed=12)
     masks = [[i % 2 for i in range(n)] for n in lengths]

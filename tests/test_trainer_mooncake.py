@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from runtime.transport.loopback import loopback_env, loopback_recipe
-from runtime.transport.master import MasterProcess, MasterSettings
+from runtime.transport.master import MasterProcess
+from runtime.transport.settings import TransportSettings
 from tests.support.trainer_runs import BASE_OVERRIDES, REPO_ROOT, Run, launch, make_inputs
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
@@ -47,7 +48,9 @@ def test_trainer_reads_samples_through_mooncake_and_resumes(tmp_path: Path, port
     ]
     first = loopback_recipe(tmp_path / "first", ports, [*common, "trainer.max_steps=2"])
     env = loopback_env(first)
-    master = MasterProcess(MasterSettings.from_recipe(first.recipe, "127.0.0.1"), tmp_path / "master.log").start()
+    master = MasterProcess(
+        TransportSettings.from_recipe(first.recipe).master("127.0.0.1"), tmp_path / "master.log"
+    ).start()
     producer_log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 (the child holds it)
     producer = subprocess.Popen(
         [sys.executable, "-m", "runtime.transport.synthetic", "produce", "--recipe", str(first.path)],

@@ -17,7 +17,8 @@ import pytest
 
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.loopback import free_port, loopback_env, loopback_recipe
-from runtime.transport.master import MasterProcess, MasterSettings
+from runtime.transport.master import MasterProcess
+from runtime.transport.settings import TransportSettings
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.distributed]
 
@@ -57,7 +58,7 @@ class Cluster:
         self.launches = 0
 
     def start_master(self) -> None:
-        settings = MasterSettings.from_recipe(self.resolved.recipe, "127.0.0.1")
+        settings = TransportSettings.from_recipe(self.resolved.recipe).master("127.0.0.1")
         self.master = MasterProcess(settings, self.tmp / "master.log").start()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -17,9 +17,10 @@ from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, MasterStartError, StoreFullError, StoreSetupError
-from runtime.transport.loopback import free_port, loopback_master, loopback_recipe
-from runtime.transport.master import MasterProcess, MasterSettings
-from runtime.transport.synthetic import synthetic_sample
+from runtime.transport.loopback import free_port, loopback_endpoints, loopback_master, loopback_recipe
+from runtime.transport.master import MasterProcess
+from runtime.transport.settings import TransportSettings
+from runtime.transport.synthetic import SampleShape, synthetic_sample
 
 pytestmark = pytest.mark.mooncake
 
@@ -72,7 +73,7 @@ def _sample(g: int, tokens: int, hidden: int = 256, n_aux: int = 3) -> dict[str,
 
 def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "roundtrip")
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -96,7 +97,7 @@ def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path:
 
 def test_recapture_is_an_idempotent_upsert(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "upsert")
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -115,15 +116,16 @@ def test_recapture_is_an_idempotent_upsert(master: MasterProcess, tmp_path: Path
 def _visibility_reader(recipe_path: str, count: int, out_path: str) -> None:
     """Runs in a separate process: poll the five keys of each sample while the producer writes."""
     from runtime.recipe.loader import load_resolved
-    from runtime.transport.endpoints import Endpoints
     from runtime.transport.sample_format import sample_keys
-    from runtime.transport.store import ClientSettings, StoreClient
+    from runtime.transport.store import StoreClient
 
     resolved = load_resolved(recipe_path)
-    client = StoreClient(ClientSettings.from_recipe(resolved.recipe, Endpoints.loopback(resolved.recipe), 0)).connect()
+    client = StoreClient(
+        TransportSettings.from_recipe(resolved.recipe).client(loopback_endpoints(resolved), 0)
+    ).connect()
     from runtime.transport.consumer import Consumer
 
-    consumer = Consumer(client, resolved.recipe, 0, 1)
+    consumer = Consumer(client, TransportSettings.from_recipe(resolved.recipe).consumer, 0, 1)
     polls = partial_seen = violations = 0
     fetched = []
     for g in range(count):
@@ -148,7 +150,7 @@ def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
     master: MasterProcess, tmp_path: Path, ports
 ) -> None:
     resolved = _plane(tmp_path, ports, "visibility", ["transport.high_watermark_samples=16"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     count = 12
     out = tmp_path / "reader.json"
     code = (
@@ -178,7 +180,7 @@ def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
 
 def test_full_segment_put_fails_with_a_clear_error(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "full", ["transport.max_retries=1"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with open_producer(resolved, endpoints=endpoints, segment_bytes=16 << 20) as producer:  # Mooncake's minimum
         with pytest.raises(StoreFullError, match="no room in the store for sample g=0"):
             producer.commit(0, _sample(0, 12_000), {})  # 18 MB of hs into a 16 MiB segment
@@ -190,12 +192,12 @@ def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
     dead = (free_port(), free_port(), free_port())
     resolved = loopback_recipe(tmp_path, dead, [*FAST, "transport.connect_timeout_s=1"])
     with pytest.raises(StoreSetupError) as info:
-        open_consumer(resolved, 0, 4, endpoints=Endpoints.loopback(resolved.recipe))
+        open_consumer(resolved, 0, 4, endpoints=loopback_endpoints(resolved))
     message = str(info.value)
     assert f"RPC port 127.0.0.1:{dead[0]} does not accept connections" in message
     assert "transport.connect_timeout_s" in message
     # an address that is not this node's (Mooncake itself would accept it and fail much later)
-    loop = Endpoints.loopback(resolved.recipe)
+    loop = loopback_endpoints(resolved)
     foreign = Endpoints(loop.master_address, loop.metadata_url, "10.255.255.1")
     with pytest.raises(StoreSetupError) as info:
         open_consumer(resolved, 0, 4, endpoints=foreign)
@@ -207,7 +209,7 @@ def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
 def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:
     ports = (free_port(), free_port(), free_port())
     resolved = loopback_recipe(tmp_path, ports, FAST)
-    settings = MasterSettings.from_recipe(resolved.recipe, "127.0.0.1")
+    settings = TransportSettings.from_recipe(resolved.recipe).master("127.0.0.1")
     master = MasterProcess(settings, tmp_path / "m.log").start()
     assert master.check() == ""
     assert master.stop() is not None and master.process.poll() is not None
@@ -224,7 +226,7 @@ def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "idle", ["transport.idle_timeout_s=1.5"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
         with pytest.raises(IdleTimeoutError) as info:
             consumer.fetch(5)
@@ -259,7 +261,7 @@ def _drain(producer, limit: int = 100) -> list[int]:
 @pytest.mark.slow
 def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "wm_samples")  # high 8, low 4, G 4
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -293,7 +295,7 @@ def test_producer_pauses_at_byte_watermark_and_resumes_below_low_bytes(
         "transport.low_watermark_bytes=2000000",
     ]
     resolved = _plane(tmp_path, ports, "wm_bytes", extra)
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -312,9 +314,10 @@ def test_synthetic_samples_are_deterministic() -> None:
     from runtime.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml").recipe
-    a, b = synthetic_sample(11, recipe), synthetic_sample(11, recipe)
+    shape = SampleShape(recipe.capture.vocab_size, recipe.capture.hidden_size, recipe.num_aux_layers)
+    a, b = synthetic_sample(11, shape), synthetic_sample(11, shape)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(synthetic_sample(12, recipe)["hs"][:4], a["hs"][:4])
+    assert not torch.equal(synthetic_sample(12, shape)["hs"][:4], a["hs"][:4])
 
 
 @pytest.mark.slow
@@ -322,7 +325,7 @@ def test_consumer_wait_logs_name_the_sample_and_the_producer(
     master: MasterProcess, tmp_path: Path, ports, caplog
 ) -> None:
     resolved = _plane(tmp_path, ports, "waitlog", ["transport.wait_log_interval_s=0.2", "transport.idle_timeout_s=5"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -360,7 +363,7 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
     )
     try:
         assert "mooncake_master ready" in master.stdout.readline()
-        endpoints = Endpoints.loopback(resolved.recipe)
+        endpoints = loopback_endpoints(resolved)
         with (
             open_producer(resolved, endpoints=endpoints, share=(0, 2)) as producer,
             open_producer(resolved, endpoints=endpoints, share=(1, 2)) as second,
@@ -394,7 +397,7 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_round_trip_from_and_to_cuda_is_exact(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "cuda")
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -413,7 +416,7 @@ def test_a_corrupt_field_is_detected_and_named(master: MasterProcess, tmp_path: 
     from runtime.transport.errors import CorruptSampleError
 
     resolved = _plane(tmp_path, ports, "corrupt", ["transport.max_retries=1"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -439,7 +442,7 @@ def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
     from runtime.transport.sample_format import sample_keys
 
     resolved = _plane(tmp_path, ports, "placement")
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as owner,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -463,7 +466,7 @@ def test_sum16_checksums_from_the_capture_side_are_verified_by_the_reader(
     from runtime.transport.errors import CorruptSampleError
 
     resolved = _plane(tmp_path, ports, "sum16", ["transport.max_retries=1"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -488,7 +491,7 @@ def test_pipelined_cuda_commit_is_exact_and_verified_on_the_gpu(master: MasterPr
     from runtime.capture.commit_pipeline import CommitPipeline
 
     resolved = _plane(tmp_path, ports, "piped")
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
@@ -518,7 +521,7 @@ def test_sample_segment_on_the_trainer_node(master: MasterProcess, tmp_path: Pat
     from runtime.transport.dataplane import CONTROL_SEGMENT_BYTES
 
     resolved = _plane(tmp_path, ports, "ontrainer", ["transport.segment_placement=trainer"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
         assert consumer.client.settings.segment_bytes == CONTROL_SEGMENT_BYTES + 256 * 2**20
         with open_producer(resolved, endpoints=endpoints) as producer:
@@ -536,7 +539,7 @@ def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
     """transport.segment_placement: split: 128 MiB on each side and no write pinning, so five 34 MB
     samples (168 MB, more than the capture node's half) are all stored and read back exactly."""
     resolved = _plane(tmp_path, ports, "split", ["transport.segment_placement=split"])
-    endpoints = Endpoints.loopback(resolved.recipe)
+    endpoints = loopback_endpoints(resolved)
     with (
         open_producer(resolved, endpoints=endpoints) as producer,
         open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,

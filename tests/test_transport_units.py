@@ -14,10 +14,11 @@ import torch
 
 from runtime.recipe import RecipeError, SampleSize, load_recipe
 from runtime.shared.contracts import TENSOR_FIELDS, global_sample_index, sample_key
-from runtime.transport.endpoints import Endpoints
+from runtime.transport.consumer import Consumer
 from runtime.transport.errors import CorruptSampleError, code_name
-from runtime.transport.master import MasterSettings, eviction_ratio
-from runtime.transport.records import Cursor, Heartbeat
+from runtime.transport.liveness import Heartbeat
+from runtime.transport.master import eviction_ratio
+from runtime.transport.records import Cursor
 from runtime.transport.sample_format import (
     CRC_CHUNK_BYTES,
     DTYPES,
@@ -33,6 +34,7 @@ from runtime.transport.sample_format import (
     tensor_nbytes,
     verify_field,
 )
+from runtime.transport.settings import TransportSettings
 from runtime.transport.window import WindowLimits, WindowState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -298,56 +300,58 @@ def _beat(sequence: int, wall_age_s: float, **changes: object) -> Heartbeat:
 def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stale after 3 intervals; a beat seen arriving is aged by this rank's monotonic clock (the
     producer's clock may be off), one not seen arriving by its own timestamp."""
-    from runtime.transport import consumer as consumer_module
+    from runtime.transport import liveness as liveness_module
 
     clock = [1000.0]
     monkeypatch.setattr(
-        consumer_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time, sleep=time.sleep)
+        liveness_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time, sleep=time.sleep)
     )
     recipe = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2"]).recipe
-    rank = consumer_module.Consumer(None, recipe, 0, recipe.trainer_world_size)  # type: ignore[arg-type]
+    settings = TransportSettings.from_recipe(recipe).consumer
+    rank = Consumer(None, settings, 0, settings.world_size).liveness  # type: ignore[arg-type]
 
     old = _beat(1, wall_age_s=100.0)
-    rank._observe_beat(old)  # the first beat this rank reads: only its timestamp tells its age
-    cause = rank._likely_cause(old, 5)
+    rank.observe(old)  # the first beat this rank reads: only its timestamp tells its age
+    cause = rank.likely_cause(old, 5)
     assert cause.startswith("the producer (pid 7 on host cap) has not beaten for 100 s (sequence 1;"), cause
     assert "it is hung, stopped (SIGSTOP) or dead; look at the capture log" in cause
 
     skewed = _beat(2, wall_age_s=50.0)  # the producer's clock is 50 s behind, but it beats
     clock[0] += 1.0
-    rank._observe_beat(skewed)
-    assert rank._likely_cause(skewed, 5).startswith("the producer (pid 7 on host cap) is alive (last heartbeat 0.0 s")
+    rank.observe(skewed)
+    assert rank.likely_cause(skewed, 5).startswith("the producer (pid 7 on host cap) is alive (last heartbeat 0.0 s")
     clock[0] += 7.0  # the same beat 7 s later: more than 3 intervals of 2 s
-    rank._observe_beat(skewed)
-    assert "has not beaten for 7 s" in rank._likely_cause(skewed, 5)
+    rank.observe(skewed)
+    assert "has not beaten for 7 s" in rank.likely_cause(skewed, 5)
 
     clock[0] += 1.0
     paused = _beat(3, 0.0, paused=True, waiting_for="free space (8 samples resident)", errors=2, last_error="boom")
-    rank._observe_beat(paused)
-    cause = rank._likely_cause(paused, 5)
+    rank.observe(paused)
+    cause = rank.likely_cause(paused, 5)
     assert "is alive" in cause and "has not committed g=5: it is paused (free space (8 samples resident))" in cause
     assert cause.endswith("; its last error: boom")
     clock[0] += 1.0
     beyond = _beat(4, 0.0)
-    rank._observe_beat(beyond)
-    assert rank._likely_cause(beyond, 9).endswith("has not committed g=9: g=9 is beyond its window [0, 8)")
+    rank.observe(beyond)
+    assert rank.likely_cause(beyond, 9).endswith("has not committed g=9: g=9 is beyond its window [0, 8)")
     clock[0] += 1.0
     closed = _beat(5, 0.0, closed=True)
-    rank._observe_beat(closed)
+    rank.observe(closed)
     assert "the producer (pid 7 on host cap) shut down 0 s ago (its last heartbeat says it closed)" in (
-        rank._likely_cause(closed, 5)
+        rank.likely_cause(closed, 5)
     )
     assert "CLOSED" in closed.summary()
     assert Cursor.decode(Cursor(8, 2, 1.0, "rank 0", segment="10.0.0.1:1234").encode()).segment == "10.0.0.1:1234"
 
     # Several capture nodes: each share's producer is watched on its own and named with its share.
     two = load_recipe(TINY, overrides=["transport.heartbeat_interval_s=2", "job.capture.nodes=2"]).recipe
-    rank = consumer_module.Consumer(None, two, 0, two.trainer_world_size)  # type: ignore[arg-type]
+    settings = TransportSettings.from_recipe(two).consumer
+    rank = Consumer(None, settings, 0, settings.world_size).liveness  # type: ignore[arg-type]
     fresh, stale = _beat(1, 0.0, pid=10), _beat(1, 100.0, pid=11)
-    rank._observe_beat(fresh, 0)
-    rank._observe_beat(stale, 1)
-    assert rank._likely_cause(fresh, 4, 0).startswith("the producer of capture share 0 of 2 (pid 10 on host cap) is")
-    assert rank._likely_cause(stale, 5, 1).startswith(
+    rank.observe(fresh, 0)
+    rank.observe(stale, 1)
+    assert rank.likely_cause(fresh, 4, 0).startswith("the producer of capture share 0 of 2 (pid 10 on host cap) is")
+    assert rank.likely_cause(stale, 5, 1).startswith(
         "the producer of capture share 1 of 2 (pid 11 on host cap) has not beaten for 100 s"
     )
 
@@ -359,26 +363,27 @@ def test_a_waiting_rank_ages_the_heartbeat_on_its_own_clock(monkeypatch: pytest.
 
 def test_endpoints_from_the_launcher_env_contract() -> None:
     recipe = load_recipe(TINY).recipe
+    transport = TransportSettings.from_recipe(recipe)
     env = {
         "DSPARK_MOONCAKE_MASTER": "10.0.0.5:50151",
         "DSPARK_MOONCAKE_METADATA": "http://10.0.0.5:18180/metadata",
         "DSPARK_BIND_ADDRESS": "10.0.0.9",
     }
-    e = Endpoints.from_env(recipe, env)
+    e = transport.endpoints_from_env(env)
     assert (e.master_host, e.master_rpc_port, e.bind_address) == ("10.0.0.5", 50151, "10.0.0.9")
-    e = Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5", "DSPARK_BIND_ADDRESS": "10.0.0.9"})
+    e = transport.endpoints_from_env({"DSPARK_CAPTURE_HOST": "10.0.0.5", "DSPARK_BIND_ADDRESS": "10.0.0.9"})
     assert e.metadata_url == f"http://10.0.0.5:{recipe.transport.metadata_http_port}/metadata"
     with pytest.raises(ValueError, match="DSPARK_BIND_ADDRESS is not set"):
-        Endpoints.from_env(recipe, {"DSPARK_CAPTURE_HOST": "10.0.0.5"})
+        transport.endpoints_from_env({"DSPARK_CAPTURE_HOST": "10.0.0.5"})
     with pytest.raises(ValueError, match="cannot find the Mooncake master"):
-        Endpoints.from_env(recipe, {"DSPARK_BIND_ADDRESS": "10.0.0.9"})
+        transport.endpoints_from_env({"DSPARK_BIND_ADDRESS": "10.0.0.9"})
     with pytest.raises(ValueError, match="not host:port"):
-        Endpoints.from_env(recipe, {**env, "DSPARK_MOONCAKE_MASTER": "10.0.0.5"})
+        transport.endpoints_from_env({**env, "DSPARK_MOONCAKE_MASTER": "10.0.0.5"})
 
 
 def test_master_command_uses_recipe_values_and_eviction_ratio() -> None:
     recipe = load_recipe(K3).recipe
-    settings = MasterSettings.from_recipe(recipe, "10.1.2.3")
+    settings = TransportSettings.from_recipe(recipe).master("10.1.2.3")
     cmd = settings.command()
     assert cmd[0] == "mooncake_master"
     for flag in (

@@ -288,8 +288,8 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
     """The capture component (see the module docstring); returns the process exit code.
     ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
     from runtime.transport.dataplane import capture_share_of_this_task, open_producer
-    from runtime.transport.endpoints import Endpoints
-    from runtime.transport.master import MasterProcess, MasterSettings
+    from runtime.transport.master import MasterProcess
+    from runtime.transport.settings import TransportSettings
 
     recipe = resolved.recipe
     stop = threading.Event()
@@ -300,7 +300,8 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
         stack.enter_context(
             stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")])
         )
-        endpoints = endpoints or Endpoints.from_env(recipe)
+        transport = TransportSettings.from_recipe(recipe)
+        endpoints = endpoints or transport.endpoints_from_env()
         with gate.stage(
             "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
         ):
@@ -309,8 +310,9 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
                     "capture share %d of %d: this node captures the g with g %% %d == %d", *share, share[1], share[0]
                 )
             if recipe.capture.owns_master and share[0] == 0:  # the first capture node hosts the master
-                settings = MasterSettings.from_recipe(recipe, endpoints.master_host)
-                master = MasterProcess(settings, resolved.job_dir / "logs" / "mooncake_master.log")
+                master = MasterProcess(
+                    transport.master(endpoints.master_host), resolved.job_dir / "logs" / "mooncake_master.log"
+                )
                 master.start()
                 stack.callback(master.stop)
             producer = open_producer(resolved, endpoints=endpoints, share=share)

@@ -18,20 +18,16 @@ import threading
 
 from runtime.recipe.loader import load_resolved
 from runtime.shared.contracts import ENV_BIND_ADDRESS
-from runtime.transport.endpoints import Endpoints
+from runtime.transport.settings import TransportSettings
 
 
 def run_master(args: argparse.Namespace) -> int:
     """Start ``mooncake_master`` from the recipe and keep it until SIGTERM / SIGINT."""
-    from runtime.transport.master import MasterProcess, MasterSettings
+    from runtime.transport.master import MasterProcess
 
     resolved = load_resolved(args.recipe)
-    recipe = resolved.recipe
-    host = (
-        args.host
-        or os.environ.get(ENV_BIND_ADDRESS)
-        or (recipe.transport.bind_address if recipe.transport.bind_address != "auto" else "")
-    )
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    host = args.host or os.environ.get(ENV_BIND_ADDRESS) or settings.bind_address
     if not host:
         print(f"error: pass --host or set {ENV_BIND_ADDRESS} (transport.bind_address is 'auto')", file=sys.stderr)
         return 2
@@ -39,7 +35,7 @@ def run_master(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     log_path = resolved.job_dir / "logs" / "mooncake_master.log"
-    with MasterProcess(MasterSettings.from_recipe(recipe, host), log_path, die_with_parent=True) as master:
+    with MasterProcess(settings.master(host), log_path, die_with_parent=True) as master:
         print(f"mooncake_master ready (pid {master.pid}) on {host}; log {log_path}", flush=True)
         while not stop.wait(1.0):
             if master.process is not None and master.process.poll() is not None:
@@ -52,28 +48,28 @@ def run_status(args: argparse.Namespace) -> int:
     """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
     feature cache, how much of it trainer ranks asked for)."""
     from runtime.recipe.capture_layout import capture_shares
-    from runtime.shared.contracts import META_FIELD, cursor_key, heartbeat_key, sample_key, want_key
-    from runtime.transport.records import Cursor, Heartbeat
-    from runtime.transport.store import ClientSettings, StoreClient
+    from runtime.shared.contracts import META_FIELD, cursor_key, sample_key, want_key
+    from runtime.transport.liveness import stored_heartbeat
+    from runtime.transport.records import Cursor
+    from runtime.transport.store import StoreClient
 
     resolved = load_resolved(args.recipe)
-    recipe = resolved.recipe
-    settings = ClientSettings.from_recipe(recipe, Endpoints.from_env(recipe), 0)
-    with StoreClient(settings, name="status").connect() as client:
-        store_id = recipe.store_id
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    with StoreClient(settings.client(settings.endpoints_from_env(), 0), name="status").connect() as client:
+        store_id = settings.store_id
         raw = client.get_bytes(cursor_key(store_id))
         cursor = Cursor.decode(raw) if raw else None
         print(
             f"store {store_id}: "
             + (f"cursor {cursor.value} (step {cursor.step}, by {cursor.publisher})" if cursor else "no cursor")
         )
-        shares = capture_shares(recipe)
+        shares = settings.capture_shares
         for share in range(shares):
-            raw = client.get_bytes(heartbeat_key(store_id, share))
+            beat = stored_heartbeat(client, store_id, share)
             where = f"capture share {share} of {shares}: " if shares > 1 else ""
-            print(where + (Heartbeat.decode(raw).summary() if raw else "no producer heartbeat"))
+            print(where + (beat.summary() if beat else "no producer heartbeat"))
         if cursor is not None:
-            high = recipe.transport.high_watermark_samples
+            high = settings.producer.window.high_samples
             window = range(cursor.value, cursor.value + high)
             present = client.exist([sample_key(store_id, g, META_FIELD) for g in window])
             committed = [g for g, ok in zip(window, present, strict=True) if ok]
@@ -85,7 +81,7 @@ def run_status(args: argparse.Namespace) -> int:
                     else ""
                 )
             )
-            if recipe.trainer.feature_cache.enabled:
+            if resolved.recipe.trainer.feature_cache.enabled:
                 asks = client.exist([want_key(store_id, g) for g in window])
                 print(f"feature cache: {sum(asks)} sample(s) of the window asked for by trainer ranks")
     return 0

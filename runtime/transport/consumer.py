@@ -3,8 +3,9 @@
 A trainer rank reads a sample only after its ``meta`` exists (the commit marker), straight into
 tensors it owns (or into reusable pinned staging buffers before a copy to the GPU), checks every
 field's size and CRC-32, and after an optimizer step commits it publishes the cursor and deletes
-the keys it consumed. While it waits it logs what it waits for and how old the producer's
-heartbeat is, and after ``transport.idle_timeout_s`` on one sample it fails with that message.
+the keys it consumed. While it waits it logs what it waits for and what the producer's heartbeat
+says (its :class:`~runtime.transport.liveness.HeartbeatReader`), and after
+``transport.idle_timeout_s`` on one sample it fails with that message.
 """
 
 from __future__ import annotations
@@ -15,57 +16,66 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.recipe.capture_layout import capture_shares
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     META_FIELD,
     TENSOR_FIELDS,
     CapturedSample,
     cursor_key,
-    heartbeat_key,
     sample_key,
     step_sample_indices,
     want_key,
 )
-from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
+from runtime.transport.deadline import STATUS_TIMEOUT_S, DeadlineCaller, StoreUnresponsiveError
 from runtime.transport.errors import CorruptSampleError, IdleTimeoutError, TransportError
-from runtime.transport.records import Cursor, Heartbeat
+from runtime.transport.liveness import HeartbeatReader
+from runtime.transport.records import Cursor
 from runtime.transport.sample_format import FieldLayout, decode_meta, field_layouts, sample_keys, verify_field
+from runtime.transport.settings import ConsumerSettings
 from runtime.transport.store import StoreClient
+
+if TYPE_CHECKING:
+    from runtime.transport.liveness import Heartbeat
 
 log = logging.getLogger("dspark.transport.consumer")
 
 CURSOR_CHECK_INTERVAL_S = 1.0
-STATUS_TIMEOUT_S = 2.0
-"""Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
 MIN_LOOK_S = 0.25
 """A store call given less time than this (the deadline is near) that does not return says nothing
 about the store."""
-STALE_AFTER_BEATS = 3
-"""A heartbeat older than this many ``transport.heartbeat_interval_s`` means the producer stopped
-beating (a beat can be late by a slow put, so one missed interval is not enough)."""
+NOT_LOOKED_UP = "not looked up yet"
 
 
 @dataclass
-class _BeatWatch:
-    """What one rank saw of one producer's heartbeat, on its own monotonic clock (no clock skew)."""
+class _SampleWait:
+    """One :meth:`Consumer.fetch` of sample g: its deadline, what the last look found, and when the
+    side work of the wait (cursor check, heartbeat read, wait line) last ran, on the monotonic clock."""
 
-    beat: Heartbeat | None = None
-    """The last beat read."""
-    identity: tuple[str, int, int] | None = None
-    """(host, pid, sequence) of that beat."""
-    first_seen: float = 0.0
-    """When that beat was first read."""
-    last_read: float | None = None
-    """When the heartbeat was last read."""
-    arrival_seen: bool = False
-    """Whether this rank saw that beat replace another within a few intervals: its age is then timed on
-    this rank's clock; otherwise the beat's own timestamp is trusted."""
+    g: int
+    meta_key: str
+    start: float
+    deadline: float
+    state: str = NOT_LOOKED_UP
+    """Why the sample is not read yet, as the wait line and the timeout say it."""
+    corrupt_reads: int = 0
+    last_log: float = 0.0
+    last_cursor_check: float = 0.0
+    last_beat_read: float = field(default=-float("inf"))
+
+    @classmethod
+    def begin(cls, g: int, meta_key: str, idle_timeout_s: float) -> _SampleWait:
+        """A wait starting now that ends after ``idle_timeout_s``."""
+        start = time.monotonic()
+        return cls(g, meta_key, start, start + idle_timeout_s, last_log=start)
+
+    def left_s(self) -> float:
+        """What is left of ``idle_timeout_s``: every store call of this wait is bounded by it."""
+        return max(0.0, self.deadline - time.monotonic())
 
 
 class Consumer:
@@ -74,31 +84,24 @@ class Consumer:
     def __init__(
         self,
         client: StoreClient,
-        recipe: Recipe,
+        settings: ConsumerSettings,
         rank: int,
         world_size: int,
-        *,
-        store_id: str | None = None,
     ) -> None:
-        if world_size != recipe.trainer_world_size:
+        """Trainer rank ``rank`` of ``world_size`` (which must be the recipe's trainer ranks) reading
+        through ``client``."""
+        if world_size != settings.world_size:
             raise ValueError(
-                f"world_size {world_size} differs from the recipe's trainer ranks {recipe.trainer_world_size} "
+                f"world_size {world_size} differs from the recipe's trainer ranks {settings.world_size} "
                 "(job.trainer.nodes x tasks_per_node): the g-to-rank mapping would not match the global batch"
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
         self.client = client
-        self.recipe = recipe
+        self.settings = settings
         self.rank = rank
         self.world_size = world_size
-        self.store_id = store_id or recipe.store_id
-        tr = recipe.transport
-        self.idle_timeout_s = tr.idle_timeout_s
-        self.poll_interval_s = tr.poll_interval_s
-        self.wait_log_interval_s = tr.wait_log_interval_s
-        self.verify_checksums = tr.verify_checksums
-        self.max_corrupt_retries = max(1, tr.max_retries)
-        self.global_batch_size = recipe.trainer.global_batch_size
+        self.store_id = settings.store_id
         self._consumed: set[int] = set()
         self._asked: set[int] = set()
         """g this rank asked the producer for (``want`` keys it put and has not removed yet)."""
@@ -110,21 +113,21 @@ class Consumer:
         self.bytes_total = 0
         self.samples_total = 0
         self._calls = DeadlineCaller(f"rank {rank} store calls")
-        # Heartbeat reads on their own thread: one stuck there (the heartbeat in a stopped producer's
-        # segment) must not hold up the sample reads, nor make them blame the master.
-        self._beat_calls = DeadlineCaller(f"rank {rank} heartbeat reads")
-        self.heartbeat_interval_s = tr.heartbeat_interval_s
-        self.capture_shares = capture_shares(recipe)
-        """Producers of the capture component; the one of share ``g % capture_shares`` captures g."""
-        self._watches: dict[int, _BeatWatch] = {}
-        """What this rank saw of each share's heartbeat, per share."""
+        self.liveness = HeartbeatReader(
+            client,
+            self.store_id,
+            interval_s=settings.heartbeat_interval_s,
+            capture_shares=settings.capture_shares,
+            name=f"rank {rank}",
+        )
+        """What the producers' heartbeats say while this rank waits."""
 
     # -- the g this rank reads --------------------------------------------------------------
 
     def samples_of_step(self, step: int) -> list[int]:
         """The g this rank consumes in optimizer step ``step``, in micro-step order."""
-        t = self.recipe.trainer
-        return step_sample_indices(step, self.rank, self.world_size, t.micro_batch_size, t.gradient_accumulation_steps)
+        s = self.settings
+        return step_sample_indices(step, self.rank, self.world_size, s.micro_batch_size, s.gradient_accumulation_steps)
 
     # -- SampleConsumer ---------------------------------------------------------------------
 
@@ -134,85 +137,102 @@ class Consumer:
         With a CUDA ``device`` the bytes land in reusable pinned buffers and are copied to fresh
         device tensors; otherwise the returned CPU tensors are freshly allocated and owned by the caller.
         """
-        meta_key = sample_key(self.store_id, g, META_FIELD)
-        start = time.monotonic()
-        deadline = start + self.idle_timeout_s
-
-        def budget() -> float:
-            # every store call of this wait is bounded by what is left of idle_timeout_s
-            return max(0.0, deadline - time.monotonic())
-
-        state = "not looked up yet"
-        try:
-            self._calls.call(self._delete_consumed_if_published, budget(), "delete the samples of the last step")
-        except StoreUnresponsiveError as exc:
-            state = str(exc)
-        last_log = start
-        last_cursor_check = 0.0
-        last_beat_read = -float("inf")
-        corrupt = 0
-        while time.monotonic() < deadline:
-            given_s = budget()
-            try:
-                present = self._calls.call(lambda: self.client.exist_once([meta_key]), given_s, f"exist {meta_key}")
-            except StoreUnresponsiveError as exc:
-                present = []
-                # A last look started a moment before the deadline "times out" on a healthy store:
-                # it must not replace what the earlier looks found with "the master stopped".
-                if given_s >= MIN_LOOK_S or state == "not looked up yet":
-                    state = str(exc)
-            if present is None:
-                state = "the store does not answer (master down or restarting)"
-            elif not present:
-                pass  # state says which call did not return
-            elif not present[0]:
-                state = "its meta (the commit marker) is not in the store yet"
-            else:
-                try:
-                    sample = self._calls.call(lambda: self._read(g, meta_key, device), budget(), f"read sample g={g}")
-                except CorruptSampleError as exc:
-                    corrupt += 1
-                    if corrupt > self.max_corrupt_retries:
-                        raise
-                    log.warning(
-                        "rank %d: %s; reading g=%d again (%d/%d)", self.rank, exc, g, corrupt, self.max_corrupt_retries
-                    )
-                    state = f"its last read was corrupt ({exc})"
-                except TransportError as exc:
-                    state = f"reading it failed: {exc}"
-                else:
-                    if sample is not None:
-                        self.wait_s_total += time.monotonic() - start
-                        self._consumed.add(g)
-                        return sample
-                    state = "it vanished while being read (the producer lost it; it will be captured again)"
-            now = time.monotonic()
-            if self.rank == 0 and now - last_cursor_check >= CURSOR_CHECK_INTERVAL_S:
-                last_cursor_check = now
-                with contextlib.suppress(StoreUnresponsiveError):
-                    self._calls.call(self._republish_missing_cursor, min(STATUS_TIMEOUT_S, budget()), "cursor check")
-            if now >= deadline:
+        wait = _SampleWait.begin(g, sample_key(self.store_id, g, META_FIELD), self.settings.idle_timeout_s)
+        self._delete_last_step(wait)
+        while time.monotonic() < wait.deadline:
+            sample = self._read_committed(wait, device) if self._meta_present(wait) else None
+            if sample is not None:
+                self.wait_s_total += time.monotonic() - wait.start
+                self._consumed.add(g)
+                return sample
+            if not self._between_looks(wait):
                 break
-            if now - last_beat_read >= self.heartbeat_interval_s:
-                # Follow the heartbeat while waiting, so that a producer that stops beating is timed on
-                # this rank's own clock (see _beat_silence_s).
-                last_beat_read = now
-                self._read_heartbeat_bounded(g % self.capture_shares, min(STATUS_TIMEOUT_S, budget()))
-            if now - last_log >= self.wait_log_interval_s:
-                log.info(
-                    "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
-                    self.rank,
-                    now - start,
-                    self.idle_timeout_s,
-                    g,
-                    state,
-                    self._producer_status(g),
-                )
-                last_log = now
-            time.sleep(min(self.poll_interval_s, budget()))
-        waited = time.monotonic() - start
+        waited = time.monotonic() - wait.start
         self.wait_s_total += waited
-        raise IdleTimeoutError(self._idle_message(g, meta_key, waited, state))
+        raise IdleTimeoutError(self._idle_message(g, wait.meta_key, waited, wait.state))
+
+    def _delete_last_step(self, wait: _SampleWait) -> None:
+        """First thing of a fetch: delete what the last committed step consumed, once its cursor is
+        in the store (see :meth:`commit_step`)."""
+        try:
+            self._calls.call(self._delete_consumed_if_published, wait.left_s(), "delete the samples of the last step")
+        except StoreUnresponsiveError as exc:
+            wait.state = str(exc)
+
+    def _meta_present(self, wait: _SampleWait) -> bool:
+        """Whether the sample's commit marker is in the store (``wait.state`` says why not)."""
+        given_s = wait.left_s()
+        try:
+            present = self._calls.call(
+                lambda: self.client.exist_once([wait.meta_key]), given_s, f"exist {wait.meta_key}"
+            )
+        except StoreUnresponsiveError as exc:
+            # A last look started a moment before the deadline "times out" on a healthy store:
+            # it must not replace what the earlier looks found with "the master stopped".
+            if given_s >= MIN_LOOK_S or wait.state == NOT_LOOKED_UP:
+                wait.state = str(exc)
+            return False
+        if present is None:
+            wait.state = "the store does not answer (master down or restarting)"
+            return False
+        if present and not present[0]:
+            wait.state = "its meta (the commit marker) is not in the store yet"
+        return bool(present and present[0])
+
+    def _read_committed(self, wait: _SampleWait, device: torch.device | str | None) -> CapturedSample | None:
+        """Read a committed sample; a corrupt read is retried up to ``transport.max_retries`` looks."""
+        g = wait.g
+        try:
+            sample = self._calls.call(lambda: self._read(g, wait.meta_key, device), wait.left_s(), f"read sample g={g}")
+        except CorruptSampleError as exc:
+            wait.corrupt_reads += 1
+            if wait.corrupt_reads > self.settings.corrupt_read_retries:
+                raise
+            log.warning(
+                "rank %d: %s; reading g=%d again (%d/%d)",
+                self.rank,
+                exc,
+                g,
+                wait.corrupt_reads,
+                self.settings.corrupt_read_retries,
+            )
+            wait.state = f"its last read was corrupt ({exc})"
+            return None
+        except TransportError as exc:
+            wait.state = f"reading it failed: {exc}"
+            return None
+        if sample is None:
+            wait.state = "it vanished while being read (the producer lost it; it will be captured again)"
+        return sample
+
+    def _between_looks(self, wait: _SampleWait) -> bool:
+        """The side work of a wait, each at its own interval, then a pause; False once the deadline
+        has passed (after the cursor check, so rank 0 keeps the cursor published to the end)."""
+        now = time.monotonic()
+        if self.rank == 0 and now - wait.last_cursor_check >= CURSOR_CHECK_INTERVAL_S:
+            wait.last_cursor_check = now
+            with contextlib.suppress(StoreUnresponsiveError):
+                self._calls.call(self._republish_missing_cursor, min(STATUS_TIMEOUT_S, wait.left_s()), "cursor check")
+        if now >= wait.deadline:
+            return False
+        if now - wait.last_beat_read >= self.liveness.interval_s:
+            # Follow the heartbeat while waiting, so that a producer that stops beating is timed on
+            # this rank's own clock.
+            wait.last_beat_read = now
+            self.liveness.follow(self.liveness.share_of(wait.g), min(STATUS_TIMEOUT_S, wait.left_s()))
+        if now - wait.last_log >= self.settings.wait_log_interval_s:
+            log.info(
+                "rank %d waiting %.0f s of %.0f s (transport.idle_timeout_s) for sample g=%d (%s): %s",
+                self.rank,
+                now - wait.start,
+                self.settings.idle_timeout_s,
+                wait.g,
+                wait.state,
+                self.liveness.describe(wait.g),
+            )
+            wait.last_log = now
+        time.sleep(min(self.settings.poll_interval_s, wait.left_s()))
+        return True
 
     def commit_step(self, step: int) -> None:
         """After optimizer step ``step`` committed: rank 0 publishes the cursor ``(step + 1) * G``
@@ -224,7 +244,7 @@ class Consumer:
         not answer, rank 0 retries for up to ``idle_timeout_s``: without the new cursor the
         producer's window cannot move on.
         """
-        cursor = (step + 1) * self.global_batch_size
+        cursor = (step + 1) * self.settings.global_batch_size
         if self.rank == 0:
 
             def publish() -> None:
@@ -273,12 +293,12 @@ class Consumer:
                 return
             except TransportError as exc:
                 waited = time.monotonic() - start
-                if waited >= self.idle_timeout_s:
+                if waited >= self.settings.idle_timeout_s:
                     raise TransportError(
                         f"rank {self.rank}: {what} failed for {waited:.0f} s (transport.idle_timeout_s): {exc}"
                     ) from exc
                 log.warning("rank %d: %s failed (%s); retrying", self.rank, what, exc)
-                time.sleep(self.poll_interval_s)
+                time.sleep(self.settings.poll_interval_s)
 
     def publish_cursor(self, cursor: int) -> None:
         """Publish the cursor as is (a restarted trainer republishes its checkpoint's cursor).
@@ -290,7 +310,7 @@ class Consumer:
         if self.rank != 0:
             return
         self._until_store_answers(
-            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.global_batch_size)
+            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.settings.global_batch_size)
         )
 
     def ask_for(self, gs: list[int]) -> None:
@@ -317,54 +337,7 @@ class Consumer:
     def read_heartbeat(self, share: int = 0) -> Heartbeat | None:
         """The heartbeat of capture share ``share``'s producer, or None (also remembered, with when
         this rank first saw it)."""
-        try:
-            raw = self.client.get_bytes(heartbeat_key(self.store_id, share))
-        except TransportError:
-            return None
-        if raw is None:
-            return None
-        try:
-            beat = Heartbeat.decode(raw)
-        except (ValueError, TypeError):
-            return None
-        self._observe_beat(beat, share)
-        return beat
-
-    def _read_heartbeat_bounded(self, share: int, timeout_s: float) -> None:
-        with contextlib.suppress(StoreUnresponsiveError):
-            self._beat_calls.call(lambda: self.read_heartbeat(share), timeout_s, "read the producer heartbeat")
-
-    def _observe_beat(self, beat: Heartbeat, share: int = 0) -> None:
-        now = time.monotonic()
-        watch = self._watches.setdefault(share, _BeatWatch())
-        identity = (beat.host, beat.pid, beat.sequence)
-        if identity != watch.identity:
-            # A new beat. If this rank read the previous one a moment ago, the new one is at most that
-            # old, and its age can be timed on this rank's clock from now on.
-            recent = watch.last_read is not None and now - watch.last_read <= self._stale_after_s
-            watch.arrival_seen = watch.identity is not None and recent
-            watch.identity = identity
-            watch.first_seen = now
-        watch.last_read = now
-        watch.beat = beat
-
-    @property
-    def _stale_after_s(self) -> float:
-        return STALE_AFTER_BEATS * self.heartbeat_interval_s
-
-    def _beat_silence_s(self, beat: Heartbeat, share: int = 0) -> float:
-        """Seconds since the producer's last beat, as well as this rank can tell.
-
-        The time this rank has watched the same beat is a lower bound that no clock skew spoils; a
-        beat this rank did not see arrive may be older than that, by its own (wall-clock) timestamp.
-        """
-        watch = self._watches.get(share)
-        if watch is None or watch.identity != (beat.host, beat.pid, beat.sequence):
-            return max(0.0, beat.age_s())
-        watched = time.monotonic() - watch.first_seen
-        if watch.arrival_seen:
-            return watched
-        return max(watched, beat.age_s())
+        return self.liveness.read(share)
 
     def _write_cursor(self, value: int, step: int | None) -> None:
         publisher = f"rank {self.rank} pid {os.getpid()} on {socket.gethostname()}"
@@ -383,7 +356,7 @@ class Consumer:
                     self.rank,
                     self._published,
                 )
-                self._write_cursor(self._published, self._published // self.global_batch_size)
+                self._write_cursor(self._published, self._published // self.settings.global_batch_size)
         except TransportError as exc:
             log.debug("cursor check failed: %s", exc)
 
@@ -406,14 +379,14 @@ class Consumer:
         # A ``sum16`` field is verified where its bytes end up (on the GPU for a CUDA reader: no
         # host pass over the big fields); CRC-32 fields on the host.
         on_device = [use_staging and layout.sum16 is not None for layout in layouts]
-        if self.verify_checksums:
+        if self.settings.verify_checksums:
             for layout, tensor, later in zip(layouts, host, on_device, strict=True):
                 if not later:
                     verify_field(g, layout, tensor)
         if use_staging:
             tensors = [t.to(target, non_blocking=True) for t in host]
             torch.cuda.current_stream(target).synchronize()
-            if self.verify_checksums:
+            if self.settings.verify_checksums:
                 for layout, tensor, later in zip(layouts, tensors, on_device, strict=True):
                     if later:
                         verify_field(g, layout, tensor)
@@ -436,87 +409,6 @@ class Consumer:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _producer_status(self, g: int | None = None) -> str:
-        """The producer's side of a wait (the producer of ``g``'s capture share): who it is, when it
-        last beat, and the likely cause."""
-        share = g % self.capture_shares if g is not None else 0
-        try:
-            beat = self._beat_calls.call(
-                lambda: self.read_heartbeat(share), STATUS_TIMEOUT_S, "read the producer heartbeat"
-            )
-        except StoreUnresponsiveError as exc:
-            last = self._last_beat(share)
-            seen = (
-                f"; last read from {self._who(last, share)} {self._beat_silence_s(last, share):.0f} s ago, "
-                f"sequence {last.sequence}"
-                if last is not None
-                else ""
-            )
-            return f"producer heartbeat unreadable: {exc}{seen}"
-        last = self._last_beat(share)
-        if beat is None and last is not None:
-            # The heartbeat lives in trainer rank 0's segment and outlives the producer; it goes
-            # missing when the store lost it (master restart) or when the producer did not know rank
-            # 0's segment yet, beat into its own, and that segment left the store with the producer.
-            return (
-                f"the producer's heartbeat vanished from the store; last seen from producer pid {last.pid} on "
-                f"{last.host}{self._share_text(share)}, {self._beat_silence_s(last, share):.0f} s old, sequence "
-                f"{last.sequence}, {last.committed_total} samples committed: the mooncake_master most likely "
-                "restarted (the store is empty until the producer beats again), or the producer beat into its own "
-                "segment and most likely hung or died with it; look at the capture log and the master's log"
-            )
-        if beat is None:
-            return (
-                f"no producer heartbeat in the store{self._share_text(share)}: the producer has not started (or not "
-                "reached the store yet), or the store was restarted and the producer is gone; look at the capture log"
-            )
-        return f"{self._likely_cause(beat, g, share)}; {beat.summary()}"
-
-    def _last_beat(self, share: int) -> Heartbeat | None:
-        watch = self._watches.get(share)
-        return watch.beat if watch is not None else None
-
-    def _share_text(self, share: int) -> str:
-        return f" (capture share {share} of {self.capture_shares})" if self.capture_shares > 1 else ""
-
-    def _who(self, beat: Heartbeat, share: int) -> str:
-        if self.capture_shares > 1:
-            return (
-                f"the producer of capture share {share} of {self.capture_shares} (pid {beat.pid} on host {beat.host})"
-            )
-        return f"the producer (pid {beat.pid} on host {beat.host})"
-
-    def _likely_cause(self, beat: Heartbeat, g: int | None, share: int = 0) -> str:
-        """Why sample ``g`` is not there, from the producer's heartbeat and how fresh it is."""
-        who = self._who(beat, share)
-        silence_s = self._beat_silence_s(beat, share)
-        error = f"; its last error: {beat.last_error}" if beat.errors and beat.last_error else ""
-        if beat.closed:
-            return (
-                f"{who} shut down {silence_s:.0f} s ago (its last heartbeat says it closed){error}: the capture "
-                "component stopped or failed; look at the capture log"
-            )
-        if silence_s > self._stale_after_s:
-            return (
-                f"{who} has not beaten for {silence_s:.0f} s (sequence {beat.sequence}; it beats every "
-                f"{self.heartbeat_interval_s:g} s, transport.heartbeat_interval_s): it is hung, stopped (SIGSTOP) or "
-                f"dead; look at the capture log{error}"
-            )
-        sample = f"g={g}" if g is not None else "the sample"
-        if beat.cursor is None:
-            reason = "it has no cursor yet (it waits for trainer rank 0 to publish one)"
-        elif beat.paused:
-            reason = f"it is paused ({beat.waiting_for or 'at its watermark'})"
-        elif g is not None and g < beat.cursor:
-            reason = f"{sample} is below its cursor {beat.cursor} (it considers {sample} consumed)"
-        elif g is not None and beat.window_end is not None and g >= beat.window_end:
-            reason = f"{sample} is beyond its window [{beat.cursor}, {beat.window_end})"
-        elif beat.waiting_for:
-            reason = f"it waits for {beat.waiting_for}"
-        else:
-            reason = f"it is capturing ({beat.rate_samples_per_s:.2f} samples/s, {beat.in_flight} in flight)"
-        return f"{who} is alive (last heartbeat {silence_s:.1f} s ago) but has not committed {sample}: {reason}{error}"
-
     def _idle_message(self, g: int, meta_key: str, waited: float, state: str) -> str:
         try:
             cursor = self._calls.call(self.read_cursor, STATUS_TIMEOUT_S, "read the cursor")
@@ -524,8 +416,8 @@ class Consumer:
         except TransportError:
             cursor_text = "cursor unreadable"
         return (
-            f"rank {self.rank} waited {waited:.0f} s (transport.idle_timeout_s = {self.idle_timeout_s:g}) for sample "
-            f"g={g} (key {meta_key}): {state}; {self._producer_status(g)}; {cursor_text}. Check the capture "
+            f"rank {self.rank} waited {waited:.0f} s (transport.idle_timeout_s = {self.settings.idle_timeout_s:g}) for sample "
+            f"g={g} (key {meta_key}): {state}; {self.liveness.describe(g)}; {cursor_text}. Check the capture "
             "component's log (is the producer alive, paused or failing?)"
         )
 

@@ -28,12 +28,12 @@ from pathlib import Path
 
 from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
-from runtime.recipe.sizes import segment_shares
 from runtime.shared.contracts import ENV_TASK_RANK
 from runtime.transport.consumer import Consumer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.producer import Producer
-from runtime.transport.store import ClientSettings, StoreClient
+from runtime.transport.settings import TransportSettings
+from runtime.transport.store import StoreClient
 
 PRODUCER_STATE_FILE = "producer_state.json"
 CONTROL_SEGMENT_BYTES = 16 * 2**20
@@ -56,9 +56,10 @@ def capture_share_of_this_task(resolved: ResolvedRecipe) -> tuple[int, int]:
     """(index, count) of the capture share this process belongs to: its capture task's rank
     (``DSPARK_TASK_RANK``, one task per node) over the nodes one engine spans. The SGLang server's
     sink inherits the variable from its capture task, so it lands in the same share."""
-    count = capture_shares(resolved.recipe)
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    count = settings.capture_shares
     rank = int(os.environ.get(ENV_TASK_RANK, "0") or 0)
-    return (rank // nodes_per_engine(resolved.recipe)) % count, count
+    return (rank // settings.nodes_per_engine) % count, count
 
 
 def open_producer(
@@ -78,25 +79,20 @@ def open_producer(
     ``share``: which g this producer captures (default: :func:`capture_share_of_this_task`).
     """
     share = share or capture_share_of_this_task(resolved)
-    recipe = resolved.recipe
-    endpoints = endpoints or Endpoints.from_env(recipe)
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    endpoints = endpoints or settings.endpoints_from_env()
     if start_cursor is _FRESH_RUN:
-        # With the whole sample segment on the trainer node nothing can be put before trainer rank 0
-        # has mounted it: wait for its cursor, which it publishes after mounting.
-        fresh = recipe.trainer.checkpoint.resume_from is None and recipe.transport.segment_placement != "trainer"
-        start_cursor = 0 if fresh else None
-    tr = recipe.transport
-    capture_share, _ = segment_shares(tr.global_segment_bytes, tr.segment_placement)
-    segment = capture_share if segment_bytes is None else segment_bytes
-    settings = dataclasses.replace(
-        ClientSettings.from_recipe(recipe, endpoints, segment),
-        pin_writes_to_own_segment=tr.segment_placement == "capture",
+        start_cursor = 0 if settings.producer_may_start_at_zero else None
+    segment = settings.capture_segment_bytes if segment_bytes is None else segment_bytes
+    client_settings = dataclasses.replace(
+        settings.client(endpoints, segment),
+        pin_writes_to_own_segment=settings.segment_placement == "capture",
     )
-    client = StoreClient(settings, name="producer").connect()
+    client = StoreClient(client_settings, name="producer").connect()
     try:
         return Producer(
             client,
-            recipe,
+            settings.producer,
             state_path=producer_state_path(resolved, share[0]),
             start_cursor=start_cursor,  # type: ignore[arg-type]
             auto_heartbeat=auto_heartbeat,
@@ -122,13 +118,12 @@ def open_consumer(
     With ``start_cursor`` rank 0 publishes it at once (the cursor of the checkpoint it resumes
     from, 0 for a fresh run); otherwise call :meth:`Consumer.publish_cursor` when it is known.
     """
-    recipe = resolved.recipe
-    endpoints = endpoints or Endpoints.from_env(recipe)
-    _, trainer_share = segment_shares(recipe.transport.global_segment_bytes, recipe.transport.segment_placement)
-    segment = CONTROL_SEGMENT_BYTES + trainer_share if rank == 0 else 0
-    client = StoreClient(ClientSettings.from_recipe(recipe, endpoints, segment), name=f"trainer rank {rank}").connect()
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    endpoints = endpoints or settings.endpoints_from_env()
+    segment = CONTROL_SEGMENT_BYTES + settings.trainer_segment_bytes if rank == 0 else 0
+    client = StoreClient(settings.client(endpoints, segment), name=f"trainer rank {rank}").connect()
     try:
-        consumer = Consumer(client, recipe, rank, world_size)
+        consumer = Consumer(client, settings.consumer, rank, world_size)
         if start_cursor is not None and rank == 0:
             consumer.publish_cursor(start_cursor)
         return consumer

@@ -19,6 +19,9 @@ from runtime.transport.errors import TransportError
 
 T = TypeVar("T")
 
+STATUS_TIMEOUT_S = 2.0
+"""Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
+
 
 class StoreUnresponsiveError(TransportError):
     """A store call did not return within its deadline (master stopped, overloaded or unreachable)."""

@@ -10,8 +10,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER, ENV_MOONCAKE_METADATA
+
+
+@dataclass(frozen=True)
+class MasterPorts:
+    """The master's ports a client needs (``transport.master_rpc_port``, ``transport.metadata_http_port``)."""
+
+    rpc_port: int
+    metadata_http_port: int
 
 
 @dataclass(frozen=True)
@@ -36,32 +43,29 @@ class Endpoints:
         return int(self.master_address.rsplit(":", 1)[1])
 
     @classmethod
-    def on_host(cls, recipe: Recipe, master_host: str, bind_address: str) -> Endpoints:
-        """Endpoints of a master on ``master_host`` with the recipe's ports."""
-        tr = recipe.transport
+    def on_host(cls, ports: MasterPorts, master_host: str, bind_address: str) -> Endpoints:
+        """Endpoints of a master on ``master_host`` with ``ports``."""
         return cls(
-            master_address=f"{master_host}:{tr.master_rpc_port}",
-            metadata_url=f"http://{master_host}:{tr.metadata_http_port}/metadata",
+            master_address=f"{master_host}:{ports.rpc_port}",
+            metadata_url=f"http://{master_host}:{ports.metadata_http_port}/metadata",
             bind_address=bind_address,
         )
 
     @classmethod
-    def loopback(cls, recipe: Recipe) -> Endpoints:
+    def loopback(cls, ports: MasterPorts) -> Endpoints:
         """Everything on 127.0.0.1 (``--local`` mode and tests)."""
-        return cls.on_host(recipe, "127.0.0.1", "127.0.0.1")
+        return cls.on_host(ports, "127.0.0.1", "127.0.0.1")
 
     @classmethod
-    def from_env(cls, recipe: Recipe, env: Mapping[str, str] | None = None) -> Endpoints:
+    def from_env(cls, ports: MasterPorts, bind_address: str, env: Mapping[str, str] | None = None) -> Endpoints:
         """Endpoints from the launcher's environment contract.
 
         ``DSPARK_MOONCAKE_MASTER`` / ``DSPARK_MOONCAKE_METADATA`` win; without them the master is
-        assumed on ``DSPARK_CAPTURE_HOST`` with the recipe's ports. ``DSPARK_BIND_ADDRESS`` is
-        required unless ``transport.bind_address`` is an explicit IP.
+        assumed on ``DSPARK_CAPTURE_HOST`` with ``ports``. ``DSPARK_BIND_ADDRESS`` is required unless
+        ``bind_address`` (``transport.bind_address`` as an explicit IP, '' for ``auto``) is given.
         """
         env = os.environ if env is None else env
-        bind = env.get(ENV_BIND_ADDRESS) or (
-            recipe.transport.bind_address if recipe.transport.bind_address != "auto" else ""
-        )
+        bind = env.get(ENV_BIND_ADDRESS) or bind_address
         if not bind:
             raise ValueError(
                 f"{ENV_BIND_ADDRESS} is not set and transport.bind_address is 'auto': this process does not "
@@ -69,16 +73,16 @@ class Endpoints:
                 "127.0.0.1 with --local); when running by hand, export DSPARK_BIND_ADDRESS=<this node's IP>"
             )
         host = env.get(ENV_CAPTURE_HOST, "")
-        master = env.get(ENV_MOONCAKE_MASTER) or (f"{host}:{recipe.transport.master_rpc_port}" if host else "")
+        master = env.get(ENV_MOONCAKE_MASTER) or (f"{host}:{ports.rpc_port}" if host else "")
         metadata = env.get(ENV_MOONCAKE_METADATA) or (
-            f"http://{host}:{recipe.transport.metadata_http_port}/metadata" if host else ""
+            f"http://{host}:{ports.metadata_http_port}/metadata" if host else ""
         )
         if not master or not metadata:
             raise ValueError(
                 f"{ENV_MOONCAKE_MASTER} / {ENV_MOONCAKE_METADATA} are not set and neither is {ENV_CAPTURE_HOST}: this process "
                 "cannot find the Mooncake master. The launcher sets them; when running by hand, export "
-                f"{ENV_MOONCAKE_MASTER}=<capture host>:{recipe.transport.master_rpc_port} and "
-                f"{ENV_MOONCAKE_METADATA}=http://<capture host>:{recipe.transport.metadata_http_port}/metadata"
+                f"{ENV_MOONCAKE_MASTER}=<capture host>:{ports.rpc_port} and "
+                f"{ENV_MOONCAKE_METADATA}=http://<capture host>:{ports.metadata_http_port}/metadata"
             )
         if ":" not in master or not master.rsplit(":", 1)[1].isdigit():
             raise ValueError(

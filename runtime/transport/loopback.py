@@ -5,7 +5,7 @@ context manager away::
 
     resolved = loopback_recipe(tmp_path, ports=(free_port(), free_port(), free_port()))
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=Endpoints.loopback(resolved.recipe))
+        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from runtime.shared.contracts import (
     ENV_MOONCAKE_METADATA,
 )
 from runtime.transport.endpoints import Endpoints
-from runtime.transport.master import MasterProcess, MasterSettings
+from runtime.transport.master import MasterProcess
+from runtime.transport.settings import TransportSettings
 
 LOOPBACK = "127.0.0.1"
 
@@ -107,23 +108,29 @@ def loopback_recipe(
     return load_resolved(write_resolved(loaded, job_dir, repo_root))
 
 
+def loopback_endpoints(resolved: ResolvedRecipe) -> Endpoints:
+    """The endpoints of the master :func:`loopback_master` starts, for a client on this machine."""
+    return Endpoints.loopback(TransportSettings.from_recipe(resolved.recipe).ports)
+
+
 def loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
     """The launcher's environment contract for a component on this machine."""
-    endpoints = Endpoints.loopback(resolved.recipe)
+    settings = TransportSettings.from_recipe(resolved.recipe)
+    endpoints = Endpoints.loopback(settings.ports)
     return {
         ENV_MOONCAKE_MASTER: endpoints.master_address,
         ENV_MOONCAKE_METADATA: endpoints.metadata_url,
         ENV_BIND_ADDRESS: LOOPBACK,
         ENV_CAPTURE_HOST: LOOPBACK,
         ENV_MC_TCP_BIND_ADDRESS: LOOPBACK,
-        ENV_MC_TRANSFER_TIMEOUT: str(resolved.recipe.transport.transfer_timeout_s),
+        ENV_MC_TRANSFER_TIMEOUT: str(settings.client_template.transfer_timeout_s),
     }
 
 
 @contextlib.contextmanager
 def loopback_master(resolved: ResolvedRecipe, log_path: Path | None = None) -> Iterator[MasterProcess]:
     """A running ``mooncake_master`` on 127.0.0.1 with the recipe's ports and limits."""
-    settings = MasterSettings.from_recipe(resolved.recipe, LOOPBACK)
+    settings = TransportSettings.from_recipe(resolved.recipe).master(LOOPBACK)
     master = MasterProcess(settings, log_path or resolved.job_dir / "mooncake_master.log")
     master.start()
     try:

@@ -25,7 +25,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.recipe.schema import Recipe
 from runtime.shared.lifecycle import die_with_parent
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import MasterStartError
@@ -49,20 +48,6 @@ class MasterSettings:
     client_ttl_s: int = 10
     binary: str = MASTER_BINARY
     extra_args: tuple[str, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe, host: str) -> MasterSettings:
-        """Settings from the recipe's ``transport`` section; eviction ratio = store cap / segment."""
-        tr = recipe.transport
-        return cls(
-            host=host,
-            rpc_port=tr.master_rpc_port,
-            metadata_http_port=tr.metadata_http_port,
-            metrics_port=tr.metrics_port,
-            kv_lease_ttl_s=tr.kv_lease_ttl_s,
-            eviction_high_watermark_ratio=eviction_ratio(tr.store_cap_bytes, tr.global_segment_bytes),
-            client_ttl_s=tr.client_ttl_s,
-        )
 
     @property
     def endpoints_for_clients(self) -> Endpoints:

@@ -1,4 +1,4 @@
-"""The producer side of the data plane: which g to capture next, commit, pause/resume, heartbeat.
+"""The producer side of the data plane: which g to capture next, commit, pause/resume.
 
 The producer process owns the store's memory: its Mooncake client mounts the global segment, so its
 own puts are local copies (Mooncake's same-process memcpy path) and trainer ranks on the other node
@@ -14,15 +14,15 @@ and the window then names the missing g in order. That is also all a restart nee
   saw (``producer_state.json`` in the job folder), and refills;
 - master restarts: the store is empty; the producer keeps working from the cursor it last saw, the
   trainer's rank 0 republishes the cursor when it finds it missing.
+
+Its heartbeat (who it is, its window, what it waits for) is written by the
+:class:`~runtime.transport.liveness.HeartbeatWriter` it owns.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -32,19 +32,18 @@ from typing import Any
 import torch
 
 from runtime.files import atomic_write_text
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import (
     CONTRACT_DTYPES,
     META_FIELD,
     TENSOR_FIELDS,
     cursor_key,
     dtype_name,
-    heartbeat_key,
     sample_key,
     want_key,
 )
-from runtime.transport.errors import TRANSFER_FAIL, TransportError
-from runtime.transport.records import Cursor, Heartbeat
+from runtime.transport.errors import TransportError
+from runtime.transport.liveness import HeartbeatWriter, owner_segment
+from runtime.transport.records import Cursor
 from runtime.transport.sample_format import (
     build_meta,
     decode_meta,
@@ -53,14 +52,11 @@ from runtime.transport.sample_format import (
     sample_keys,
     submit_crc32_chunks,
 )
+from runtime.transport.settings import ProducerSettings
 from runtime.transport.store import StoreClient
-from runtime.transport.window import WindowLimits, WindowState
+from runtime.transport.window import WindowState
 
 log = logging.getLogger("dspark.transport.producer")
-
-RANK0_SEGMENT_RETRY_S = 30.0
-"""After a put of the heartbeat into trainer rank 0's segment failed, beats go to the producer's own
-segment for this long (or 3 heartbeat intervals, if longer) before rank 0's is tried again."""
 
 
 class Producer:
@@ -69,9 +65,8 @@ class Producer:
     def __init__(
         self,
         client: StoreClient,
-        recipe: Recipe,
+        settings: ProducerSettings,
         *,
-        store_id: str | None = None,
         state_path: Path | None = None,
         start_cursor: int | None = None,
         auto_heartbeat: bool = True,
@@ -80,15 +75,11 @@ class Producer:
         """``share``: (index, count) of this producer among the capture nodes' producers; it captures
         and cleans up the g with ``g % count == index`` and beats under its own heartbeat key."""
         self.client = client
-        self.recipe = recipe
-        self.store_id = store_id or recipe.store_id
+        self.settings = settings
+        self.store_id = settings.store_id
         self.state_path = state_path
         self.start_cursor = start_cursor
-        tr = recipe.transport
-        self.poll_interval_s = tr.poll_interval_s
-        self.wait_log_interval_s = tr.wait_log_interval_s
-        self.heartbeat_interval_s = tr.heartbeat_interval_s
-        self.window = WindowState(WindowLimits.from_recipe(recipe), share_index=share[0], share_count=share[1])
+        self.window = WindowState(settings.window, share_index=share[0], share_count=share[1])
         if not 0 <= share[0] < share[1]:
             raise ValueError(f"capture share {share[0]} outside 0..{share[1] - 1}")
         self._bytes: dict[int, int] = {}
@@ -96,8 +87,6 @@ class Producer:
         self._staging: dict[str, torch.Tensor] = {}
         self._committed_during_scan: dict[int, int] | None = None
         """Commits that finished while :meth:`refresh` scanned (a commit thread runs beside it)."""
-        self._started = time.time()
-        self._sequence = 0
         self._committed_total = 0
         self._commit_times: list[float] = []
         self._last_commit_time: float | None = None
@@ -107,19 +96,17 @@ class Producer:
         self._extra_stats: dict[str, Any] = {}
         self._last_progress_log = time.monotonic()
         self._stop = threading.Event()
-        self._rank0_segment = ""
-        """Trainer rank 0's segment, from the cursor it publishes: where the heartbeat goes."""
-        self._beat_segment: str | None = None
-        """The segment the last beat was put into ('' this client's usual place, None no beat yet)."""
-        self._rank0_rest_until = 0.0
-        """Monotonic time before which beats skip rank 0's segment (after it failed to take one)."""
-        self._trainer_leaving = False
-        """The run is over (see :meth:`trainer_is_leaving`): beats stay in this producer's segment."""
-        self._beat_lock = threading.Lock()  # beats come from the heartbeat thread, the capture loop and close()
-        self._heartbeat_thread: threading.Thread | None = None
+        self.heartbeat_writer = HeartbeatWriter(
+            client,
+            self.store_id,
+            share[0],
+            settings.heartbeat_interval_s,
+            self._report,
+            read_cursor=self._read_cursor,
+            on_failure=self._note_error,
+        )
         if auto_heartbeat:
-            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="dspark-heartbeat", daemon=True)
-            self._heartbeat_thread.start()
+            self.heartbeat_writer.start()
 
     # -- SampleProducer ---------------------------------------------------------------------
 
@@ -135,10 +122,7 @@ class Producer:
         try:
             self.refresh()
         except TransportError as exc:
-            with self._lock:
-                self._errors += 1
-                self._last_error = f"refresh: {exc}"[:300]
-                self._waiting_for = "the store to answer"
+            self._note_error(f"refresh: {exc}", waiting_for="the store to answer")
             log.warning("cannot reconcile with the store (master restarting?): %s", exc)
             return []
         with self._lock:
@@ -155,10 +139,10 @@ class Producer:
             now = time.monotonic()
             if timeout_s is not None and now - start >= timeout_s:
                 return []
-            if now - last_log >= self.wait_log_interval_s:
+            if now - last_log >= self.settings.wait_log_interval_s:
                 log.info("producer idle for %.0f s: %s", now - start, self.describe_wait())
                 last_log = now
-            time.sleep(self.poll_interval_s)
+            time.sleep(self.settings.poll_interval_s)
         return []
 
     accepts_checksums = True
@@ -215,8 +199,7 @@ class Producer:
         except BaseException as exc:
             with self._lock:
                 self.window.release(g)
-                self._errors += 1
-                self._last_error = f"commit g={g}: {exc}"[:300]
+                self._note_error(f"commit g={g}: {exc}")
             raise
         total = int(full_meta["sample_bytes"]) + len(meta_bytes)
         now = time.time()
@@ -233,18 +216,17 @@ class Producer:
     def _follow_owner_segment(self) -> None:
         """A producer without a segment (an SGLang sink) writes into the owning producer's segment,
         named in its heartbeat; it follows a restarted owner to its new segment."""
-        try:
-            raw = self.client.get_bytes(heartbeat_key(self.store_id, self.window.share_index))
-        except TransportError:
-            return
-        if raw is None:
-            return
-        try:
-            segment = Heartbeat.decode(raw).segment
-        except (ValueError, TypeError):
-            return
+        segment = owner_segment(self.client, self.store_id, self.window.share_index)
         if segment:
             self.client.prefer_segment(segment)
+
+    def _note_error(self, text: str, *, waiting_for: str | None = None) -> None:
+        """Count a failure; the heartbeat reports the count and the last one."""
+        with self._lock:
+            self._errors += 1
+            self._last_error = text[:300]
+            if waiting_for is not None:
+                self._waiting_for = waiting_for
 
     def capture_later_epochs_only_when_asked(self, rows_per_epoch: int) -> None:
         """``trainer.feature_cache``: capture epoch 0 (g below ``rows_per_epoch``) in full, and a
@@ -261,10 +243,7 @@ class Producer:
         """The trainer consumed every sample of the run and is about to end, taking trainer rank 0's
         segment (and the cursor in it) along: from now on the heartbeat stays in this producer's own
         segment, so the end of a healthy run is not reported as a lost segment."""
-        with self._lock:
-            self._trainer_leaving = True
-            self._rank0_segment = ""
-            self._rank0_rest_until = 0.0
+        self.heartbeat_writer.trainer_is_leaving()
 
     def release(self, g: int) -> None:
         """Give back a claimed g whose capture failed (it will be offered again)."""
@@ -274,142 +253,13 @@ class Producer:
     def heartbeat(self, stats: Mapping[str, Any] | None = None) -> None:
         """Upsert the heartbeat now; ``stats`` (engine rates, ...) are kept for later beats too.
 
-        It goes to trainer rank 0's segment when the cursor named one (see :meth:`_put_heartbeat`).
+        It goes to trainer rank 0's segment when the cursor named one (see
+        :class:`~runtime.transport.liveness.HeartbeatWriter`).
         """
-        if not self._rank0_segment and not self._trainer_leaving:
-            self._read_cursor()  # learns rank 0's segment (the capture loop may not have read it yet)
-        with self._lock:
-            if stats:
+        if stats:
+            with self._lock:
                 self._extra_stats.update(stats)
-            beat = self._make_heartbeat()
-        self._put_heartbeat(beat.encode())
-
-    def _put_heartbeat(self, data: bytes, *, final: bool = False) -> None:
-        """Put the beat into trainer rank 0's segment, else (unknown, or that put failed) into this
-        producer's usual place.
-
-        Why rank 0's: the reader of the heartbeat needs it most when the producer hangs or dies, and
-        that is exactly when the producer's own segment stops answering (SIGSTOP: its transfers
-        hang) and then leaves the store (``transport.client_ttl_s``), heartbeat included. Rank 0's
-        segment also holds the cursor, lives on the node that reads both, and only a trainer restart
-        takes it away. Only this one object goes there; samples stay where they were.
-        """
-        if not self._beat_lock.acquire(timeout=5.0 if final else -1):
-            log.debug("the closing heartbeat is skipped: another beat is still being put")
-            return
-        try:
-            self._put_heartbeat_locked(data, final)
-        finally:
-            self._beat_lock.release()
-
-    def _put_heartbeat_locked(self, data: bytes, final: bool) -> None:
-        key = heartbeat_key(self.store_id, self.window.share_index)
-        if self._trainer_leaving:
-            # The run is over and its reader is leaving: one attempt into this producer's own place.
-            # When that is gone too (the sample segment was the trainer node's, and it left with it)
-            # the beat is dropped without retries or warnings: nobody waits for it any more.
-            try:
-                self._put_beat_into(key, data, "", max_retries=0)
-            except TransportError as exc:
-                log.debug("a heartbeat after the end of the run was not put: %s", exc)
-            return
-        target = self._rank0_segment
-        now = time.monotonic()
-        target_error: TransportError | None = None
-        if target and now >= self._rank0_rest_until:
-            try:
-                # One attempt: on failure the fallback below beats now instead of after the backoff.
-                self._put_beat_into(key, data, target, max_retries=0)
-            except TransportError as exc:
-                target_error = exc
-            else:
-                self._check_placement(key, data, target)
-                return
-        elif not target and self._beat_segment != "":
-            log.debug(
-                "trainer rank 0's segment is not known yet (no cursor names it): the heartbeat goes to this "
-                "producer's own segment, and vanishes with it if the producer hangs or dies"
-            )
-        # A producer that mounts no segment (transport.segment_placement: trainer) has nowhere to put a
-        # beat until trainer rank 0 mounts the sample segment: at the start of every such run. That is
-        # expected, not worth retries or a warning; the next beat tries again.
-        nowhere_yet = not target and not self.client.settings.segment_bytes
-        try:
-            self._put_beat_into(
-                key, data, "", max_retries=0 if final or target_error is not None or nowhere_yet else None
-            )
-        except TransportError as exc:
-            if not nowhere_yet:
-                raise
-            log.debug("no segment holds the heartbeat yet (trainer rank 0 has not mounted the sample segment): %s", exc)
-            return
-        if target_error is not None and TRANSFER_FAIL in getattr(target_error, "codes", ()):
-            # Rank 0's client is dead or stopped (a transfer into its segment failed, perhaps after
-            # hanging): rest it instead of stalling every beat. Other failures (the master down or
-            # restarting) are the store's, and the next beat tries rank 0's segment again.
-            rest_s = max(RANK0_SEGMENT_RETRY_S, 3 * self.heartbeat_interval_s)
-            self._rank0_rest_until = now + rest_s
-            log.warning(
-                "cannot put the heartbeat into trainer rank 0's segment %s (%s); it goes to this producer's "
-                "own segment for %.0f s, then rank 0's is tried again (a restarted trainer publishes its new one)",
-                target,
-                target_error,
-                rest_s,
-            )
-        elif target_error is not None:
-            log.info(
-                "the heartbeat went to this producer's own segment this once: trainer rank 0's segment %s did not "
-                "take it (%s)",
-                target,
-                target_error,
-            )
-
-    def _check_placement(self, key: str, data: bytes, target: str) -> None:
-        """Move the heartbeat into ``target`` if Mooncake put it elsewhere.
-
-        Mooncake passes over a preferred segment that is not mounted at that moment (rank 0 gone, or
-        not yet remounted after a master restart) without an error, and later upserts of the same
-        size stay wherever that was. One metadata call per beat finds out.
-        """
-        try:
-            actual = self.client.segment_of(key)
-        except Exception as exc:  # diagnostics only: never fail a beat on it
-            log.debug("cannot tell where the heartbeat is: %s", exc)
-            return
-        if not actual or actual == target:
-            return
-        self._beat_segment = actual  # the next put removes it first
-        try:
-            self._put_beat_into(key, data, target, max_retries=0)
-            actual = self.client.segment_of(key)
-        except TransportError as exc:
-            log.debug("moving the heartbeat into %s failed: %s", target, exc)
-        if actual != target:
-            # rank 0's segment takes nothing now: rest it for a few beats (no remove-and-put every beat)
-            rest_s = 3 * self.heartbeat_interval_s
-            self._rank0_rest_until = time.monotonic() + rest_s
-            log.warning(
-                "the heartbeat landed in segment %s, not in trainer rank 0's %s (not mounted now?); it goes to "
-                "this producer's own segment for %.0f s",
-                actual or "?",
-                target,
-                rest_s,
-            )
-
-    def _put_beat_into(self, key: str, data: bytes, segment: str, max_retries: int | None) -> None:
-        if self._beat_segment is not None and self._beat_segment != segment:
-            # An upsert of an object of the same size overwrites it where it is: move it explicitly
-            # (a reader may find no heartbeat for this moment).
-            try:
-                self.client.remove([key])
-            except TransportError as exc:
-                log.debug("removing the heartbeat before moving it failed: %s", exc)
-            self._beat_segment = None
-        self.client.put_bytes(key, data, segment=segment, max_retries=max_retries)
-        if self._beat_segment != segment:
-            where = f"trainer rank 0's segment {segment}" if segment else "this producer's own segment"
-            log.info("the heartbeat goes to %s", where)
-        self._beat_segment = segment
+        self.heartbeat_writer.beat()
 
     # -- reconciliation ---------------------------------------------------------------------
 
@@ -507,27 +357,15 @@ class Producer:
             log.warning("cannot read the cursor: %s", exc)
             return None
         if raw is None:
-            if self._rank0_segment:
-                # The cursor lives in rank 0's segment: without it, rank 0 has left (the trainer
-                # finished or is restarting) or the master restarted. Beats stop aiming at a segment
-                # that is gone (each would land elsewhere and warn); a cursor that names rank 0's
-                # segment again brings them back.
-                log.info(
-                    "no cursor in the store (trainer rank 0 has left, or the master restarted): the heartbeat "
-                    "goes to this producer's own segment until a cursor names rank 0's segment again"
-                )
-                self._rank0_segment = ""
-                self._rank0_rest_until = 0.0
+            # The cursor lives in rank 0's segment: without it, beats stop aiming there.
+            self.heartbeat_writer.follow_cursor(None)
             return None
         try:
             cursor = Cursor.decode(raw)
         except ValueError as exc:
             log.warning("ignoring an unreadable cursor object: %s", exc)
             return None
-        if cursor.segment and cursor.segment != self._rank0_segment and not self._trainer_leaving:
-            # a (re)started trainer: its rank 0 mounted a new segment; the next beat moves there
-            self._rank0_segment = cursor.segment
-            self._rank0_rest_until = 0.0
+        self.heartbeat_writer.follow_cursor(cursor)  # a (re)started trainer's rank 0: beats move there
         return cursor
 
     def _scan(self, cursor: int) -> tuple[dict[int, int], list[int], set[int], list[int]]:
@@ -610,49 +448,34 @@ class Producer:
         host.copy_(tensor)
         return host
 
-    # -- heartbeat and progress -------------------------------------------------------------
+    # -- what the heartbeat reports ---------------------------------------------------------
 
-    def _make_heartbeat(self) -> Heartbeat:
-        self._sequence += 1
-        now = time.time()
-        recent = [t for t in self._commit_times if now - t < 60.0]
-        span = (now - recent[0]) if len(recent) > 1 else 0.0
-        return Heartbeat(
-            time=now,
-            sequence=self._sequence,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            cursor=self.window.cursor,
-            window_end=self.window.window_end,
-            resident_samples=len(self.window.resident),
-            resident_bytes=self.window.resident_bytes,
-            in_flight=len(self.window.in_flight),
-            paused=self.window.paused,
-            committed_total=self._committed_total,
-            last_commit_time=self._last_commit_time,
-            rate_samples_per_s=(len(recent) - 1) / span if span > 0 else 0.0,
-            errors=self._errors,
-            last_error=self._last_error,
-            waiting_for=self._waiting_for,
-            stats=dict(self._extra_stats),
-            segment=self.client.preferred_segment if self.client.settings.segment_bytes else "",
-        )
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(0 if self._sequence == 0 else self.heartbeat_interval_s):
-            try:
-                self.heartbeat()
-            except Exception as exc:  # a failed beat must not kill the producer; the next one retries
-                with self._lock:
-                    self._errors += 1
-                    self._last_error = f"heartbeat: {exc}"[:300]
-                log.warning("heartbeat failed: %s", exc)
+    def _report(self) -> dict[str, Any]:
+        """This producer's window and progress, as heartbeat fields (see
+        :data:`~runtime.transport.liveness.ProducerReport`)."""
+        with self._lock:
+            now = time.time()
+            recent = [t for t in self._commit_times if now - t < 60.0]
+            span = (now - recent[0]) if len(recent) > 1 else 0.0
+            return {
+                "cursor": self.window.cursor,
+                "window_end": self.window.window_end,
+                "resident_samples": len(self.window.resident),
+                "resident_bytes": self.window.resident_bytes,
+                "in_flight": len(self.window.in_flight),
+                "paused": self.window.paused,
+                "committed_total": self._committed_total,
+                "last_commit_time": self._last_commit_time,
+                "rate_samples_per_s": (len(recent) - 1) / span if span > 0 else 0.0,
+                "errors": self._errors,
+                "last_error": self._last_error,
+                "waiting_for": self._waiting_for,
+                "stats": dict(self._extra_stats),
+            }
 
     def stats(self) -> dict[str, Any]:
         """Window and rate numbers (what the heartbeat publishes)."""
-        with self._lock:
-            beat = self._make_heartbeat()
-            self._sequence -= 1
+        beat = self.heartbeat_writer.preview()
         return {k: v for k, v in beat.__dict__.items() if k not in ("pid", "host", "stats")}
 
     def describe_wait(self) -> str:
@@ -672,7 +495,7 @@ class Producer:
 
     def _maybe_log_progress(self) -> None:
         now = time.monotonic()
-        if now - self._last_progress_log < self.wait_log_interval_s:
+        if now - self._last_progress_log < self.settings.wait_log_interval_s:
             return
         self._last_progress_log = now
         s = self.stats()
@@ -695,18 +518,7 @@ class Producer:
         shut down rather than hung), and release the client (the segment, and every sample, leaves
         the store)."""
         self._stop.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=5.0)
-        # A producer that never beat (an SGLang sink) has nothing to close; a heartbeat thread still
-        # in a put (a stopped rank 0 holds transfers until they time out) must not hold up close().
-        stuck = self._heartbeat_thread is not None and self._heartbeat_thread.is_alive()
-        if self._sequence > 0 and not stuck:
-            try:
-                with self._lock:
-                    beat = dataclasses.replace(self._make_heartbeat(), closed=True)
-                self._put_heartbeat(beat.encode(), final=True)
-            except Exception as exc:  # best effort: the store may be gone already
-                log.debug("the closing heartbeat failed: %s", exc)
+        self.heartbeat_writer.close()
         self.client.close()
 
     def __enter__(self) -> Producer:

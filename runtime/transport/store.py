@@ -1,4 +1,4 @@
-"""The Mooncake store client: setup from the recipe, zero-copy tensor put/get, retries, clear errors.
+"""The Mooncake store client: setup, zero-copy tensor put/get, retries, clear errors.
 
 Facts about ``mooncake-transfer-engine`` 0.3.13.post1 this module is built on (checked on loopback):
 - ``put`` of an existing key returns 0 and keeps the OLD value; ``upsert`` replaces it. Everything
@@ -28,12 +28,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from runtime.recipe.schema import Recipe
 from runtime.shared.contracts import ENV_MC_TCP_BIND_ADDRESS, ENV_MC_TRANSFER_TIMEOUT
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import (
@@ -49,55 +47,11 @@ from runtime.transport.errors import (
     code_name,
 )
 from runtime.transport.sample_format import byte_view
+from runtime.transport.settings import ClientSettings
 
 log = logging.getLogger("dspark.transport.store")
 
 SCRATCH_MIN_BYTES = 1 << 16
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    """Everything one Mooncake client needs."""
-
-    endpoints: Endpoints
-    protocol: str = "tcp"
-    rdma_devices: tuple[str, ...] = ()
-    segment_bytes: int = 0
-    """Global segment this client contributes (the producer's; 0 for readers)."""
-    pin_writes_to_own_segment: bool = True
-    """Keep this client's writes in its own segment (when it has one). False lets Mooncake put each
-    object in any mounted segment with room (a sample segment split over two nodes)."""
-    local_buffer_bytes: int = 64 << 20
-    transfer_timeout_s: int = 300
-    max_retries: int = 5
-    retry_backoff_s: float = 0.5
-    connect_timeout_s: float = 300.0
-    """How long to wait for the master to answer before setup."""
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe, endpoints: Endpoints, segment_bytes: int) -> ClientSettings:
-        """Settings from the recipe's ``transport`` section."""
-        tr = recipe.transport
-        return cls(
-            endpoints=endpoints,
-            protocol=tr.protocol,
-            rdma_devices=tuple(tr.rdma_devices),
-            segment_bytes=segment_bytes,
-            local_buffer_bytes=tr.local_buffer_bytes,
-            transfer_timeout_s=tr.transfer_timeout_s,
-            max_retries=tr.max_retries,
-            retry_backoff_s=tr.retry_backoff_s,
-            connect_timeout_s=tr.connect_timeout_s,
-        )
-
-    def describe(self) -> str:
-        """Address, ports and protocol, for error messages."""
-        e = self.endpoints
-        devices = f" devices {','.join(self.rdma_devices)}" if self.rdma_devices else ""
-        return (
-            f"master {e.master_address}, metadata {e.metadata_url}, local address {e.bind_address}, "
-            f"protocol {self.protocol}{devices}"
-        )
 
 
 def master_answers(endpoints: Endpoints, timeout_s: float = 1.0) -> str:

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,8 @@ import torch
 
 from runtime.files import atomic_write_text
 from runtime.recipe.loader import load_resolved
-from runtime.recipe.schema import Recipe
 from runtime.transport.errors import TransportError
+from runtime.transport.settings import TransportSettings
 
 log = logging.getLogger("dspark.transport.synthetic")
 
@@ -42,16 +43,24 @@ def synthetic_num_tokens(g: int, min_tokens: int, max_tokens: int) -> int:
     return min_tokens + (g * 7919) % (max_tokens - min_tokens + 1)
 
 
-def synthetic_sample(g: int, recipe: Recipe, min_tokens: int = 16, max_tokens: int = 64) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class SampleShape:
+    """The capture shapes a synthetic sample has (``capture.vocab_size``, ``hidden_size``, aux layers)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_aux_layers: int
+
+
+def synthetic_sample(g: int, shape: SampleShape, min_tokens: int = 16, max_tokens: int = 64) -> dict[str, torch.Tensor]:
     """The four tensor fields of synthetic sample ``g`` (deterministic in g)."""
-    c = recipe.capture
     tokens = synthetic_num_tokens(g, min_tokens, max_tokens)
     gen = torch.Generator().manual_seed(1_000_003 * g + 17)
-    hidden = c.hidden_size
+    hidden = shape.hidden_size
     return {
-        "ids": torch.randint(0, c.vocab_size, (tokens,), generator=gen, dtype=torch.int64),
+        "ids": torch.randint(0, shape.vocab_size, (tokens,), generator=gen, dtype=torch.int64),
         "mask": (torch.rand(tokens, generator=gen) > 0.3).to(torch.uint8),
-        "hs": torch.randn(tokens, len(c.aux_layer_ids) * hidden, generator=gen).to(torch.bfloat16),
+        "hs": torch.randn(tokens, shape.num_aux_layers * hidden, generator=gen).to(torch.bfloat16),
         "lhs": torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16),
     }
 
@@ -62,6 +71,8 @@ def run_producer(args: argparse.Namespace) -> int:
 
     resolved = load_resolved(args.recipe)
     recipe = resolved.recipe
+    settings = TransportSettings.from_recipe(recipe).producer
+    shape = SampleShape(recipe.capture.vocab_size, recipe.capture.hidden_size, recipe.num_aux_layers)
     with open_producer(resolved) as producer:
         print(f"producer ready pid {os.getpid()}", flush=True)
         while True:
@@ -69,9 +80,9 @@ def run_producer(args: argparse.Namespace) -> int:
             for g in batch:
                 if args.max_g is not None and g >= args.max_g:
                     producer.release(g)
-                    time.sleep(recipe.transport.poll_interval_s)
+                    time.sleep(settings.poll_interval_s)
                     continue
-                tensors = synthetic_sample(g, recipe, args.min_tokens, args.max_tokens)
+                tensors = synthetic_sample(g, shape, args.min_tokens, args.max_tokens)
                 time.sleep(args.capture_delay_s)  # stands in for the target's forward pass
                 meta = {
                     "epoch": 0,
@@ -83,7 +94,7 @@ def run_producer(args: argparse.Namespace) -> int:
                     producer.commit(g, tensors, meta)
                 except TransportError as exc:
                     log.warning("commit of g=%d failed (%s); it will be captured again", g, exc)
-                    time.sleep(recipe.transport.poll_interval_s)
+                    time.sleep(settings.poll_interval_s)
 
 
 def _load_checkpoint(state_dir: Path) -> dict[str, Any]:
@@ -101,6 +112,7 @@ def run_trainer(args: argparse.Namespace) -> int:
 
     resolved = load_resolved(args.recipe)
     recipe = resolved.recipe
+    shape = SampleShape(recipe.capture.vocab_size, recipe.capture.hidden_size, recipe.num_aux_layers)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -117,7 +129,7 @@ def run_trainer(args: argparse.Namespace) -> int:
         got: list[int] = []
         for g in consumer.samples_of_step(step):
             sample = consumer.fetch(g)
-            expected = synthetic_sample(g, recipe, args.min_tokens, args.max_tokens)
+            expected = synthetic_sample(g, shape, args.min_tokens, args.max_tokens)
             for name, tensor in sample.tensors().items():
                 if not torch.equal(tensor, expected[name]):
                     raise AssertionError(f"rank {rank}: sample g={g} field {name} differs from what was captured")
@@ -130,7 +142,7 @@ def run_trainer(args: argparse.Namespace) -> int:
             gathered = [got]
         state["consumed"].extend(sorted(g for part in gathered for g in part))
         state["step"] = step + 1
-        state["cursor"] = (step + 1) * recipe.trainer.global_batch_size
+        state["cursor"] = (step + 1) * consumer.settings.global_batch_size
         if rank == 0 and (state["step"] % args.checkpoint_every == 0 or state["step"] == args.steps):
             atomic_write_text(state_dir / CHECKPOINT_FILE, json.dumps(state) + "\n")
         if world > 1:

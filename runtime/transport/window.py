@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.recipe.schema import Recipe
-
 
 @dataclass(frozen=True)
 class WindowLimits:
@@ -31,18 +29,6 @@ class WindowLimits:
     low_bytes: int
     head_samples: int
     """Samples of one global step (G): the part of the window the trainer needs next."""
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe) -> WindowLimits:
-        """The recipe's ``transport`` watermarks and global batch."""
-        tr = recipe.transport
-        return cls(
-            tr.high_watermark_samples,
-            tr.low_watermark_samples,
-            tr.high_watermark_bytes,
-            tr.low_watermark_bytes,
-            recipe.trainer.global_batch_size,
-        )
 
 
 @dataclass

@@ -73,8 +73,13 @@ print("RESULT " + json.dumps(times), flush=True)
 def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
     """Sink-side commit (no segment, separate process) vs the owner's commit of the same sample."""
     from runtime.transport.dataplane import open_producer
-    from runtime.transport.endpoints import Endpoints
-    from runtime.transport.loopback import free_port, loopback_env, loopback_master, loopback_recipe
+    from runtime.transport.loopback import (
+        free_port,
+        loopback_endpoints,
+        loopback_env,
+        loopback_master,
+        loopback_recipe,
+    )
 
     sample = _sample(tokens, hidden, num_aux)
     size = _nbytes(sample)
@@ -96,7 +101,7 @@ def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
         with (
             loopback_master(resolved),
             open_producer(
-                resolved, endpoints=Endpoints.loopback(resolved.recipe), start_cursor=None, auto_heartbeat=False
+                resolved, endpoints=loopback_endpoints(resolved), start_cursor=None, auto_heartbeat=False
             ) as owner,
         ):
             owner_times = []

@@ -46,7 +46,8 @@ from runtime.transport.endpoints import Endpoints  # noqa: E402
 from runtime.transport.loopback import free_port  # noqa: E402
 from runtime.transport.master import MasterProcess, MasterSettings  # noqa: E402
 from runtime.transport.sample_format import build_meta, byte_view, crc32_chunks, describe_field, encode_meta  # noqa: E402
-from runtime.transport.store import ClientSettings, StoreClient  # noqa: E402
+from runtime.transport.settings import ClientSettings  # noqa: E402
+from runtime.transport.store import StoreClient  # noqa: E402
 
 FIELDS = ("ids", "mask", "hs", "lhs")
 GB = 1e9
