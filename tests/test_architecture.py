@@ -446,7 +446,6 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
         "runtime/moe/__init__.py": "",
         "runtime/moe/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tests.x\n"
         "def g():\n    from runtime.capture.engine import X\n",
-        "runtime/recipe/__init__.py": "",
         "runtime/recipe/schema.py": "",
         "runtime/transport/__init__.py": "",
         "runtime/transport/window.py": "from runtime.recipe.schema import Recipe\n",

@@ -47,7 +47,6 @@ def run_master(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
     feature cache, how much of it trainer ranks asked for)."""
-    from runtime.recipe.capture_layout import capture_shares
     from runtime.shared.contracts import META_FIELD, cursor_key, sample_key, want_key
     from runtime.transport.liveness import stored_heartbeat
     from runtime.transport.records import Cursor

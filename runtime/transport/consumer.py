@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.recipe.capture_layout import capture_shares
 from runtime.shared.contracts import (
     META_FIELD,
     TENSOR_FIELDS,

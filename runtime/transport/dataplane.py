@@ -26,7 +26,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import ENV_TASK_RANK
 from runtime.transport.consumer import Consumer

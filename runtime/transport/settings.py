@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.recipe.checks import capture_shares, nodes_per_engine
+from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import segment_shares
 from runtime.transport.endpoints import Endpoints, MasterPorts
