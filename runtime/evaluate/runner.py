@@ -119,6 +119,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
         model.attach_frozen_vocab(embed, lm_head)
         drafts[source.label] = model
     stop_ids = {recipe.capture.special_tokens.eos_id, *settings.stop_token_ids}
+    _warm_up(target, drafts, next(iter(prompts.values()))[0], stop_ids)
     total_prompts = sum(len(p) for p in prompts.values())
     progress = Progress(total_prompts * len(settings.temperatures) * (1 + len(drafts)))
     passes = []
@@ -196,6 +197,22 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
         "teacher_forced": teacher,
         "seconds": round(time.monotonic() - started, 2),
     }
+
+
+WARM_UP_TOKENS = 8
+
+
+def _warm_up(target: TargetDecoder, drafts: dict[str, Any], prompt: Prompt, stop_ids: set[int]) -> None:
+    """One short untimed decode of each kind first: the first kernels of a process (CUDA context,
+    cuBLAS plans, allocator growth) must not land in the measured tokens/s of whichever pass runs first."""
+    generator = torch.Generator().manual_seed(0)
+    plain_generate(target, "warm-up", prompt.input_ids, max_new_tokens=WARM_UP_TOKENS, temperature=0.0,
+                   stop_ids=stop_ids, generator=generator)  # fmt: skip
+    for model in drafts.values():
+        for temperature in (0.0, 1.0):
+            speculative_generate(target, DraftProposer(model), "warm-up", prompt.input_ids,
+                                 max_new_tokens=WARM_UP_TOKENS, temperature=temperature, stop_ids=stop_ids,
+                                 generator=generator)  # fmt: skip
 
 
 def _speculative(
