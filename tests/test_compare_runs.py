@@ -169,3 +169,21 @@ def test_a_run_without_a_step_is_an_error_not_empty_plots(tmp_path: Path) -> Non
     )
     assert done.returncode == 2 and "has no metrics record" in done.stderr and "Traceback" not in done.stderr
     assert not (folder / "plots").exists(), "no plot drawn"
+
+
+def test_acceptance_length_is_shown_when_the_runs_were_evaluated(tmp_path: Path) -> None:
+    from tools.compare_runs import render_acceptance
+
+    a = load_run(make_run(tmp_path / "a", [1.0, 0.9, 0.8, 0.7], "s" * 64), "A")
+    b = load_run(make_run(tmp_path / "b", [1.0, 0.9, 0.8, 0.7], "s" * 64), "B")
+    assert render_acceptance([a, b]) == []  # neither evaluated: no section
+    for step, value in ((4, 1.5), (8, 2.25)):
+        folder = tmp_path / "a" / "eval" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        drafts = {f"step_{step:08d}": {"overall": {"mean_acceptance_length": value}}, "untrained": {}}
+        result = {"draft": {"label": f"step_{step:08d}", "step": step}, "sets": {"s": 3}, "passes": [
+            {"temperature": 0.0, "drafts": drafts}]}  # fmt: skip
+        (folder / "results.json").write_text(json.dumps(result))
+    (tmp_path / "a" / "eval" / "broken").mkdir()
+    (tmp_path / "a" / "eval" / "broken" / "results.json").write_text("{half")
+    assert render_acceptance([a, b])[1:] == ["  A: step_00000008: T=0 2.250 (3 prompts)", "  B: not evaluated"]

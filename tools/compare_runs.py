@@ -204,7 +204,44 @@ def render_table(a: Run, b: Run, rows: list[Deviation], top: int) -> str:
     if len(rows) > top:
         lines.append(f"  ... {len(rows) - top} more metrics (--top to show them)")
     lines += render_checkpoints([a, b])
+    lines += render_acceptance([a, b])
     return "\n".join(lines)
+
+
+def eval_results(folder: Path | None) -> dict[str, dict]:
+    """The run's eval results (``eval/<draft>/results.json``) by draft label; damaged files are skipped."""
+    found: dict[str, dict] = {}
+    for path in sorted((folder / "eval").glob("*/results.json")) if folder else []:
+        try:
+            found[path.parent.name] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return found
+
+
+def render_acceptance(runs: list[Run]) -> list[str]:
+    """Mean acceptance length of each run's newest evaluated checkpoint, per temperature, side by side
+    when every run has one (``python3 -m launcher eval``); nothing when no run was evaluated."""
+    newest = []
+    for run in runs:
+        results = [r for r in eval_results(run.folder).values() if r.get("draft", {}).get("step") is not None]
+        newest.append(max(results, key=lambda r: r["draft"]["step"]) if results else None)
+    if not any(newest):
+        return []
+    lines = ["acceptance length under speculative decoding (newest evaluated checkpoint, python3 -m launcher eval):"]
+    for run, result in zip(runs, newest, strict=True):
+        if result is None:
+            lines.append(f"  {run.label}: not evaluated")
+            continue
+        label = result["draft"]["label"]
+        cells = []
+        for entry in result["passes"]:
+            value = entry["drafts"].get(label, {}).get("overall", {}).get("mean_acceptance_length")
+            cells.append(
+                f"T={entry['temperature']:g} {value:.3f}" if value is not None else f"T={entry['temperature']:g} -"
+            )
+        lines.append(f"  {run.label}: {label}: {', '.join(cells)} ({sum(result['sets'].values())} prompts)")
+    return lines
 
 
 def render_checkpoints(runs: list[Run]) -> list[str]:
@@ -337,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
         else:
             print(f"run {args.run_a}: {len(run_a.steps)} steps")
-            print("\n".join(render_checkpoints(runs)))
+            print("\n".join(render_checkpoints(runs) + render_acceptance(runs)))
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
