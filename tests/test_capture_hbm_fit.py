@@ -130,3 +130,22 @@ def test_a_streaming_budget_above_the_hbm_budget_is_a_blocker() -> None:
         K3, ["capture.expert_streaming.gpu_budget_bytes=null", "capture.expert_streaming.resident_fraction=0.6"]
     ).recipe
     assert any("weight budget" in f.message for f in capture_hbm_fit(by_fraction).blockers)
+
+
+def test_the_eval_decode_estimate_is_copy_bound_and_names_the_batch_that_makes_it_reasonable() -> None:
+    from runtime.recipe.fit.eval_decode import PLANNING_ACCEPTANCE_LENGTH, estimate
+    from runtime.recipe.fit.expert_streaming import target_streaming_split
+
+    recipe = load_recipe(K3).recipe
+    split = target_streaming_split(recipe)
+    assert split is not None
+    one, many = (estimate(recipe, split, K3_TOP_K, K3_ROUTED_EXPERTS, b) for b in (1, 128))
+    # one request: its 8 tokens x top-16 touch about 13% of 896 experts per layer
+    assert one.step_seconds == pytest.approx(split.host_bytes * (1 - (1 - 1 / 896) ** 128) / 50e9)
+    # 128 requests touch every expert: the step costs one full pass of the streamed bytes, shared
+    assert many.step_seconds == pytest.approx(split.host_bytes / 50e9, rel=1e-6)
+    assert many.tokens_per_s == pytest.approx(128 * PLANNING_ACCEPTANCE_LENGTH / many.step_seconds)
+    assert many.tokens_per_s > 10 * one.tokens_per_s
+    rows = dict(capture_hbm_fit(recipe).rows)  # type: ignore[union-attr]
+    assert rows["eval batch for 1 h"].startswith("eval.batch_size >= 64")
+    assert "batch 128: 2.05 s/step, 250 tok/s, 0.3 h" in rows["eval decode (streamed)"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from runtime.recipe.fit.eval_decode import eval_decode_rows
 from runtime.recipe.fit.expert_routing import untouched_expert_fraction
 from runtime.recipe.fit.report import Finding, FitReport
 from runtime.recipe.fit.throughput import prefill_seconds
@@ -134,6 +135,7 @@ def add_streaming_fit(
         return
     report.numbers.update(_streaming_numbers(fit))
     report.rows += _streaming_rows(recipe, fit)
+    report.rows += eval_decode_rows(recipe, fit.split, top_k, num_experts)
     report.findings += _streaming_findings(recipe, fit)
 
 
