@@ -294,3 +294,15 @@ def test_a_draft_for_another_target_is_refused_with_every_difference(tmp_path: P
         "Fix: evaluate it with the recipe of the target it was trained for",
     ):
         assert part in message
+
+
+def test_eval_settings_do_not_change_the_training_runs_digest() -> None:
+    """A job folder verifies and resumes whatever eval settings it was resolved with, or without."""
+    from runtime.recipe.loader import recipe_digest
+
+    tiny = REPO_ROOT / "recipes" / "tiny.yaml"
+    base = load_recipe(tiny).recipe
+    assert base.eval is not None
+    same = [load_recipe(tiny, ["eval.max_new_tokens=7"]).recipe, base.model_copy(update={"eval": None})]
+    assert all(recipe_digest(r) == recipe_digest(base) for r in same)
+    assert recipe_digest(load_recipe(tiny, ["trainer.seed=8"]).recipe) != recipe_digest(base)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,19 +88,47 @@ def _load_tokenizer(target_path: Path) -> Any:
         return None
 
 
+def _prompts(inputs: EvalInputs, target_path: Path) -> dict[str, list[Prompt]]:
+    """The chosen eval sets' prompts, by set name."""
+    tokenizer = _load_tokenizer(target_path)
+    return {
+        s.name: load_prompts(s, i, inputs.resolved.resolve_path, tokenizer, inputs.resolved.recipe.capture.vocab_size)
+        for i, s in enumerate(inputs.eval.sets)
+        if inputs.set_names is None or s.name in inputs.set_names
+    }
+
+
+def _decode_sets(
+    prompts: dict[str, list[Prompt]],
+    decode: Callable[[Prompt, torch.Generator], Generation],
+    seed: int,
+    progress: Progress,
+    what: str,
+) -> dict[str, list[Generation]]:
+    """``decode`` over every prompt of every set, each set from a generator seeded with ``seed``."""
+    out: dict[str, list[Generation]] = {}
+    for name, rows in prompts.items():
+        generator = torch.Generator().manual_seed(seed)
+        out[name] = []
+        for prompt in rows:
+            out[name].append(decode(prompt, generator))
+            progress.step(f"{what}, set {name}")
+    return out
+
+
 def evaluate(inputs: EvalInputs) -> dict[str, Any]:
     """Run the evaluation; returns the results document."""
     started = time.monotonic()
     recipe = inputs.resolved.recipe
     settings = inputs.eval
     device = pick_device(settings.device)
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Decoding one sequence is a chain of small operations: more threads add synchronisation,
+        # and on a shared machine they wait for each other's cores.
+        torch.set_num_threads(1)
     dtype = getattr(torch, recipe.capture.compute_dtype)
     target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
-    sets = [(i, s) for i, s in enumerate(settings.sets) if inputs.set_names is None or s.name in inputs.set_names]
-    tokenizer = _load_tokenizer(target_path)
-    prompts = {
-        s.name: load_prompts(s, i, inputs.resolved.resolve_path, tokenizer, recipe.capture.vocab_size) for i, s in sets
-    }
+    prompts = _prompts(inputs, target_path)
     log.info("eval: loading the target from %s on %s (%s)", target_path, device, recipe.capture.compute_dtype)
     target = TargetDecoder(load_causal_lm(target_path, dtype, device), recipe.capture.aux_layer_ids)
     embed, lm_head = load_frozen_vocab(
@@ -125,35 +155,28 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
     passes = []
     greedy_answers: dict[str, list[Generation]] = {}
     for temperature in settings.temperatures:
-        plain: dict[str, list[Generation]] = {}
-        for name, rows in prompts.items():
-            generator = torch.Generator().manual_seed(settings.seed)
-            plain[name] = []
-            for prompt in rows:
-                plain[name].append(
-                    plain_generate(
-                        target,
-                        prompt.prompt_id,
-                        prompt.input_ids,
-                        max_new_tokens=settings.max_new_tokens,
-                        temperature=temperature,
-                        stop_ids=stop_ids,
-                        generator=generator,
-                    )
-                )
-                progress.step(f"target alone, T={temperature:g}, set {name}")
+        common = {"max_new_tokens": settings.max_new_tokens, "temperature": temperature, "stop_ids": stop_ids}
+        plain = _decode_sets(
+            prompts,
+            lambda p, g, common=common: plain_generate(target, p.prompt_id, p.input_ids, generator=g, **common),
+            settings.seed,
+            progress,
+            f"target alone, T={temperature:g}",
+        )
         if temperature == 0.0:
             greedy_answers = plain
         entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
         for label, model in drafts.items():
             proposer = DraftProposer(model)
-            generated: dict[str, list[Generation]] = {}
-            for name, rows in prompts.items():
-                generator = torch.Generator().manual_seed(settings.seed)
-                generated[name] = [
-                    _speculative(target, proposer, prompt, settings, temperature, stop_ids, generator, progress, label)
-                    for prompt in rows
-                ]
+            generated = _decode_sets(
+                prompts,
+                lambda p, g, proposer=proposer, common=common: speculative_generate(
+                    target, proposer, p.prompt_id, p.input_ids, generator=g, **common
+                ),
+                settings.seed,
+                progress,
+                f"draft {label}, T={temperature:g}",
+            )
             figures = _per_set(generated, lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
             if temperature == 0.0:
                 figures["greedy_agreement"] = greedy_agreement(
@@ -215,31 +238,6 @@ def _warm_up(target: TargetDecoder, drafts: dict[str, Any], prompt: Prompt, stop
                                  generator=generator)  # fmt: skip
 
 
-def _speculative(
-    target: TargetDecoder,
-    proposer: DraftProposer,
-    prompt: Prompt,
-    settings: EvalSection,
-    temperature: float,
-    stop_ids: set[int],
-    generator: torch.Generator,
-    progress: Progress,
-    label: str,
-) -> Generation:
-    generation = speculative_generate(
-        target,
-        proposer,
-        prompt.prompt_id,
-        prompt.input_ids,
-        max_new_tokens=settings.max_new_tokens,
-        temperature=temperature,
-        stop_ids=stop_ids,
-        generator=generator,
-    )
-    progress.step(f"draft {label}, T={temperature:g}")
-    return generation
-
-
 def _per_set(by_set: dict[str, list[Generation]], figures: Any) -> dict[str, Any]:
     """Figures per eval set and over all of them."""
     out = {"sets": {name: figures(generations) for name, generations in by_set.items()}}
@@ -276,14 +274,8 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
         raise RuntimeError(
             "the SGLang route serves an exported draft; --checkpoint untrained needs eval.route: embedded"
         )
-    sets = [(i, s) for i, s in enumerate(settings.sets) if inputs.set_names is None or s.name in inputs.set_names]
     target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
-    prompts = {
-        s.name: load_prompts(
-            s, i, inputs.resolved.resolve_path, _load_tokenizer(target_path), recipe.capture.vocab_size
-        )
-        for i, s in sets
-    }
+    prompts = _prompts(inputs, target_path)
     draft_path = source.path
     if source.kind == "checkpoint":
         model = build_draft(source, recipe, seed=settings.seed, device="cpu", dtype=torch.float32)

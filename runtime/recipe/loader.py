@@ -83,17 +83,15 @@ def resolve_recipe_path(value: str, repo_root: Path) -> Path:
     return path if path.is_absolute() else repo_root / path
 
 
-OPTIONAL_SECTIONS = ("eval",)
-"""Top-level sections added after resolved files were first written: left out of the digest while
-unset, so a job folder resolved before they existed still verifies (and resumes)."""
+NOT_IN_DIGEST = ("eval",)
+"""Top-level sections left out of the digest: how a finished draft is evaluated does not change the
+training run, so a job folder verifies and resumes whatever eval settings it was resolved with (or
+without, before the section existed)."""
 
 
 def recipe_digest(recipe: Recipe) -> str:
-    """SHA-256 of the canonical JSON form of ``recipe`` (unset optional sections left out)."""
-    document = recipe.model_dump(mode="json")
-    for name in OPTIONAL_SECTIONS:
-        if document.get(name) is None:
-            document.pop(name, None)
+    """SHA-256 of the canonical JSON form of ``recipe`` (the sections of :data:`NOT_IN_DIGEST` left out)."""
+    document = recipe.model_dump(mode="json", exclude=set(NOT_IN_DIGEST))
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

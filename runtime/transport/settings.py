@@ -186,7 +186,8 @@ class TransportSettings:
                 connect_timeout_s=tr.connect_timeout_s,
             ),
             master_template=MasterSettings(
-                host="",
+                # A placeholder that :meth:`master` replaces; loopback if it were ever used as is.
+                host="127.0.0.1",
                 rpc_port=tr.master_rpc_port,
                 metadata_http_port=tr.metadata_http_port,
                 metrics_port=tr.metrics_port,
