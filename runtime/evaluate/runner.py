@@ -257,6 +257,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
     from runtime.capture.engine_sglang import ServerProcess, SGLangEngine
     from runtime.evaluate.sglang_route import (
         EvalClient,
+        SGLangRouteError,
         outcome_figures,
         refuse_off_accelerator,
         refuse_simulated_acceptance,
@@ -271,7 +272,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
     refuse_off_accelerator("cpu" if sglang.device == "cpu" or not torch.cuda.is_available() else "cuda")
     refuse_simulated_acceptance(sglang.server_env)
     if source.kind == UNTRAINED:
-        raise RuntimeError(
+        raise SGLangRouteError(
             "the SGLang route serves an exported draft; --checkpoint untrained needs eval.route: embedded"
         )
     target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
