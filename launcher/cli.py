@@ -30,7 +30,7 @@ from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text
-from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, write_resolved
+from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -135,14 +135,25 @@ def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, pro
     )
 
 
-def _resume_overrides(job: str, runs_dir: Path) -> list[str]:
-    """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start)."""
-    record = jobs.find_record(job, runs_dir, runs_dir_hint="--set job.runs_dir=FOLDER")
+def _resume_overrides(job: str, loaded: LoadedRecipe) -> list[str]:
+    """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start).
+    Refused before anything is submitted when the job was trained with another draft, target or data."""
+    record = jobs.find_record(job, _runs_dir(loaded), runs_dir_hint="--set job.runs_dir=FOLDER")
     checkpoint = jobs.newest_checkpoint(record)
     if checkpoint is None:
         raise LaunchError(
             f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to resume from; "
             "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
+        )
+    previous = load_resolved(Path(record.job_dir) / RESOLVED_FILENAME).recipe
+    differences = jobs.resume_mismatches(previous, loaded.recipe)
+    if differences:
+        raise LaunchError(
+            f"cannot resume job {record.job_id} ({_display_path(Path(record.job_dir))}, made from "
+            f"{record.recipe_source}) with {loaded.source}: {'; '.join(differences[:6])}"
+            f"{'; ...' if len(differences) > 6 else ''}. Fix: resume with the recipe (and --set) the job was made "
+            "from, or start afresh (warm-start the weights with --set trainer.checkpoint.init_from=CHECKPOINT "
+            "when only the data differs)"
         )
     print(f"resuming from {_display_path(checkpoint)} (job {record.job_id})")
     return [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
@@ -152,7 +163,7 @@ def submit(args: argparse.Namespace) -> int:
     """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
     loaded = load(args.recipe, args.overrides, args.smoke)
     if args.resume:
-        loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, _runs_dir(loaded)), args.smoke)
+        loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, loaded), args.smoke)
     if args.plan:
         print(make_plan(loaded.recipe).render())
         return 0

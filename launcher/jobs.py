@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from runtime.files import atomic_write_text
-from runtime.recipe import LoadedRecipe
+from runtime.recipe import LoadedRecipe, Recipe
 
 JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
@@ -159,3 +159,35 @@ def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:
 def write_local_status(job_dir: Path, status: dict[str, dict[str, object]]) -> None:
     """Atomically record the ``--local`` component states."""
     atomic_write_text(job_dir / LOCAL_STATUS_FILENAME, json.dumps(status, indent=2, sort_keys=True) + "\n")
+
+
+RESUME_MUST_AGREE: tuple[str, ...] = (
+    "capture.target_path",
+    "capture.target_revision",
+    "capture.vocab_size",
+    "capture.hidden_size",
+    "capture.aux_layer_ids",
+    "data.train_path",
+    "data.expected_sha256",
+    "trainer.prompt_seed",
+)
+"""Recipe fields a full resume keeps (with every ``trainer.draft`` field): the draft's shape, the
+target it reads, and the data order."""
+
+
+def resume_mismatches(previous: Recipe, current: Recipe) -> list[str]:
+    """``field: was X, now Y`` for every field of :data:`RESUME_MUST_AGREE` and ``trainer.draft``
+    that differs between the job being resumed and the recipe resuming it."""
+
+    def flat(recipe: Recipe) -> dict[str, object]:
+        dump = recipe.model_dump(mode="json")
+        values: dict[str, object] = {f"trainer.draft.{k}": v for k, v in dump["trainer"]["draft"].items()}
+        for dotted in RESUME_MUST_AGREE:
+            node: object = dump
+            for part in dotted.split("."):
+                node = node[part]  # type: ignore[index]
+            values[dotted] = node
+        return values
+
+    before, after = flat(previous), flat(current)
+    return [f"{name}: was {before[name]!r}, now {after[name]!r}" for name in before if before[name] != after[name]]

@@ -104,3 +104,43 @@ def test_credentials_in_job_env_are_refused_and_never_echoed(name: str, tmp_path
 def test_ordinary_environment_names_still_pass() -> None:
     recipe = load_recipe(TINY, overrides=["job.env.OMP_NUM_THREADS=2", "job.env.NCCL_DEBUG=WARN"]).recipe
     assert recipe.job.env["OMP_NUM_THREADS"] == "2"
+
+
+def test_resume_under_another_draft_target_or_data_is_refused_before_submission(tmp_path: Path) -> None:
+    from launcher.jobs import JobRecord, write_record
+
+    runs = tmp_path / "runs"
+    job_dir = runs / "tiny" / "old"
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "resolve", "tiny", "--job-dir", str(job_dir), "--set", f"job.runs_dir={runs}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (job_dir / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (job_dir / "checkpoints" / "step_00000008" / "trainer_state.json").write_text("{}")
+    write_record(
+        JobRecord(job_id="old-job", mode="local", name="tiny", job_dir=str(job_dir), recipe_source="recipes/tiny.yaml",
+                  recipe_digest="0" * 64, smoke=False, probe=False, components={"capture": 1, "trainer": 4}),
+        runs,
+    )  # fmt: skip
+
+    def resume(*sets: str) -> subprocess.CompletedProcess[str]:
+        args = ["tiny", "--plan", "--resume", "old-job", "--set", f"job.runs_dir={runs}"]
+        for item in sets:
+            args += ["--set", item]
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+
+    assert resume().returncode == 0  # the same recipe resumes
+    refused = resume("trainer.draft.num_layers=2", "capture.target_revision=other", "data.expected_sha256=manifest")
+    assert refused.returncode == 2
+    for part in (
+        "cannot resume job old-job",
+        "trainer.draft.num_layers: was 1, now 2",
+        "capture.target_revision: was 'tiny-v1', now 'other'",
+        "data.expected_sha256: was '8da9",
+        "Fix: resume with the recipe (and --set) the job was made from",
+    ):
+        assert part in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
