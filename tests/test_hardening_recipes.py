@@ -144,3 +144,19 @@ def test_resume_under_another_draft_target_or_data_is_refused_before_submission(
     ):
         assert part in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_set_on_the_smoke_overlay_is_checked_like_the_file_and_named_as_the_set() -> None:
+    typo = problems_of("smoke.trainer.epoks=1")
+    assert "smoke.trainer.epoks (from --set smoke.trainer.epoks=1): unknown key 'epoks'" in typo
+    assert "rename it to 'epochs'" in typo
+    out_of_range = problems_of("smoke.trainer.epochs=0")
+    assert "smoke.trainer.epochs (from --set smoke.trainer.epochs=0)" in out_of_range
+    assert "use a value >= 1" in out_of_range
+    # applied to the overlay, so --smoke runs with it
+    smoke = load_recipe(TINY, ["smoke.trainer.max_steps=2"], smoke=True).recipe
+    assert smoke.trainer.max_steps == 2
+
+
+def test_a_range_error_names_the_allowed_range() -> None:
+    assert "use a value > 0.0" in problems_of("trainer.optimizer.lr=-1")

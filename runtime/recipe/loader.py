@@ -126,6 +126,16 @@ def load_recipe(
     path = Path(path)
     name = display_name or str(path)
     raw = _read_yaml(path, name)
+    # ``--set smoke.KEY=VALUE`` edits the overlay itself: applied first, so it is validated (and merged
+    # under --smoke) exactly like the file's overlay; every other --set wins over the overlay.
+    smoke_origins: dict[str, str] = {}
+    for item in [i for i in overrides if i.split("=", 1)[0].strip().startswith("smoke.")]:
+        if not isinstance(raw.get("smoke"), dict):
+            raw["smoke"] = {}
+        key = apply_override(raw, item, name)
+        smoke_origins[key.removeprefix("smoke.")] = f"--set {redact_override(item)}"
+    origins: dict[str, str] = dict(smoke_origins) if smoke else {}
+    overrides_after_overlay = [i for i in overrides if not i.split("=", 1)[0].strip().startswith("smoke.")]
     smoke_overlay = raw.get("smoke") or {}
     if not isinstance(smoke_overlay, dict):
         raise RecipeError(name, [Problem("smoke", "must be a mapping (an overlay of recipe keys)", "", name)])
@@ -143,8 +153,7 @@ def load_recipe(
         document = deep_merge(raw, smoke_overlay)
     else:
         document = copy.deepcopy(raw)
-    origins: dict[str, str] = {}
-    for item in overrides:
+    for item in overrides_after_overlay:
         key = apply_override(document, item, name)
         origins[key] = f"--set {redact_override(item)}"
 
@@ -161,7 +170,7 @@ def load_recipe(
     if not smoke and smoke_overlay:
         # A typo in the smoke overlay should fail now, not minutes before a gate on the cluster.
         smoke_doc = deep_merge(raw, smoke_overlay)
-        smoke_recipe = _validate(smoke_doc, name, {}, smoke_overlay, prefix="smoke.")
+        smoke_recipe = _validate(smoke_doc, name, smoke_origins, smoke_overlay, prefix="smoke.")
         problems += [
             Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}") for p in check_recipe(smoke_recipe)
         ]
@@ -353,7 +362,12 @@ def _validate(
     except ValidationError as exc:
         problems = [_problem_from_error(err, document) for err in exc.errors()]
         if prefix:
-            problems = [Problem(prefix + p.path, p.message, p.fix, f"smoke overlay in {file}") for p in problems]
+            problems = [
+                Problem(prefix + p.path, p.message, p.fix, _with_source(p, file, origins, {}).source)
+                if _with_source(p, file, origins, {}).source != file
+                else Problem(prefix + p.path, p.message, p.fix, f"smoke overlay in {file}")
+                for p in problems
+            ]
         else:
             problems = [_with_source(p, file, origins, smoke_overlay) for p in problems]
         raise RecipeError(file, problems) from None
@@ -463,6 +477,10 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
     info = parent.model_fields.get(str(loc[-1])) if parent and loc else None
     expected = _describe_type(info.annotation) if info else ""
     fix = f"write {expected}" if expected else "correct the value"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:  # a range error: the fix is the allowed range, not the type
+        limit = next(iter((err.get("ctx") or {}).values()), None)
+        fix = f"use a value {bounds[kind]} {limit}" + (f" ({expected})" if expected else "")
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
