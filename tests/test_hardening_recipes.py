@@ -160,3 +160,13 @@ def test_set_on_the_smoke_overlay_is_checked_like_the_file_and_named_as_the_set(
 
 def test_a_range_error_names_the_allowed_range() -> None:
     assert "use a value > 0.0" in problems_of("trainer.optimizer.lr=-1")
+
+
+def test_a_closed_pipe_ends_the_launcher_quietly() -> None:
+    """``--dry-run | head -1``: the reader leaves early; no traceback, the shell's SIGPIPE status.
+    (``true`` leaves at once, before the launcher has written anything: the case is certain.)"""
+    done = subprocess.run(
+        f"{sys.executable} -m launcher tiny --dry-run | true; exit ${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.stderr == "" and done.returncode == 141
