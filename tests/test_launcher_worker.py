@@ -8,11 +8,14 @@ real local cluster tests run the same worker under real Slurm."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,7 +50,22 @@ def _job(tmp_path: Path, *sets: str) -> Path:
     return job_dir
 
 
-def _worker(component: str, job_dir: Path, fake: FakeSlurm) -> subprocess.Popen[str]:
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[str]]]:
+    """The workers a test starts; any still running at its end (a failed assertion) are killed with
+    their process groups, so no component outlives the test."""
+    workers: list[subprocess.Popen[str]] = []
+    yield workers
+    for worker in workers:
+        if worker.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
+
+
+def _worker(
+    component: str, job_dir: Path, fake: FakeSlurm, started: list[subprocess.Popen[str]]
+) -> subprocess.Popen[str]:
     env = {
         **fake.environ(),
         "SLURM_JOB_ID": JOB_ID,
@@ -60,7 +78,11 @@ def _worker(component: str, job_dir: Path, fake: FakeSlurm) -> subprocess.Popen[
         "SLURM_NTASKS": "1",
     }
     command = [sys.executable, "-m", "launcher.worker", "--component", component, "--job-dir", str(job_dir), "--probe"]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    started.append(worker)
+    return worker
 
 
 def _result(job_dir: Path, component: str) -> tuple[str, object]:
@@ -75,9 +97,9 @@ def fake(tmp_path: Path) -> FakeSlurm:
     return FakeSlurm(tmp_path / "fake-slurm")
 
 
-def test_both_components_run_and_leave_result_files(tmp_path: Path, fake: FakeSlurm) -> None:
+def test_both_components_run_and_leave_result_files(tmp_path: Path, fake: FakeSlurm, started: list) -> None:
     job_dir = _job(tmp_path)
-    workers = {name: _worker(name, job_dir, fake) for name in ("capture", "trainer")}
+    workers = {name: _worker(name, job_dir, fake, started) for name in ("capture", "trainer")}
     outputs = {name: w.communicate(timeout=240)[0] for name, w in workers.items()}
     assert all(w.returncode == 0 for w in workers.values()), outputs
     for name in ("capture", "trainer"):
@@ -87,18 +109,22 @@ def test_both_components_run_and_leave_result_files(tmp_path: Path, fake: FakeSl
     assert (job_dir / "probe" / "trainer_0.json").exists() and (job_dir / "probe" / "capture_0.json").exists()
 
 
-def test_a_failed_component_leaves_an_error_result_with_its_trace(tmp_path: Path, fake: FakeSlurm) -> None:
+def test_a_failed_component_leaves_an_error_result_with_its_trace(
+    tmp_path: Path, fake: FakeSlurm, started: list
+) -> None:
     job_dir = _job(tmp_path, "job.env.DSPARK_PROBE_FAIL=capture")
-    workers = {name: _worker(name, job_dir, fake) for name in ("capture", "trainer")}
+    workers = {name: _worker(name, job_dir, fake, started) for name in ("capture", "trainer")}
     outputs = {name: w.communicate(timeout=240)[0] for name, w in workers.items()}
     assert workers["capture"].returncode == 1 and workers["trainer"].returncode == 0, outputs
     status, trace = _result(job_dir, "capture")
     assert status == "error" and "capture task 0 exited with code 3" in str(trace)
 
 
-def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(tmp_path: Path, fake: FakeSlurm) -> None:
+def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(
+    tmp_path: Path, fake: FakeSlurm, started: list
+) -> None:
     job_dir = _job(tmp_path, "job.env.DSPARK_PROBE_HOLD_S=120")
-    workers = {name: _worker(name, job_dir, fake) for name in ("capture", "trainer")}
+    workers = {name: _worker(name, job_dir, fake, started) for name in ("capture", "trainer")}
     deadline = time.monotonic() + 120
     while not (job_dir / "probe" / "trainer_0.json").exists():  # the probe recorded, then holds
         assert time.monotonic() < deadline and workers["trainer"].poll() is None
