@@ -101,6 +101,8 @@ class Consumer:
         self.rank = rank
         self.world_size = world_size
         self.store_id = settings.store_id
+        self.global_batch_size = settings.global_batch_size
+        """G, as every sample source exposes it (the feature cache's source reads it)."""
         self._consumed: set[int] = set()
         self._asked: set[int] = set()
         """g this rank asked the producer for (``want`` keys it put and has not removed yet)."""
