@@ -12,6 +12,7 @@ must fail, so a pass means the rule, not a blunt test.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -85,6 +86,16 @@ def _sample(n: int, seed: int) -> dict[tuple[int, ...], int]:
         key = tuple(out)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Thousands of decodes of a toy model are chains of tiny operations: with two torch threads on a
+    busy 2-core machine they wait on each other (this test took 421 s in CI that way)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_speculative_sampling_commits_the_targets_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
