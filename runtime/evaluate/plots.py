@@ -57,11 +57,7 @@ def _slots(plt: Any, results: dict[str, Any], target: Path) -> Path:
     axis.set_xlabel("slot")
     axis.set_ylabel("accept rate (given the earlier slots accepted)")
     axis.set_ylim(0, 1)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
-    return target
+    return _save(plt, figure, axis, target)
 
 
 def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None:
@@ -70,11 +66,15 @@ def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None
     drew = False
     for entry in results["passes"]:
         figures = entry["drafts"].get(label, {}).get("overall", {})
-        points = [(s["mean_confidence"], s["accept_rate"]) for s in figures.get("slots", [])]
-        points = [(p, o) for p, o in points if p is not None and o is not None]
+        points = [(s["mean_confidence"], s["accept_rate"], s["slot"]) for s in figures.get("slots", [])]
+        points = [(p, o, k) for p, o, k in points if p is not None and o is not None]
         if points:
             drew = True
-            axis.plot(*zip(*points, strict=True), marker="o", label=f"per slot, T={entry['temperature']:g}")
+            xs, ys, _ = zip(*points, strict=True)
+            # Points, not a line: neighbouring slots are not neighbours in calibration.
+            axis.plot(xs, ys, marker="o", linestyle="none", label=f"per slot, T={entry['temperature']:g}")
+            for x, y, k in points:
+                axis.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if not drew:
         plt.close(figure)
         return None
@@ -83,11 +83,7 @@ def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None
     axis.set_ylabel("observed acceptance")
     axis.set_xlim(0, 1)
     axis.set_ylim(0, 1)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
-    return target
+    return _save(plt, figure, axis, target)
 
 
 def _over_steps(plt: Any, documents: list[dict[str, Any]], target: Path) -> Path:
@@ -113,6 +109,11 @@ def _over_steps(plt: Any, documents: list[dict[str, Any]], target: Path) -> Path
         axis.axhline(value, linestyle="--", linewidth=1, label=f"untrained, T={temperature:g}")
     axis.set_xlabel("training step")
     axis.set_ylabel("mean acceptance length")
+    return _save(plt, figure, axis, target)
+
+
+def _save(plt: Any, figure: Any, axis: Any, target: Path) -> Path:
+    """Legend, layout, PNG at ``target``, figure closed."""
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(target, dpi=100)
