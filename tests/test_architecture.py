@@ -1,4 +1,4 @@
-"""The house rules of the layout (DESIGN section 2), checked on the import graph.
+"""The house rules of the layout, checked on the import graph.
 
 Every Python file of launcher/, runtime/, tools/ (scripts without a suffix too) and tests/ is parsed
 with ``ast``; every import counts, at module level or inside a function (a lazy import still runs on
@@ -403,7 +403,7 @@ def test_only_the_transport_settings_read_the_recipe() -> None:
 
 def test_no_forbidden_arrows() -> None:
     problems = arrow_violations(build_graph())
-    assert not problems, "imports against the layout (DESIGN section 2):\n" + "\n".join(problems)
+    assert not problems, "imports against the layout:\n" + "\n".join(problems)
 
 
 def test_the_planning_walk_runs_down_once() -> None:

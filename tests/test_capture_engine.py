@@ -1,4 +1,4 @@
-"""The embedded engine's features against an independent transformers forward (DESIGN section 4)."""
+"""The embedded engine's features against an independent transformers forward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prompt order (DESIGN section 3): a permutation per epoch from prompt_seed + epoch, nothing else."""
+"""Prompt order: a permutation per epoch from prompt_seed + epoch, nothing else."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_each_epoch_is_a_permutation_drawn_from_prompt_seed_plus_epoch() -> None
     for epoch in range(3):
         block = rows[epoch * 37 : (epoch + 1) * 37]
         assert sorted(block) == list(range(37)), "an epoch must visit every row exactly once"
-        # The DESIGN's definition, restated independently.
+        # The contract's definition, restated independently.
         expected = np.random.Generator(np.random.PCG64(11 + epoch)).permutation(37).tolist()
         assert block == expected
     assert rows[:37] != rows[37:74], "consecutive epochs must use different orders"

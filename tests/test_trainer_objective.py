@@ -1,4 +1,4 @@
-"""DSpark draft + loss against a deliberately simple reference written here from DESIGN section 5,
+"""DSpark draft + loss against a deliberately simple reference written here from the DSpark objective,
 plus direct checks of anchors, slot/label alignment, eval masks, weights and the attention mask."""
 
 from __future__ import annotations

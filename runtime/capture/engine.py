@@ -1,4 +1,4 @@
-"""The one small interface every capture engine implements (DESIGN section 2).
+"""The one small interface every capture engine implements.
 
 An engine turns a batch of capture requests into committed samples in the store and returns
 references to them. The embedded engine commits through the producer API itself; the SGLang
@@ -16,7 +16,7 @@ class CaptureRequest:
     """One sample to capture: which g, from which data row, with which tokens."""
 
     g: int
-    """Global sample index (DESIGN section 3)."""
+    """Global sample index."""
     epoch: int
     """Prompt epoch of this g."""
     row_index: int

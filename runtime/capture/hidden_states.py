@@ -1,4 +1,4 @@
-"""Run a Hugging Face decoder on a padded batch and pull out what DSpark needs (DESIGN section 4).
+"""Run a Hugging Face decoder on a padded batch and pull out what DSpark needs.
 
 - ``hs``: the outputs of the decoder layers in ``aux_layer_ids``, concatenated in that order. Layer
   id ``i`` is the output of decoder layer ``i`` (HF ``hidden_states[i + 1]``): the full residual
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 CONTRACT_FEATURE_DTYPE = torch.bfloat16
-"""Stored dtype of ``hs`` and ``lhs`` (DESIGN section 4)."""
+"""Stored dtype of ``hs`` and ``lhs``."""
 
 
 @dataclass

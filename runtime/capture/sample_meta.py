@@ -32,7 +32,7 @@ class CaptureIdentity:
 
 
 def sample_tensors(request: CaptureRequest, features: SampleFeatures) -> dict[str, torch.Tensor]:
-    """The four contract fields (DESIGN section 4) of one sample, ``hs`` / ``lhs`` in bf16."""
+    """The four contract fields of one sample, ``hs`` / ``lhs`` in bf16."""
     num_tokens = len(request.input_ids)
     if features.num_tokens != num_tokens:
         raise ValueError(

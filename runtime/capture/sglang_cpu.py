@@ -3,7 +3,7 @@
 ``tools/bootstrap_sglang`` builds the capture venv; :func:`cpu_server_overrides` are the recipe
 settings (``--set`` items) that turn ``recipes/tiny.yaml`` into ``capture.engine: sglang`` served on
 the CPU by that venv. The flags are the ones measured to start SGLang 0.5.23 without a GPU
-(``../shared/MEASURED.md``): CPU device, torch-native attention, no CUDA graphs, no warmup, and the
+(found by starting it on a 2-core CPU machine): CPU device, torch-native attention, no CUDA graphs, no warmup, and the
 stub ``libcuda.so.1`` on the server's library path only.
 """
 

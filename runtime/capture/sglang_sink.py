@@ -17,7 +17,7 @@ here, so it can be tested without SGLang:
    synchronously and committed before the receipt is returned (``committed``);
 4. a receipt (keys, shapes, dtypes, bytes, timings, or the error) goes back in the response.
 
-Residual stream (DESIGN section 4): SGLang 0.5.23's DSPARK capture hook already hands over the
+Residual stream: SGLang 0.5.23's DSPARK capture hook already hands over the
 full stream at each layer boundary -- on the standard path the residual output of the fused
 add-RMSNorm, i.e. hidden + residual, and on K3's attention-residual path the aggregated stream the
 next layer reads -- and the logits processor keeps the post-final-norm states as
@@ -43,7 +43,7 @@ from runtime.transport.sample_format import sample_keys
 log = logging.getLogger("dspark.capture.sglang_sink")
 
 FEATURE_DTYPE = torch.bfloat16
-"""DESIGN section 4: ``hs`` and ``lhs`` are bf16."""
+"""The sample contract: ``hs`` and ``lhs`` are bf16."""
 SERVED_DTYPES = (torch.bfloat16, torch.float32)
 """Dtypes the server may compute in: bf16 (production) or float32 (exact CPU tests of a tiny
 target, like the embedded engine's ``compute_dtype: float32``), rounded to bf16 when staged --
@@ -271,7 +271,7 @@ class CaptureSink:
             if rows.dtype not in SERVED_DTYPES:
                 raise CaptureSinkError(
                     f"sample g={g}: {name} hidden states are {rows.dtype}, the capture contract stores "
-                    f"{FEATURE_DTYPE} (DESIGN section 4); serve the target in bfloat16 (--dtype bfloat16)"
+                    f"{FEATURE_DTYPE}; serve the target in bfloat16 (--dtype bfloat16)"
                 )
 
     def capture(

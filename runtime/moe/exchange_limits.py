@@ -2,7 +2,7 @@
 
 Those kernels are compiled for a fixed list of hidden sizes and a maximum top-k; a shape outside
 them fails deep inside a CUDA extension (or worse). Kimi K3 dispatches at the latent expert width
-3,584 with top-16, which stock builds lack (shared/K3_V1C.md), so the check runs before the first
+3,584 with top-16, which stock builds lack, so the check runs before the first
 layer and names the shapes, the build's limits and the fix.
 
 The limits are compile-time constants that the packages do not export, so the check uses the

@@ -356,7 +356,7 @@ class CaptureSection(Section):
 
 
 class TransportSection(Section):
-    """Mooncake store, master and the producer window (DESIGN section 3)."""
+    """Mooncake store, master and the producer window."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     """Mooncake transfer protocol."""
@@ -522,7 +522,7 @@ class ScheduleConfig(Section):
 
 
 class LossConfig(Section):
-    """DSpark loss (DESIGN section 5)."""
+    """DSpark loss."""
 
     ce_weight: float = Field(0.1, ge=0)
     """Weight of the cross-entropy term."""
@@ -539,7 +539,7 @@ class LossConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Checkpoints (DESIGN section 6)."""
+    """Checkpoints."""
 
     every_steps: int = Field(8, ge=1)
     """Save every this many optimizer steps (and at the end)."""
@@ -557,7 +557,7 @@ class CheckpointConfig(Section):
 
 class FeatureCacheConfig(Section):
     """Capture once, train many epochs: the trainer node keeps every sample it reads in the first
-    epoch on its local disk, and later epochs read them from there (DESIGN section 9).
+    epoch on its local disk, and later epochs read them from there.
 
     The producer then captures epoch 0 only, plus any later sample a trainer rank asks for (its
     cache entry is missing or corrupt: a requeue onto another node, a wiped disk). The entries are
@@ -593,7 +593,7 @@ class TrainerSection(Section):
     seed: int = 0
     """Seed of model init, anchors and every other trainer RNG."""
     prompt_seed: int | None = None
-    """Seed of the prompt order alone (DESIGN section 3); null uses ``seed``."""
+    """Seed of the prompt order alone; null uses ``seed``."""
     micro_batch_size: int = Field(1, ge=1)
     """Samples per rank per micro-step."""
     gradient_accumulation_steps: int = Field(1, ge=1)

@@ -1,4 +1,4 @@
-"""Byte arithmetic of the capture contract (DESIGN section 4), exact in Python integers.
+"""Byte arithmetic of the capture contract, exact in Python integers.
 
 Python ints never overflow, so these are the reference that int64 code elsewhere is checked
 against: for K3, ``T * n_aux * H = 65,536 * 5 * 7,168`` is above 2**31.

@@ -1,7 +1,7 @@
 """Every contract between processes, in one module (torch-free; importable from the login node).
 
 - Environment: the names of the variables the launcher hands a component (:data:`ENV_JOB_DIR`, ...).
-- Data plane (DESIGN sections 3 and 4): store keys, the sample fields and their dtypes and shapes with
+- Data plane: store keys, the sample fields and their dtypes and shapes with
   the one check every side uses (:func:`sample_problems`), the map from (step, micro-step, rank) to the
   global sample index ``g`` (:func:`step_sample_indices`), and the producer/consumer protocols.
 - Smoke gate: the typed records ``capture_gate.json`` and ``trainer_gate.json`` that the capture and
@@ -159,7 +159,7 @@ def step_sample_indices(
 
 @dataclass
 class CapturedSample:
-    """One sample as the trainer receives it (DESIGN section 4)."""
+    """One sample as the trainer receives it."""
 
     g: int
     ids: torch.Tensor
@@ -207,7 +207,7 @@ class SampleConsumer(Protocol):
 
 
 # ----------------------------------------------------------------------------------------------
-# the sample contract (DESIGN section 4): one definition, one check
+# the sample contract: one definition, one check
 # ----------------------------------------------------------------------------------------------
 
 CONTRACT_DTYPES: dict[str, str] = {
@@ -216,7 +216,7 @@ CONTRACT_DTYPES: dict[str, str] = {
     "hs": "bfloat16",
     "lhs": "bfloat16",
 }
-"""Dtype of every tensor field by its torch name (``getattr(torch, name)``), DESIGN section 4."""
+"""Dtype of every tensor field by its torch name (``getattr(torch, name)``)."""
 REQUIRED_META_KEYS: tuple[str, ...] = (
     "g",
     "epoch",

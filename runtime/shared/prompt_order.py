@@ -1,4 +1,4 @@
-"""The prompt order (DESIGN section 3): which data row global sample ``g`` is.
+"""The prompt order: which data row global sample ``g`` is.
 
 Epoch ``e`` visits the rows in the order of a permutation drawn from its own generator,
 ``numpy.random.Generator(PCG64(prompt_seed + e)).permutation(N)``, and ``g = e * N + position``.

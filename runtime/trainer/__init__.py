@@ -1,4 +1,4 @@
-"""The DSpark trainer (DESIGN sections 5-7): draft model and loss, FSDP2, LR schedules, checkpoints,
+"""The DSpark trainer: draft model and loss, FSDP2, LR schedules, checkpoints,
 metrics. Entry point: ``python3 -m runtime.trainer --recipe RESOLVED``.
 
 Modules, one job each:

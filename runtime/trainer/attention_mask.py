@@ -1,4 +1,4 @@
-"""The DSpark attention mask (DESIGN section 5).
+"""The DSpark attention mask.
 
 Keys are laid out as ``[context (ctx_len) ; draft slots (N * S)]``. A query in block ``i`` sees
 

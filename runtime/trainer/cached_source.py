@@ -1,8 +1,8 @@
 """The trainer's sample source with ``trainer.feature_cache``: epoch 0 from the store, later epochs
 from the node-local cache, and the producer asked for whatever the cache lacks.
 
-The protocol with the producer is reconciliation, like the rest of the data plane (DESIGN
-section 3): the producer captures every g of epoch 0, and a g of a later epoch only while a
+The protocol with the producer is reconciliation, like the rest of the data plane
+(runtime/transport/README.md): the producer captures every g of epoch 0, and a g of a later epoch only while a
 ``want`` key for it exists. Each rank, whenever the cursor moves (start, resume, every committed
 step), looks ``trainer.feature_cache.lookahead_steps`` steps ahead at the g it will read, and asks
 for those whose row has no cache entry; a cache entry that fails verification when read is removed

@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN section 6).
+"""Checkpoints.
 
 Layout of ``checkpoint_dir``::
 

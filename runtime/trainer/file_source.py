@@ -1,7 +1,7 @@
 """A file-backed sample source with the data plane's consumer interface (tests and tools only).
 
 Layout: one ``{g:012d}.safetensors`` file per sample in a folder, holding the tensor fields of
-DESIGN section 4 (``ids``, ``mask``, ``hs``, ``lhs``) and the JSON ``meta`` in the file's metadata.
+the sample contract in runtime/shared/contracts.py (``ids``, ``mask``, ``hs``, ``lhs``) and the JSON ``meta`` in the file's metadata.
 The cursor is a ``cursor`` text file in the same folder. It implements
 :class:`runtime.shared.contracts.SampleConsumer`, so the trainer cannot tell it from Mooncake;
 files are never deleted, so the same folder serves several runs.

@@ -1,4 +1,4 @@
-"""The finite-update guard (DESIGN section 7).
+"""The finite-update guard.
 
 Before each optimizer update every rank reports whether its loss terms are finite; the gradient
 norm is global. A non-finite term or norm:

@@ -1,4 +1,4 @@
-"""Block layout of one sample (DESIGN section 5): anchors, slots, labels, eval mask and weights.
+"""Block layout of one sample: anchors, slots, labels, eval mask and weights.
 
 Conventions, all index math in int64 (a 64K K3 sample times any feature width passes 2**31):
 

@@ -1,4 +1,4 @@
-"""The DSpark draft (DESIGN section 5): Qwen3-style decoder layers over dual-source keys/values.
+"""The DSpark draft: Qwen3-style decoder layers over dual-source keys/values.
 
 - Context: ``H_ctx = hidden_norm(fc(concat(aux layers)))``, ``fc`` without bias.
 - Queries are the block slots (anchor token, then mask tokens) embedded with the frozen target

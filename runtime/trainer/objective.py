@@ -1,4 +1,4 @@
-"""The DSpark loss of one sample and its metric sums (DESIGN section 5).
+"""The DSpark loss of one sample and its metric sums.
 
 Per supervised slot (``eval_mask``), with weight ``w = exp(-k / gamma)``:
 

@@ -1,6 +1,6 @@
 """Synthetic inputs for trainer tests and benchmarks: a small target checkpoint holding the frozen
 embedding and lm_head (sharded, with an index), and random samples that follow the capture
-contract (DESIGN section 4) with awkward loss masks (short assistant spans, spans at the very end).
+contract with awkward loss masks (short assistant spans, spans at the very end).
 """
 
 from __future__ import annotations

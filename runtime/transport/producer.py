@@ -434,7 +434,7 @@ class Producer:
         if dtype_name(tensor.dtype) != expected:
             raise ValueError(
                 f"sample g={g}: field {name} has dtype {tensor.dtype}, the capture contract says {expected} "
-                "(DESIGN section 4); convert it before commit"
+                "(runtime/shared/contracts.py); convert it before commit"
             )
         if tensor.device.type == "cpu":
             return tensor.contiguous()

@@ -1,4 +1,4 @@
-"""The producer window (DESIGN section 3) as pure state: which g to capture next, and when to pause.
+"""The producer window as pure state: which g to capture next, and when to pause.
 
 The producer keeps every g in ``[cursor, cursor + high_watermark_samples)`` present, capturing the
 missing ones in order. It pauses when resident samples reach the high watermark or resident bytes
