@@ -170,3 +170,17 @@ def test_a_closed_pipe_ends_the_launcher_quietly() -> None:
         shell=True, executable="/bin/bash", cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.stderr == "" and done.returncode == 141
+
+
+def test_cuda_without_gpus_and_more_ranks_than_gpus_are_refused_at_load_time() -> None:
+    message = problems_of("trainer.device=cuda")
+    assert "trainer.device (from --set trainer.device=cuda): is cuda, but job.trainer.gpus_per_node is 0" in message
+    assert "or trainer.device: cpu" in message
+    assert "capture.device (from --set capture.device=cuda): is cuda" in problems_of("capture.device=cuda")
+    k3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+    crowded = problems_of("job.trainer.tasks_per_node=8", "trainer.gradient_accumulation_steps=16", path=k3)
+    assert (
+        "job.trainer.tasks_per_node (from --set job.trainer.tasks_per_node=8): is 8, but job.trainer.gpus_per_node is 4"
+        in crowded
+    )
+    assert "job.trainer.gpus_per_node: 8" in crowded

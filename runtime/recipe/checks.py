@@ -28,6 +28,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_ports(recipe)
     problems += _check_capture(recipe)
     problems += _check_trainer(recipe)
+    problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
@@ -372,6 +373,38 @@ def _check_host_memory_per_node(recipe: Recipe, streamed_expert_bytes: int) -> l
         if error is not None:
             message, _, fix = str(error).partition("; fix: ")
             out.append(Problem(f"plan.{node}_host_memory_bytes", message, fix))
+    return out
+
+
+def _check_devices_against_gpus(recipe: Recipe) -> list[Problem]:
+    """A component set to run on CUDA needs GPUs on its nodes, and a GPU trainer one GPU per rank:
+    caught here, not as a CUDA error (or eight ranks on four GPUs) inside the job."""
+    job, out = recipe.job, []
+    capture_device = recipe.capture.sglang.device if recipe.capture.engine == "sglang" else recipe.capture.device
+    capture_field = "capture.sglang.device" if recipe.capture.engine == "sglang" else "capture.device"
+    for field, device, component in (
+        ("trainer.device", recipe.trainer.device, "trainer"),
+        (capture_field, capture_device, "capture"),
+    ):
+        if device == "cuda" and getattr(job, component).gpus_per_node == 0:
+            out.append(
+                Problem(
+                    field,
+                    f"is cuda, but job.{component}.gpus_per_node is 0: Slurm gives the {component} nodes no GPU",
+                    f"set job.{component}.gpus_per_node to the GPUs each node has, or {field}: cpu",
+                )
+            )
+    trainer = job.trainer
+    if recipe.trainer.device != "cpu" and 0 < trainer.gpus_per_node < trainer.tasks_per_node:
+        out.append(
+            Problem(
+                "job.trainer.tasks_per_node",
+                f"is {trainer.tasks_per_node}, but job.trainer.gpus_per_node is {trainer.gpus_per_node}: each "
+                "trainer rank needs a GPU of its own",
+                f"set job.trainer.tasks_per_node: {trainer.gpus_per_node} (and trainer.global_batch_size to match), or "
+                f"job.trainer.gpus_per_node: {trainer.tasks_per_node}",
+            )
+        )
     return out
 
 
