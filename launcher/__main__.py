@@ -1,10 +1,6 @@
 """``python3 -m launcher``: see launcher.cli."""
 
-import os
 import sys
-
-SIGPIPE_EXIT = 141
-"""What a shell reports for a program whose reader went away (128 + SIGPIPE)."""
 
 
 def _main() -> int:
@@ -22,15 +18,7 @@ def _main() -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        code = main()
-        sys.stdout.flush()  # here, not at exit, so a reader that left is caught below
-        return code
-    except BrokenPipeError:
-        # The reader left (`--dry-run | head`): nothing more to say, and no traceback. Point stdout at
-        # /dev/null so the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return SIGPIPE_EXIT
+    return main()
 
 
 if __name__ == "__main__":

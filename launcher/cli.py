@@ -24,21 +24,22 @@ from pathlib import Path
 
 from launcher import control, eval_job, gate, jobs
 from launcher.environment import COMPONENTS
-from launcher.inputs import InputPreparationError, prepare_missing_inputs
+from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
 from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text
-from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
+from runtime.recipe import LoadedRecipe, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
+from runtime.user_errors import UserError, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "eval", "render", "resolve")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError):
     """A refusal to submit, with the reason and the fix in its message."""
 
 
@@ -98,15 +99,20 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 
 def _check_environment_references(loaded: LoadedRecipe) -> None:
-    missing = {name: fields for name, fields in environment_references(loaded.recipe).items() if name not in os.environ}
-    if missing:
+    """Every ``${NAME}`` the recipe reads is set, and not empty (an empty one turns
+    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``)."""
+    references = environment_references(loaded.recipe)
+    unset = {name: fields for name, fields in references.items() if name not in os.environ}
+    empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
+    if unset or empty:
         lines = [
-            f"  - ${{{name}}} (used by {', '.join(sorted(set(fields)))})" for name, fields in sorted(missing.items())
+            f"  - ${{{name}}} is {'not set' if name in unset else 'set but empty'} (used by {', '.join(sorted(set(fields)))})"
+            for name, fields in sorted({**unset, **empty}.items())
         ]
         raise LaunchError(
-            f"recipe {loaded.source} reads these environment variables, which are not set:\n"
+            f"recipe {loaded.source} reads environment variables that have no value here:\n"
             + "\n".join(lines)
-            + "\n  fix: export them (site paths; see RUNBOOK.md, 'Site settings') and submit again"
+            + "\n  fix: export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
         )
 
 
@@ -139,12 +145,6 @@ def _resume_overrides(job: str, loaded: LoadedRecipe) -> list[str]:
     """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start).
     Refused before anything is submitted when the job was trained with another draft, target or data."""
     record = jobs.find_record(job, _runs_dir(loaded), runs_dir_hint="--set job.runs_dir=FOLDER")
-    checkpoint = jobs.newest_checkpoint(record)
-    if checkpoint is None:
-        raise LaunchError(
-            f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to resume from; "
-            "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
-        )
     previous = load_resolved(Path(record.job_dir) / RESOLVED_FILENAME).recipe
     differences = jobs.resume_mismatches(previous, loaded.recipe)
     if differences:
@@ -154,6 +154,12 @@ def _resume_overrides(job: str, loaded: LoadedRecipe) -> list[str]:
             f"{'; ...' if len(differences) > 6 else ''}. Fix: resume with the recipe (and --set) the job was made "
             "from, or start afresh (warm-start the weights with --set trainer.checkpoint.init_from=CHECKPOINT "
             "when only the data differs)"
+        )
+    checkpoint = jobs.newest_checkpoint(record)
+    if checkpoint is None:
+        raise LaunchError(
+            f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to resume from; "
+            "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
         )
     print(f"resuming from {_display_path(checkpoint)} (job {record.job_id})")
     return [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
@@ -347,7 +353,7 @@ def _recorded_digest(path: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LaunchError(
             f"{_display_path(path)} exists but is not a readable resolved recipe ({exc}); a job folder's recorded "
-            "recipe is never rewritten: give a new --job-dir"
+            "recipe is never rewritten; fix: give a new --job-dir"
         ) from None
     return str(digest)
 
@@ -372,7 +378,7 @@ def resolve(argv: list[str]) -> int:
             raise LaunchError(
                 f"{_display_path(path)} already records a recipe (digest {recorded[:12]}), and {loaded.source} "
                 f"with these overrides is another (digest {loaded.digest[:12]}): a job folder's recorded recipe is "
-                "never rewritten; give a new --job-dir"
+                "never rewritten; fix: give a new --job-dir"
             )
         print(f"resolved {loaded.source}: {_display_path(path)} already records it (digest {loaded.digest[:12]}), kept")
     else:
@@ -474,7 +480,7 @@ def job_command(command: str, argv: list[str]) -> int:
             # failed gate.json into its folder.
             raise LaunchError(
                 f"job {record.job_id} ({_display_path(Path(record.job_dir))}) was not a --smoke job: the smoke "
-                f"gate judges only those; nothing was written. Use `python3 -m launcher status {record.job_id}` "
+                f"gate judges only those; nothing was written. Fix: use `python3 -m launcher status {record.job_id}` "
                 f"for this job, or run the gate with `python3 -m launcher {record.recipe_source} --smoke`"
             )
         return _finish_gate(record)
@@ -488,28 +494,45 @@ def job_command(command: str, argv: list[str]) -> int:
     if not control.log_files(record, args.component, args.rank):
         tasks = ", ".join(f"{name} ranks 0..{count - 1}" for name, count in record.components.items())
         raise LaunchError(
-            f"job {record.job_id} has no task {args.component or 'of any component'} rank {args.rank}: it has {tasks}"
+            f"job {record.job_id} has no task {args.component or 'of any component'} rank {args.rank}: it has {tasks}; "
+            "fix: pick one of those (--component capture|trainer, --rank N)"
         )
     control.print_logs(record, args.component, args.rank, args.follow)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (2 for bad input, with one clear message)."""
+    """Entry point; returns the exit code (2 for bad input, with one clear message: see runtime.user_errors)."""
+    return run_command(_dispatch, argv)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if argv and argv[0] in SUBCOMMANDS:
-            command, rest = argv[0], argv[1:]
-            if command == "render":
-                return render(rest)
-            if command == "resolve":
-                return resolve(rest)
-            if command == "eval":
-                return eval_job.main(rest, REPO_ROOT)
-            return job_command(command, rest)
-        return submit(_submit_parser().parse_args(argv))
-    except (RecipeError, LaunchError, InputPreparationError, FileNotFoundError, eval_job.EvalLaunchError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+        if command == "render":
+            return render(rest)
+        if command == "resolve":
+            return resolve(rest)
+        if command == "eval":
+            return eval_job.main(rest, REPO_ROOT)
+        return job_command(command, rest)
+    _refuse_misspelt_command(argv)
+    return submit(_submit_parser().parse_args(argv))
+
+
+def _refuse_misspelt_command(argv: list[str]) -> None:
+    """``stauts latest``: a word close to a command that names no recipe is a typo of the command,
+    not a recipe called ``stauts`` followed by a stray argument."""
+    import difflib
+
+    if not argv or argv[0].startswith("-"):
+        return
+    word = argv[0]
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1, cutoff=0.7)
+    is_recipe = (RECIPES_DIR / f"{word}.yaml").is_file() or Path(word).is_file()
+    if close and not is_recipe:
+        raise LaunchError(
+            f"'{word}' is neither a command nor a recipe in {_display_path(RECIPES_DIR)}/; fix: did you mean "
+            f"`python3 -m launcher {close[0]} {' '.join(argv[1:])}`? Commands: {', '.join(SUBCOMMANDS)}"
+        )

@@ -17,6 +17,7 @@ from submitit.core import utils
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, read_local_status
 from launcher.slurm_state import ComponentState, SlurmUnreachableError, fold_state, parse_sacct, query_sacct
+from runtime.user_errors import UserError
 
 TERMINAL_JOB_STATES = {
     "COMPLETED",
@@ -285,7 +286,11 @@ def cancel_job(record: JobRecord) -> str:
             return f"sent SIGTERM to the local supervisor (pid {record.supervisor_pid})"
         leftover = [pid for name in record.components for pid in component_pids(record, name)]
         if not leftover:
-            return "the local run is not running (no supervisor, no component task left)"
+            raise CancelError(
+                f"job {record.job_id} is not running (its supervisor and every component task have ended), so "
+                f"nothing was cancelled; fix: none needed (`python3 -m launcher status {record.job_id}` shows how it "
+                "ended)"
+            )
         _stop_groups(leftover)
         return f"the supervisor was gone; stopped {len(leftover)} leftover component task(s): {leftover}"
     # The leader id cancels all het components at once.
@@ -300,7 +305,7 @@ def cancel_job(record: JobRecord) -> str:
     return f"scancel {record.job_id}: both components cancelled"
 
 
-class CancelError(RuntimeError):
+class CancelError(UserError):
     """``cancel`` could not cancel the job; the message says why and what to do."""
 
 

@@ -20,12 +20,15 @@ from launcher import jobs
 from launcher.render import container_args, resource_flags, sbatch_lines
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
+from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.loader import RESOLVED_FILENAME
+from runtime.shared.checkpoint_folders import resolve_draft_source
+from runtime.user_errors import UserError
 
 EVAL_SCRIPT_SUFFIX = ".eval.sbatch"
 
 
-class EvalLaunchError(RuntimeError):
+class EvalLaunchError(UserError):
     """A refusal to start an evaluation, with the reason and the fix in its message."""
 
 
@@ -139,6 +142,13 @@ def main(argv: list[str], repo_root: Path) -> int:
             f"job {record.job_id} was resolved without an eval: section and its recipe {recipe_file} is gone; fix: "
             "add an eval: section to the recipe (see recipes/tiny.yaml)"
         )
+    # Everything the evaluation would refuse is refused here, before a process starts or a job is
+    # submitted: the same checks, the same messages.
+    settings = eval_settings(resolved.recipe.eval, str(repo_root / recipe_file), args.overrides, str(resolved.path))
+    check_eval_set_names(settings, args.eval_sets, str(resolved.path))
+    resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise EvalLaunchError(f"--out {args.out} is a file; the results go into a folder. Fix: give a folder's path")
     if args.local:
         command = [
             sys.executable,

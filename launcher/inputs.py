@@ -17,9 +17,10 @@ from pathlib import Path
 
 from runtime.recipe import Recipe
 from runtime.recipe.loader import resolve_recipe_path
+from runtime.user_errors import UserError
 
 
-class InputPreparationError(RuntimeError):
+class InputPreparationError(UserError):
     """A ``data.prepare_commands`` command failed; the message names it and its exit code."""
 
 

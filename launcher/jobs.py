@@ -19,11 +19,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, Recipe
+from runtime.shared.checkpoint_folders import find_latest
+from runtime.user_errors import UserError
 
 JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
@@ -62,6 +64,10 @@ class JobRecord:
     def log_path(self, component: str, rank: int) -> Path:
         """The log file of one component task."""
         return Path(self.job_dir) / "logs" / f"{self.job_id}_{component}_{rank}.out"
+
+
+class JobLookupError(UserError):
+    """A job that cannot be found, or whose folder's records cannot be read; names the file and the fix."""
 
 
 def utc_stamp() -> str:
@@ -125,27 +131,62 @@ def newest_checkpoint(record: JobRecord) -> Path | None:
 
     job_dir = Path(record.job_dir)
     resolved = load_resolved(job_dir / "recipe.resolved.json")
-    folder = resolved.checkpoint_dir(job_dir)
-    complete = sorted(p.parent for p in folder.glob("step_*/trainer_state.json"))
-    return complete[-1] if complete else None
+    return find_latest(resolved.checkpoint_dir(job_dir))
 
 
 def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir") -> JobRecord:
     """A job record from a job id (looked up in ``{runs_dir}/jobs``) or a job folder path.
-    ``runs_dir_hint`` says how the caller's user names another runs folder."""
+    ``runs_dir_hint`` says how the caller's user names another runs folder.
+
+    A record read from a folder describes that folder: a job folder copied or moved elsewhere is the
+    copy's own job, not the original's."""
     candidates = [Path(job), runs_dir / INDEX_DIRNAME / job]
     for folder in candidates:
         record_file = folder / JOB_RECORD_FILENAME
         if record_file.exists():
-            data = json.loads(record_file.read_text())
-            return JobRecord(**data)
-    known = sorted(p.name for p in (runs_dir / INDEX_DIRNAME).glob("*")) if (runs_dir / INDEX_DIRNAME).exists() else []
-    listing = f" Known jobs: {', '.join(known[-10:])}" if known else ""
-    raise FileNotFoundError(
+            record = _read_record(record_file)
+            record.job_dir = str(folder.resolve())
+            return record
+    known = sorted(p.name for p in (runs_dir / INDEX_DIRNAME).glob("*")) if (runs_dir / INDEX_DIRNAME).is_dir() else []
+    listing = f" Known jobs: {', '.join(known[-10:])}." if known else ""
+    raise JobLookupError(
         f"no job '{job}': neither a job folder with {JOB_RECORD_FILENAME} nor an id under "
-        f"{runs_dir / INDEX_DIRNAME}.{listing} (fix: give the job folder's path, or {runs_dir_hint} if the job "
-        "used another runs folder)"
+        f"{runs_dir / INDEX_DIRNAME}.{listing} Fix: give the job folder's path, or {runs_dir_hint} if the job "
+        "used another runs folder"
     )
+
+
+def _read_json_object(path: Path, what: str, fix: str) -> dict[str, object]:
+    """A JSON object from a file the launcher wrote, or one :class:`JobLookupError` naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except IsADirectoryError:
+        raise JobLookupError(f"{path} is a folder, where {what} should be a file; fix: {fix}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise JobLookupError(f"{path} is not readable JSON ({exc}); it is {what}. Fix: {fix}") from None
+    if not isinstance(data, dict):
+        raise JobLookupError(f"{path} holds a {type(data).__name__}, not {what}; fix: {fix}")
+    return data
+
+
+def _read_record(path: Path) -> JobRecord:
+    fix = "restore it from a backup, or give the job folder of another run (the launcher writes it at submission)"
+    data = _read_json_object(path, "the job record", fix)
+    try:
+        return JobRecord(**data)  # type: ignore[arg-type]
+    except TypeError:
+        wanted = {f.name for f in fields(JobRecord)}
+        unknown, missing = (
+            sorted(set(data) - wanted),
+            sorted(
+                f.name
+                for f in fields(JobRecord)
+                if f.name not in data and f.default is MISSING and f.default_factory is MISSING
+            ),
+        )
+        raise JobLookupError(
+            f"{path} is not a job record (unknown fields {unknown or 'none'}, missing {missing or 'none'}); fix: {fix}"
+        ) from None
 
 
 def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:
@@ -153,7 +194,11 @@ def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:
     path = job_dir / LOCAL_STATUS_FILENAME
     if not path.exists():
         return {}
-    return json.loads(path.read_text())
+    return _read_json_object(  # type: ignore[return-value]
+        path,
+        "the --local run's component states",
+        "remove it (the component logs keep what happened: `python3 -m launcher logs JOB`)",
+    )
 
 
 def write_local_status(job_dir: Path, status: dict[str, dict[str, object]]) -> None:

@@ -15,12 +15,15 @@ PLOT_TIMEOUT_S = 300.0
 def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT_S) -> tuple[bool, str]:
     """Draw ``job_dir/plots/*.png`` from ``job_dir/metrics.jsonl``; returns (ok, what happened)."""
     if not (job_dir / "metrics.jsonl").exists():
-        return False, f"no metrics yet: {job_dir / 'metrics.jsonl'} does not exist"
+        return False, (
+            f"no metrics yet: {job_dir / 'metrics.jsonl'} does not exist; fix: wait for the trainer's first logged "
+            "step (trainer.log_every_steps), or see why it has none: `python3 -m launcher logs JOB --component trainer`"
+        )
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:
         done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return False, f"plots took longer than {timeout_s:.0f} s"
     if done.returncode != 0:
-        return False, f"plots failed: {done.stderr.strip()[-300:]}"
+        return False, f"plots failed: {done.stderr.strip().removeprefix('error: ')[-400:]}"
     return True, f"plots in {job_dir / PLOTS_DIRNAME}"

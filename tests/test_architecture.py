@@ -43,7 +43,7 @@ from tests.conftest import REPO_ROOT
 ROOTS = ("launcher", "runtime", "tools", "tests")
 HEAVY = ("torch",)
 """Third-party packages the launcher and the light layer must never reach."""
-GROUND_FLOOR = ("runtime.files",)
+GROUND_FLOOR = ("runtime.files", "runtime.user_errors")
 """Modules every room may import; they import nothing of the repository."""
 LIGHT_LAYER = ("runtime.shared", "runtime.recipe", *GROUND_FLOOR)
 

@@ -17,17 +17,13 @@ import pytest
 import torch
 
 from runtime.evaluate.decoder import Generation, VerifyRecord, plain_generate, speculative_generate
-from runtime.evaluate.draft import (
-    DraftSourceError,
-    Proposal,
-    draft_config_from_export,
-    resolve_draft_source,
-)
+from runtime.evaluate.draft import Proposal, draft_config_from_export
 from runtime.evaluate.eval_sets import EvalSetError, file_sha256, load_prompts
 from runtime.evaluate.report import greedy_agreement, pass_figures
 from runtime.evaluate.verify import greedy_accept, sampled_accept
 from runtime.recipe import load_recipe
 from runtime.recipe.schema import EvalSet
+from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.layout import BlockLayout
 from tests.conftest import REPO_ROOT
 from tests.support.toy_spec import toy_pair

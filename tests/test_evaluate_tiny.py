@@ -59,8 +59,9 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
     # The exported draft (what SGLang would serve) is the same draft: the same weights, read both ways.
     import torch
 
-    from runtime.evaluate.draft import build_draft, resolve_draft_source
+    from runtime.evaluate.draft import build_draft
     from runtime.recipe import load_resolved
+    from runtime.shared.checkpoint_folders import resolve_draft_source
 
     recipe = load_resolved(tiny_reference_run / "recipe.resolved.json").recipe
     checkpoints = tiny_reference_run / "checkpoints"

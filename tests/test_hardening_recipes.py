@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.jobs import find_record
+from launcher.jobs import JobLookupError, find_record
 from runtime.recipe import RecipeError, load_recipe
 from runtime.recipe.checks import check_recipe
 
@@ -71,7 +71,7 @@ def test_watermark_fix_is_never_a_negative_number() -> None:
 
 
 def test_resume_of_an_unknown_job_suggests_an_option_that_exists(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError) as err:
+    with pytest.raises(JobLookupError) as err:
         find_record("nope", tmp_path, runs_dir_hint="--set job.runs_dir=FOLDER")
     assert "--set job.runs_dir=FOLDER" in str(err.value) and "--runs-dir" not in str(err.value)
     done = subprocess.run(

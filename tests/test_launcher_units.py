@@ -224,7 +224,7 @@ def test_submission_refuses_missing_site_variables(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 2
-    assert "${K3_TARGET_DIR} (used by capture.target_path)" in done.stderr
+    assert "${K3_TARGET_DIR} is not set (used by capture.target_path)" in done.stderr
 
 
 def test_bad_recipe_exits_2_with_one_clear_message() -> None:

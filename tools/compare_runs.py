@@ -17,7 +17,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.user_errors import UserError, run_command
+
 IGNORED_KEYS = {"step", "time", "epoch"}
+
+
+class RunReadError(UserError, ValueError):
+    """A run folder or metrics file that cannot be read, naming the file, the line and the fix."""
 
 
 @dataclass(frozen=True)
@@ -111,16 +117,28 @@ def load_run(path: Path, label: str | None = None) -> Run:
     metrics_file = path / "metrics.jsonl" if path.is_dir() else path
     folder = path if path.is_dir() else path.parent
     if not metrics_file.exists():
-        raise FileNotFoundError(f"{metrics_file} does not exist: pass a job folder or a metrics.jsonl file")
+        raise RunReadError(
+            f"{metrics_file} does not exist; fix: pass a job folder (with metrics.jsonl) or a metrics.jsonl file"
+        )
+    try:
+        text = metrics_file.read_text()
+    except UnicodeDecodeError as exc:
+        raise RunReadError(
+            f"{metrics_file} is not a text metrics file (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+            "fix: pass the metrics.jsonl a trainer wrote, or its job folder"
+        ) from None
     run = Run(label=label or folder.name, folder=folder)
-    for number, line in enumerate(metrics_file.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
             step = int(record["step"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{metrics_file}:{number}: not a metrics record with a step ({exc})") from exc
+            raise RunReadError(
+                f"{metrics_file}:{number}: not a metrics record with a step ({exc}); each line is one JSON object "
+                "with an integer 'step', as the trainer writes. Fix: remove or repair that line"
+            ) from None
         values = {
             key: float(value)
             for key, value in record.items()
@@ -128,9 +146,9 @@ def load_run(path: Path, label: str | None = None) -> Run:
         }
         run.steps[step] = values  # a resumed run repeats steps after its checkpoint: the last one wins
     if not run.steps:
-        raise ValueError(
+        raise RunReadError(
             f"{metrics_file} has no metrics record: the run has not finished an optimizer step, so there is "
-            "nothing to plot or compare (wait for its first step, or pass another run)"
+            "nothing to plot or compare. Fix: wait for its first step, or pass another run"
         )
     run.checkpoints = _checkpoints(folder / "checkpoints")
     return run
@@ -351,7 +369,11 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry; returns the exit code."""
+    """Command line entry; returns the exit code (one line and 2 for bad input)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/compare_runs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -365,19 +387,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25, help="rows of the deviation table")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    try:
-        run_a = load_run(args.run_a, "A")
-        runs = [run_a]
-        if args.run_b:
-            run_b = load_run(args.run_b, "B")
-            runs.append(run_b)
-            print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
-        else:
-            print(f"run {args.run_a}: {len(run_a.steps)} steps")
-            print("\n".join(render_checkpoints(runs) + render_acceptance(runs)))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.top < 1:
+        raise RunReadError(f"--top is {args.top}; fix: use a value >= 1 (rows of the deviation table)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise RunReadError(f"--out {args.out} is a file; the plots go into a folder. Fix: give a folder's path")
+    run_a = load_run(args.run_a, "A")
+    runs = [run_a]
+    if args.run_b:
+        run_b = load_run(args.run_b, "B")
+        runs.append(run_b)
+        print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
+    else:
+        print(f"run {args.run_a}: {len(run_a.steps)} steps")
+        print("\n".join(render_checkpoints(runs) + render_acceptance(runs)))
     if not args.no_plots:
         default = run_a.folder / "plots" if run_a.folder else Path("plots")
         if args.run_b and args.out is None:

@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +30,11 @@ from typing import Any
 
 from runtime.shared.chat_tokenize import ChatFormatError, check_messages, tokenize_chat
 from runtime.shared.data_files import DataFileError, rows_text, sha256_file, write_manifest, write_rows
+from runtime.user_errors import run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
     EmbeddedRegenerator,
     OpenAIRegenerator,
-    RegenerationError,
     Regenerator,
     regenerate_conversation,
 )
@@ -78,6 +77,8 @@ class PrepareResult:
 def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of a chat JSONL file, checked; errors name the file and the line."""
     rows: list[dict[str, Any]] = []
+    if path.is_dir():
+        raise DataFileError(f"{path} is a folder; --input is a chat JSONL file. Fix: give the file inside it")
     if not path.is_file():
         raise DataFileError(f"{path}: chat file does not exist; fix: pass --input (or set data.chat_path)")
     with open(path, "rb") as handle:
@@ -86,13 +87,22 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise DataFileError(
+                    f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x}); --input is a chat JSONL file. Fix: give "
+                    "the chat file, saved as UTF-8"
+                ) from None
             except json.JSONDecodeError as exc:
                 raise DataFileError(
-                    f"{where}: not valid JSON ({exc.msg}); the line looks truncated or corrupted"
+                    f"{where}: not valid JSON ({exc.msg}); the line looks truncated or corrupted. Fix: repair or "
+                    "remove that line"
                 ) from None
             if not isinstance(obj, dict) or "id" not in obj or "conversations" not in obj:
-                raise DataFileError(f"{where}: expected an object with 'id' and 'conversations'")
+                raise DataFileError(
+                    f"{where}: expected an object with 'id' and 'conversations'; fix: write each line as "
+                    '{"id": ..., "conversations": [{"role": "user", "content": ...}, ...]}'
+                )
             where = f"{path}: line {number} (id {obj['id']!r})"
             try:
                 messages = check_messages(obj["conversations"], where)
@@ -117,7 +127,9 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
             device=options.device,
         )
     if not options.server_url or not options.server_model:
-        raise ValueError("--regenerate openai needs --server-url and --server-model")
+        raise DataFileError(
+            "--regenerate openai needs --server-url and --server-model; fix: pass both (the server's address and the model name it serves)"
+        )
     return OpenAIRegenerator(
         options.server_url,
         options.server_model,
@@ -246,6 +258,33 @@ def prepare(
     return PrepareResult(len(out_rows), tokens, masked, sha, truncated, dropped, manifest)
 
 
+def _check_option_values(
+    input_path: Path, output_path: Path, tokenizer_path: Path, max_length: int, args: argparse.Namespace
+) -> None:
+    """Refuse values that cannot work before anything is read or written."""
+    if output_path.resolve() == input_path.resolve():
+        raise DataFileError(
+            f"--output {output_path} is the --input file: it would be replaced by its own tokenized rows. Fix: give "
+            "another --output"
+        )
+    blocked = next((p for p in output_path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise DataFileError(f"--output {output_path}: {blocked} is a file, not a folder; fix: check the path")
+    if not tokenizer_path.is_dir():
+        raise DataFileError(
+            f"--tokenizer {tokenizer_path}: no such folder; fix: give the folder of the target's tokenizer "
+            "(tokenizer.json or tokenizer.model, and the chat template)"
+        )
+    for flag, value, low in (
+        ("--max-length", max_length, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+    ):
+        if value < low:
+            raise DataFileError(f"{flag} is {value}; fix: use a value >= {low}")
+    if not 0.0 <= args.temperature <= 10.0:
+        raise DataFileError(f"--temperature is {args.temperature}; fix: use 0 (greedy) up to 10")
+
+
 def options_from_args(args: argparse.Namespace) -> PrepareOptions:
     """Merge ``--recipe`` defaults with explicit arguments (explicit ones win)."""
     input_path = args.input
@@ -277,7 +316,10 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
         if value is None
     ]
     if missing:
-        raise SystemExit(f"prepare_data: {', '.join(missing)} needed (or --recipe NAME to take them from a recipe)")
+        raise DataFileError(
+            f"{', '.join(missing)} needed; fix: pass them, or --recipe NAME to take them from a recipe (e.g. --recipe tiny)"
+        )
+    _check_option_values(Path(input_path), Path(output_path), Path(tokenizer_path), int(max_length), args)
     return PrepareOptions(
         input_path=Path(input_path),
         output_path=Path(output_path),
@@ -296,7 +338,11 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point."""
+    """Command line entry point (one line and exit 2 for bad input)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/prepare_data",
         description=__doc__.split("\n\n")[0],
@@ -323,16 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration")
     parser.add_argument("--device", default="cpu", help="device of --regenerate embedded (cpu, cuda)")
     args = parser.parse_args(argv)
-    try:
-        options = options_from_args(args)
-        result = prepare(options)
-    except (DataFileError, RegenerationError, ValueError) as exc:
-        print(f"prepare_data: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # a folder where the output file should be, a full disk, no permission
-        where = exc.filename2 or exc.filename  # a rename's error names the temporary file first
-        print(f"prepare_data: error: {where}: {exc.strerror or exc}; nothing was written", file=sys.stderr)
-        return 1
+    options = options_from_args(args)
+    result = prepare(options)
     print(
         f"prepare_data: wrote {result.rows} rows, {result.tokens} tokens ({result.masked_tokens} assistant) to "
         f"{options.output_path}\n  sha256 {result.sha256}\n  {result.truncated_rows} rows truncated to "

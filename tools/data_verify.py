@@ -15,11 +15,16 @@ import sys
 from pathlib import Path
 
 from runtime.shared.data_files import DataFileError, verify_data_file
+from runtime.user_errors import run_command
 from tools.recipe_args import load_tool_recipe
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point."""
+    """Command line entry point (one line and exit 2 for bad input; 1 when the file fails a check)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/verify_data",
         description=__doc__.split("\n\n")[0],
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows or data.num_rows
     if path is None:
         parser.error("give the data file (or --recipe NAME)")
+    for flag, value in (("--vocab-size", vocab), ("--max-length", max_length), ("--rows", rows)):
+        if value is not None and value < 1:
+            raise DataFileError(f"{flag} is {value}; fix: use a value >= 1, or leave it out to skip that check")
     try:
         summary = verify_data_file(path, expected, vocab, max_length, rows)
     except DataFileError as exc:

@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from runtime.user_errors import UserError
+
 END_OF_TURN_TOKENS = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 """Tokens that close an assistant turn in common chat templates (generation stops at them)."""
 
 
-class RegenerationError(RuntimeError):
+class RegenerationError(UserError, RuntimeError):
     """A reply could not be generated; the message names the row and the turn."""
 
 
@@ -127,7 +129,10 @@ class OpenAIRegenerator:
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:
-                raise RegenerationError(f"the environment variable {self.api_key_env} (--api-key-env) is not set")
+                raise RegenerationError(
+                    f"the environment variable {self.api_key_env} (--api-key-env) is not set; fix: export it in this "
+                    "shell (the key is read from there and never written down)"
+                )
             headers["Authorization"] = f"Bearer {key}"
         return headers
 

@@ -17,7 +17,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.recipe import RecipeError
 from runtime.shared.data_files import (
     DataFileError,
     check_data_sha256,
@@ -26,6 +25,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
+from runtime.user_errors import run_command
 from tools.recipe_args import load_tool_recipe
 
 
@@ -36,7 +36,10 @@ def derive(input_path: Path, expected_sha256: str, num_rows: int, output_path: P
     )
     rows = list(iter_rows(input_path))
     if len(rows) < num_rows:
-        raise DataFileError(f"{input_path} has {len(rows)} rows, fewer than the {num_rows} asked for")
+        raise DataFileError(
+            f"{input_path} has {len(rows)} rows, fewer than the {num_rows} asked for; fix: ask for at most "
+            f"{len(rows)} (--rows, or the smoke overlay's data.num_rows), or give the full data file"
+        )
     longest = sorted(rows, key=lambda r: (-r.num_tokens, r.index))[:num_rows]
     chosen = sorted(longest, key=lambda r: r.index)
     write_rows(
@@ -62,7 +65,11 @@ def derive(input_path: Path, expected_sha256: str, num_rows: int, output_path: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry; returns the exit code."""
+    """Command line entry; returns the exit code (one line and 2 for bad input)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/derive_smoke_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -72,24 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, help="how many rows (the longest)")
     parser.add_argument("--output", type=Path, help="smoke JSONL to write")
     args = parser.parse_args(argv)
-    try:
-        if args.recipe:
-            full = load_tool_recipe(args.recipe)
-            smoke = load_tool_recipe(args.recipe, smoke=True)
-            input_path = full.path(full.recipe.data.train_path)
-            expected = full.recipe.data.expected_sha256
-            output_path = smoke.path(smoke.recipe.data.train_path)
-            num_rows = smoke.recipe.data.num_rows or 4
-            if output_path == input_path:
-                raise DataFileError(f"recipe {args.recipe}: the smoke overlay does not set its own data.train_path")
-        else:
-            if not (args.input and args.expected_sha256 and args.rows and args.output):
-                parser.error("give --recipe, or all of --input, --expected-sha256, --rows and --output")
-            input_path, expected, num_rows, output_path = args.input, args.expected_sha256, args.rows, args.output
-        manifest = derive(input_path, expected, num_rows, output_path)
-    except (DataFileError, RecipeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.recipe:
+        full = load_tool_recipe(args.recipe)
+        smoke = load_tool_recipe(args.recipe, smoke=True)
+        input_path = full.path(full.recipe.data.train_path)
+        expected = full.recipe.data.expected_sha256
+        output_path = smoke.path(smoke.recipe.data.train_path)
+        num_rows = smoke.recipe.data.num_rows or 4
+        if output_path == input_path:
+            raise DataFileError(f"recipe {args.recipe}: the smoke overlay does not set its own data.train_path")
+    else:
+        if args.rows is not None and args.rows < 1:
+            raise DataFileError(f"--rows is {args.rows}; fix: use a value >= 1 (the smoke gate takes 4)")
+        if not (args.input and args.expected_sha256 and args.rows and args.output):
+            parser.error("give --recipe, or all of --input, --expected-sha256, --rows and --output")
+        input_path, expected, num_rows, output_path = args.input, args.expected_sha256, args.rows, args.output
+    if output_path.resolve() == input_path.resolve():
+        raise DataFileError(
+            f"--output {output_path} is the input file: deriving would replace the full data with its smoke rows. "
+            "Fix: give another --output (or set the smoke overlay's data.train_path)"
+        )
+    manifest = derive(input_path, expected, num_rows, output_path)
     print(
         f"[derive_smoke_data] {manifest['rows']} rows ({manifest['max_row_tokens']} tokens the longest) -> "
         f"{output_path}; sha256 {manifest['sha256']}"

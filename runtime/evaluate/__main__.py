@@ -17,55 +17,17 @@ import sys
 import traceback
 from pathlib import Path
 
-from runtime.evaluate.draft import DraftSourceError, resolve_draft_source
 from runtime.evaluate.eval_sets import EvalSetError
 from runtime.evaluate.sglang_route import SGLangRouteError
 from runtime.evaluate.target import TargetLoadError
 from runtime.files import atomic_write_text
-from runtime.recipe import RecipeError, load_recipe, load_resolved
-from runtime.recipe.errors import Problem
-from runtime.recipe.loader import apply_override
-from runtime.recipe.schema import EvalSection
+from runtime.recipe import RecipeError, load_resolved
+from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
+from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.checkpoints import CheckpointError
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.txt"
-
-
-def eval_settings(
-    resolved_eval: EvalSection | None, eval_recipe: str | None, overrides: list[str], where: str
-) -> EvalSection:
-    """The eval section to run: the job's, else the one of ``eval_recipe``, with ``overrides``."""
-    section = resolved_eval
-    if section is None and eval_recipe:
-        section = load_recipe(Path(eval_recipe)).recipe.eval
-        where = eval_recipe
-    if section is None:
-        raise RecipeError(
-            where,
-            [
-                Problem(
-                    "eval",
-                    "is not set, so there is nothing to evaluate on",
-                    "add an eval: section (see recipes/tiny.yaml)",
-                )
-            ],
-        )
-    if not overrides:
-        return section
-    document = {"eval": section.model_dump(mode="json")}
-    for item in overrides:
-        if not item.startswith("eval."):
-            raise RecipeError(
-                where, [Problem(item.split("=")[0], "cannot change at eval time", "--set eval.* fields only")]
-            )
-        apply_override(document, item, where)
-    try:
-        return EvalSection.model_validate(document["eval"])
-    except ValueError as exc:
-        raise RecipeError(
-            where, [Problem("eval", str(exc).splitlines()[-1].strip(), "correct the --set value")]
-        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolved = load_resolved(args.recipe)
         settings = eval_settings(resolved.recipe.eval, args.eval_recipe, args.overrides, str(resolved.path))
-        known = [s.name for s in settings.sets]
-        unknown = sorted(set(args.sets or []) - set(known))
-        if unknown:
-            raise RecipeError(
-                str(resolved.path), [Problem("eval.sets", f"has no set {unknown}", f"use one of {known}")]
-            )
+        check_eval_set_names(settings, args.sets, str(resolved.path))
         source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
         from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
 

@@ -17,7 +17,6 @@ each slot from its hidden state and the Markov embedding of the slot's previous 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,68 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from runtime.recipe.schema import DraftConfig, Recipe
-from runtime.trainer.checkpoints import CheckpointError, find_latest, is_complete, load_weights, step_dir_name
+from runtime.shared.checkpoint_folders import DraftSource, DraftSourceError
+from runtime.trainer.checkpoints import CheckpointError, load_weights
 from runtime.trainer.export import CONFIG_FILE, read_exported_weights
 from runtime.trainer.layout import BlockLayout
 from runtime.trainer.model import DSparkDraft
-
-UNTRAINED = "untrained"
-
-
-class DraftSourceError(ValueError):
-    """A draft that cannot be evaluated against this target; the message names the file, the field
-    and the fix."""
-
-
-@dataclass(frozen=True)
-class DraftSource:
-    """Where the evaluated draft comes from."""
-
-    kind: str
-    """``checkpoint``, ``export`` or ``untrained``."""
-    path: Path | None
-    label: str
-    """Name in results and folder names: ``step_00000032``, the export folder's name, ``untrained``."""
-    step: int | None
-    """Training step of a checkpoint (or of an ``export-step_N`` folder), else None."""
-
-
-def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
-    """``latest``, ``step_N``, ``N``, ``untrained``, a checkpoint folder or an export folder."""
-    if value == UNTRAINED:
-        return DraftSource(UNTRAINED, None, UNTRAINED, 0)
-    if value == "latest":
-        found = find_latest(checkpoint_dir)
-        if found is None:
-            raise DraftSourceError(
-                f"--checkpoint latest: {checkpoint_dir} holds no complete checkpoint; fix: train first, or name an "
-                "export folder"
-            )
-        return _checkpoint(found)
-    match = re.fullmatch(r"(?:step_)?(\d+)", value)
-    if match:
-        path = checkpoint_dir / step_dir_name(int(match.group(1)))
-        if not is_complete(path):
-            have = sorted(p.name for p in checkpoint_dir.glob("step_*") if is_complete(p))
-            raise DraftSourceError(
-                f"--checkpoint {value}: {path} is not a complete checkpoint; this run has "
-                f"{', '.join(have) or 'none'} (keep_last removes older ones); fix: pick one of them"
-            )
-        return _checkpoint(path)
-    path = Path(value).expanduser()
-    if is_complete(path):
-        return _checkpoint(path)
-    if (path / CONFIG_FILE).is_file():
-        step = re.search(r"step_(\d+)$", path.name)
-        return DraftSource("export", path, path.name, int(step.group(1)) if step else None)
-    raise DraftSourceError(
-        f"--checkpoint {value}: neither latest, step_N, untrained, a checkpoint folder (with trainer_state.json) "
-        f"nor a draft folder with {CONFIG_FILE} and *.safetensors"
-    )
-
-
-def _checkpoint(path: Path) -> DraftSource:
-    return DraftSource("checkpoint", path, path.name, int(path.name.removeprefix("step_")))
 
 
 def draft_config_from_export(config_path: Path, recipe: Recipe) -> DraftConfig:

@@ -13,9 +13,10 @@ from typing import Any
 
 from runtime.recipe.schema import EvalSet
 from runtime.shared.chat_tokenize import ChatFormatError, tokenize_prompt
+from runtime.user_errors import UserError
 
 
-class EvalSetError(ValueError):
+class EvalSetError(UserError, ValueError):
     """An eval set that cannot be used; the message names the file, the field and the fix."""
 
 

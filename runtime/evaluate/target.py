@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from runtime.capture.hidden_states import SampleFeatures, decoder_parts
+from runtime.user_errors import UserError
 
 log = logging.getLogger("dspark.evaluate.target")
 
 
-class TargetLoadError(RuntimeError):
+class TargetLoadError(UserError, RuntimeError):
     """The target cannot be loaded for evaluation; the message names the path and the fix."""
 
 

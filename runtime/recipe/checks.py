@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
-from runtime.recipe.schema import SECRET_NAME, Recipe
+from runtime.recipe.schema import Recipe, credentials_in
 from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
 from runtime.recipe.units import format_bytes
 
@@ -35,13 +33,6 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     return problems
 
 
-# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
-# ``HF_TOKEN="..."``) or a credential flag with one (``--api-key abc``); a reference to the environment
-# (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down.
-_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;]|$)(?![\"']?\$)")
-_FLAG = re.compile(r"--([a-z0-9-]*(?:key|token|secret|password)[a-z0-9-]*)(?:=|\s+)(?![\"']?\$)(?=\S)", re.IGNORECASE)
-
-
 def _strings(value: object, path: str) -> list[tuple[str, str]]:
     """Every string in a dumped recipe, with its dotted path (``job.setup[1]``)."""
     if isinstance(value, str):
@@ -61,19 +52,24 @@ def _check_credentials(recipe: Recipe) -> list[Problem]:
     down: the recipe is copied into every job folder and rendered into batch scripts."""
     out: list[Problem] = []
     for path, text in _strings(recipe.model_dump(mode="json"), ""):
-        names = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
-        names += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
+        names = credentials_in(text)
         # One problem per field: an argument list's joined form comes after its elements.
         if names and not any(p.path == path or p.path.startswith(path + "[") for p in out):
             out.append(
                 Problem(
                     path,
                     f"writes a credential into the recipe ({', '.join(names)} with a literal value)",
-                    "export it in the submitting shell instead (both components inherit it), or refer to it as "
-                    f"${names[0].lstrip('-').upper().replace('-', '_')}",
+                    "export it in the submitting shell instead (both components inherit it), and refer to it as "
+                    f"${_variable_name(names[0])}",
                 )
             )
     return out
+
+
+def _variable_name(found: str) -> str:
+    if found.startswith("a token"):
+        return "THE_TOKEN_VARIABLE"
+    return found.lstrip("-").upper().replace("-", "_")
 
 
 def _check_batch(recipe: Recipe) -> list[Problem]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.user_errors import UserError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -27,7 +29,7 @@ class Problem:
         return text
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe (file, overlay or override) that cannot be used, with every problem found."""
 
     def __init__(self, file: str, problems: list[Problem]) -> None:

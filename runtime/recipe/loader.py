@@ -23,7 +23,8 @@ from pydantic import BaseModel, ValidationError
 from runtime.files import atomic_write_text
 from runtime.recipe.checks import check_recipe
 from runtime.recipe.errors import Problem, RecipeError
-from runtime.recipe.schema import SECRET_NAME, Recipe
+from runtime.recipe.schema import SECRET_NAME, Recipe, credentials_in
+from runtime.user_errors import UserError
 
 RESOLVED_FORMAT = "dspark-resolved-recipe/1"
 RESOLVED_FILENAME = "recipe.resolved.json"
@@ -96,22 +97,32 @@ def recipe_digest(recipe: Recipe) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class RecipeLookupError(UserError, FileNotFoundError):
+    """No recipe file by that name or path; the message lists the recipes there are."""
+
+
 def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
     """``tiny`` -> ``recipes/tiny.yaml``; a path is returned as is. Errors list what exists."""
     candidate = Path(name_or_path)
-    if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
-        if not candidate.exists():
-            raise FileNotFoundError(f"recipe file {candidate} does not exist")
+    known = sorted(p.stem for p in recipes_dir.glob("*.y*ml"))
+    if candidate.is_dir():
+        raise RecipeLookupError(f"{candidate} is a folder; fix: give a recipe file (a .yaml) or a recipe name")
+    if candidate.is_file():
         return candidate
+    if candidate.suffix in {".yaml", ".yml"}:
+        raise RecipeLookupError(
+            f"recipe file {candidate} does not exist; fix: check the path, or give a recipe name from {recipes_dir} "
+            f"({', '.join(known)})"
+        )
     for suffix in (".yaml", ".yml"):
         path = recipes_dir / f"{name_or_path}{suffix}"
         if path.exists():
             return path
-    known = sorted(p.stem for p in recipes_dir.glob("*.y*ml"))
     hint = difflib.get_close_matches(name_or_path, known, n=1)
     did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
-    raise FileNotFoundError(
-        f"no recipe named '{name_or_path}' in {recipes_dir}.{did_you_mean} Known recipes: {', '.join(known)}"
+    raise RecipeLookupError(
+        f"no recipe named '{name_or_path}' in {recipes_dir}.{did_you_mean} Known recipes: {', '.join(known)}; fix: "
+        "give one of them, or the path of a recipe file"
     )
 
 
@@ -202,7 +213,9 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     key = key.strip()
     parts = key.split(".")
     if not all(parts):
-        raise RecipeError(file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {item}")])
+        raise RecipeError(
+            file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {redact_override(item)}")]
+        )
     try:
         # A text field takes the text as written (a SHA-256 of digits is not the number 0).
         if _expects_text(parts):
@@ -210,9 +223,19 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
         else:
             value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as exc:
+        shown = redact_override(item).partition("=")[2]
+        problem = str(getattr(exc, "problem", None) or exc).strip()
         raise RecipeError(
-            file, [Problem(key, f"cannot parse value {text!r}: {exc}", "quote it", f"--set {item}")]
-        ) from exc
+            file,
+            [
+                Problem(
+                    key,
+                    f"cannot parse value {shown!r} as YAML ({problem})",
+                    "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'",
+                    f"--set {redact_override(item)}",
+                )
+            ],
+        ) from None
     node: Any = document
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part) if isinstance(node, dict) else None
@@ -222,7 +245,15 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
             raise RecipeError(
-                file, [Problem(key, f"{where} is not a section, so {key} cannot be set", "", f"--set {item}")]
+                file,
+                [
+                    Problem(
+                        key,
+                        f"{where} is not a section, so {key} cannot be set",
+                        f"set {where} itself, or a field of the section that holds it",
+                        f"--set {redact_override(item)}",
+                    )
+                ],
             )
         node = child
     node[parts[-1]] = value
@@ -360,7 +391,7 @@ def _validate(
     try:
         return Recipe.model_validate(document)
     except ValidationError as exc:
-        problems = [_problem_from_error(err, document) for err in exc.errors()]
+        problems = [problem_from_validation_error(err, document) for err in exc.errors()]
         if prefix:
             problems = [
                 Problem(prefix + p.path, p.message, p.fix, _with_source(p, file, origins, {}).source)
@@ -450,7 +481,13 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
+def _field_known(loc: tuple[Any, ...]) -> bool:
+    parent = _model_at(loc[:-1]) if loc else None
+    return parent is not None and str(loc[-1]) in parent.model_fields
+
+
+def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem:
+    """One pydantic error of the recipe (its ``loc`` from the recipe's root) as a :class:`Problem`."""
     loc = tuple(err["loc"])
     path = _dotted(loc)
     kind = err["type"]
@@ -467,6 +504,14 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
         info = parent.model_fields.get(str(loc[-1])) if parent else None
         description = f" ({info.description})" if info and info.description else ""
         return Problem(path, f"required key is missing{description}", f"add {loc[-1]}: <value>")
+    section = _section_type(_model_at(loc[:-1]).model_fields[str(loc[-1])].annotation) if _field_known(loc) else None
+    if kind in {"model_type", "dict_type"} and section is not None:
+        fields = ", ".join(sorted(section.model_fields))
+        return Problem(
+            path,
+            f"is a section, not a single value (got {err.get('input')!r})",
+            f"set a field inside it, e.g. --set {path}.FIELD=VALUE; its fields: {fields}",
+        )
     given = err.get("input")
     if isinstance(given, dict) and loc and loc[-1] == "env":
         given = {k: ("<redacted>" if SECRET_NAME.search(str(k)) else v) for k, v in given.items()}
@@ -481,6 +526,16 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
     if kind in bounds:  # a range error: the fix is the allowed range, not the type
         limit = next(iter((err.get("ctx") or {}).values()), None)
         fix = f"use a value {bounds[kind]} {limit}" + (f" ({expected})" if expected else "")
+    lengths = {
+        "string_too_long": "at most {} characters",
+        "string_too_short": "at least {} characters",
+        "too_long": "at most {} items",
+        "too_short": "at least {} items",
+    }
+    if kind in lengths:
+        ctx = err.get("ctx") or {}
+        limit = ctx.get("max_length", ctx.get("min_length"))
+        fix = "use " + lengths[kind].format(limit)
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
@@ -491,8 +546,9 @@ def _problem_from_error(err: Any, document: dict[str, Any]) -> Problem:
 
 def redact_override(item: str) -> str:
     """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential."""
-    key, sep, _ = item.partition("=")
-    return f"{key}=<redacted>" if sep and SECRET_NAME.search(key.rsplit(".", 1)[-1]) else item
+    key, sep, value = item.partition("=")
+    secret = SECRET_NAME.search(key.rsplit(".", 1)[-1]) or credentials_in(value)
+    return f"{key}=<redacted>" if sep and secret else item
 
 
 def _describe_type(annotation: Any) -> str:

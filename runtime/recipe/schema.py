@@ -26,8 +26,31 @@ def _stringify_scalars(value: Any) -> Any:
     return value
 
 
+MAX_TIME_LIMIT_MIN = 60 * 24 * 366
+"""A year: longer limits are typos (Slurm sites cap jobs at days or weeks)."""
+
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 """Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
+
+# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
+# ``HF_TOKEN="..."``) or a credential flag with one (``--api-key abc``); a reference to the environment
+# (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down.
+_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;]|$)(?![\"']?\$)")
+_FLAG = re.compile(r"--([a-z0-9-]*(?:key|token|secret|password)[a-z0-9-]*)(?:=|\s+)(?![\"']?\$)(?=\S)", re.IGNORECASE)
+# Values shaped like the tokens of well-known services, wherever they appear (a description, a path).
+_TOKEN_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
+)
+
+
+def credentials_in(text: str) -> list[str]:
+    """What in ``text`` writes a credential down: ``NAME`` of a credential variable given a literal value,
+    ``--flag`` of a credential flag given one, or ``a <service> token`` for a value shaped like one."""
+    found = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
+    found += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
+    found += [f"a token shaped like {m.group(0)[:3]}..." for m in _TOKEN_SHAPES.finditer(text)]
+    return found
 
 
 def _refuse_secrets(value: dict[str, str]) -> dict[str, str]:
@@ -109,7 +132,7 @@ class ComponentResources(Section):
 class JobSection(Section):
     """Slurm job settings shared by both components."""
 
-    name: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1, max_length=64)
     """Job name; also the default Mooncake store id and the run folder name (letters, digits, ``_.-``,
     not starting with a dot)."""
 
@@ -129,7 +152,7 @@ class JobSection(Section):
     """Slurm account; null uses the user's default. Never put credentials here."""
     qos: str | None = None
     """Slurm quality of service."""
-    time_limit_min: int = Field(60, ge=1)
+    time_limit_min: int = Field(60, ge=1, le=MAX_TIME_LIMIT_MIN)
     """Wall-clock limit of the whole job in minutes."""
     signal_delay_s: int = Field(120, ge=10)
     """Seconds before the time limit at which Slurm sends USR2 so the job can requeue itself."""
@@ -483,7 +506,7 @@ class DraftConfig(Section):
 class OptimizerConfig(Section):
     """AdamW over fp32 master weights."""
 
-    lr: float = Field(..., gt=0)
+    lr: float = Field(..., gt=0, le=1.0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas, each in [0, 1)."""
@@ -719,7 +742,7 @@ class EvalSection(Section):
     """Where the embedded eval runs: ``auto`` is the first GPU when there is one."""
     compare_untrained: bool = True
     """Also evaluate an untrained draft of the same shape (its floor) in the same run."""
-    time_limit_min: int = Field(60, ge=1)
+    time_limit_min: int = Field(60, ge=1, le=MAX_TIME_LIMIT_MIN)
     """Slurm time limit of the eval job (``python3 -m launcher eval JOB`` without ``--local``)."""
     route: Literal["auto", "embedded", "sglang"] = "auto"
     """How the target decodes: ``embedded`` (our speculative decoder over the transformers target,

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.user_errors import UserError
 
-class StreamingBudgetError(ValueError):
+
+class StreamingBudgetError(UserError, ValueError):
     """A GPU budget or host memory that cannot hold what streaming needs; names both numbers."""
 
 

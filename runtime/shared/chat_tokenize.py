@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.user_errors import UserError
+
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(UserError, ValueError):
     """A chat row or template that cannot be tokenized; the message names the row and the fix."""
 
 
@@ -37,21 +39,29 @@ def check_messages(messages: Any, where: str, require_assistant: bool = True) ->
     """Validate the ``conversations`` field of a chat row; returns it as plain dicts. A training row
     needs an assistant turn (``require_assistant``); a prompt does not."""
     if not isinstance(messages, list) or not messages:
-        raise ChatFormatError(f"{where}: field conversations must be a non-empty list of {{role, content}}")
+        raise ChatFormatError(
+            f"{where}: field conversations must be a non-empty list; fix: give it [{{role, content}}, ...] turns"
+        )
     checked: list[dict[str, str]] = []
     for turn_index, turn in enumerate(messages):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-            raise ChatFormatError(f"{where}: conversations[{turn_index}] must be an object with role and content")
+            raise ChatFormatError(
+                f'{where}: conversations[{turn_index}] is not an object with role and content; fix: write it as {{"role": ..., "content": ...}}'
+            )
         role, content = turn["role"], turn["content"]
         if role not in VALID_ROLES:
             raise ChatFormatError(
-                f"{where}: conversations[{turn_index}].role is {role!r}; use one of {', '.join(VALID_ROLES)}"
+                f"{where}: conversations[{turn_index}].role is {role!r}; fix: use one of {', '.join(VALID_ROLES)}"
             )
         if not isinstance(content, str):
-            raise ChatFormatError(f"{where}: conversations[{turn_index}].content must be a string")
+            raise ChatFormatError(
+                f"{where}: conversations[{turn_index}].content is not a string; fix: write the text as a JSON string"
+            )
         checked.append({"role": role, "content": content})
     if require_assistant and not any(turn["role"] == "assistant" for turn in checked):
-        raise ChatFormatError(f"{where}: no assistant turn, so the loss mask would be empty; drop the row")
+        raise ChatFormatError(
+            f"{where}: no assistant turn, so the loss mask would be empty; fix: drop the row or add the assistant's answer"
+        )
     return checked
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.files import atomic_write_text
+from runtime.user_errors import UserError
 
 MANIFEST_FORMAT = "dspark-data-manifest/1"
 MANIFEST_SUFFIX = ".manifest.json"
@@ -28,7 +29,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HASH_CHUNK_BYTES = 8 * 2**20
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """A data file, row or manifest that cannot be used. The message names the file, the row or
     field, and the fix."""
 
@@ -122,7 +123,10 @@ def resolve_expected_sha256(data_path: str | Path, expected_sha256: str) -> str:
     if expected_sha256 == EXPECTED_FROM_MANIFEST:
         return str(read_manifest(data_path)["sha256"])
     if not _HEX64.match(expected_sha256):
-        raise DataFileError(f"data.expected_sha256 is {expected_sha256!r}: write 64 lowercase hex digits or 'manifest'")
+        raise DataFileError(
+            f"data.expected_sha256 is {expected_sha256!r}; fix: write 64 lowercase hex digits (sha256sum FILE) or "
+            "'manifest'"
+        )
     return expected_sha256
 
 

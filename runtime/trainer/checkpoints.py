@@ -48,52 +48,27 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from runtime.files import atomic_write_text
+from runtime.shared.checkpoint_folders import (
+    LATEST,
+    STATE_FILE,
+    STEP_PREFIX,
+    complete_checkpoints,
+    find_latest,
+    is_complete,
+    step_dir_name,
+)
 from runtime.trainer.distributed import barrier
+from runtime.user_errors import UserError
 
 STATE_FORMAT = "dspark-trainer-state/1"
-STATE_FILE = "trainer_state.json"
 DCP_DIR = "dcp"
-LATEST = "latest"
-STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 
 log = logging.getLogger("dspark.trainer.checkpoints")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names both values and the fix."""
-
-
-def step_dir_name(step: int) -> str:
-    """Folder name of the checkpoint after ``step`` optimizer steps."""
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def is_complete(path: Path) -> bool:
-    """A final-named folder with its trainer state (the last thing written before the rename)."""
-    return path.is_dir() and path.name.startswith(STEP_PREFIX) and (path / STATE_FILE).is_file()
-
-
-def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
-    """Complete checkpoints in ``checkpoint_dir``, oldest first."""
-    if not checkpoint_dir.is_dir():
-        return []
-    found = [p for p in checkpoint_dir.iterdir() if is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
-
-
-def find_latest(checkpoint_dir: Path) -> Path | None:
-    """The newest complete checkpoint (following ``latest`` when it is valid)."""
-    link = checkpoint_dir / LATEST
-    if link.is_symlink() or link.exists():
-        target = (checkpoint_dir / os.readlink(link)) if link.is_symlink() else link
-        if is_complete(target):
-            newest = complete_checkpoints(checkpoint_dir)
-            if newest and int(newest[-1].name[len(STEP_PREFIX) :]) > int(target.name[len(STEP_PREFIX) :]):
-                return newest[-1]  # a crash between the rename and the link update
-            return target
-    found = complete_checkpoints(checkpoint_dir)
-    return found[-1] if found else None
 
 
 def resolve_checkpoint_path(value: str, checkpoint_dir: Path, field: str) -> Path:

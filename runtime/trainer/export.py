@@ -42,10 +42,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from runtime.recipe.schema import Recipe
+from runtime.shared.checkpoint_folders import EXPORT_CONFIG_FILE
 from runtime.trainer.distributed import barrier
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+CONFIG_FILE = EXPORT_CONFIG_FILE
 ARCHITECTURE = "Qwen3DSparkModel"
 IGNORED_ON_IMPORT = ("embed_tokens.", "lm_head.", "rotary_emb.")
 """Name prefixes (after an optional ``model.``) that a draft checkpoint may carry and we ignore,

@@ -16,11 +16,12 @@ import torch
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_JOB_DIR
 from runtime.shared.data_files import resolve_expected_sha256
+from runtime.user_errors import UserError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class TrainerSetupError(ValueError):
+class TrainerSetupError(UserError, ValueError):
     """The recipe or the environment cannot start a trainer; the message names the field and the fix."""
 
 

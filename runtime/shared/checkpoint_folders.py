@@ -1,0 +1,113 @@
+"""Names and completeness of the trainer's checkpoint folders, without torch.
+
+A checkpoint is ``<checkpoint_dir>/step_NNNNNNNN/``; it is complete once its ``trainer_state.json``
+exists (the last thing written before the folder gets its final name). ``latest`` links to the
+newest. The trainer writes them (runtime/trainer/checkpoints.py); the launcher (``--resume``,
+``eval``) and the evaluation read them through these functions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.user_errors import UserError
+
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+STEP_PREFIX = "step_"
+UNTRAINED = "untrained"
+EXPORT_CONFIG_FILE = "config.json"
+"""The config file of an exported draft folder (with its ``*.safetensors``)."""
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint after ``step`` optimizer steps."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A final-named folder with its trainer state (the last thing written before the rename)."""
+    return path.is_dir() and path.name.startswith(STEP_PREFIX) and (path / STATE_FILE).is_file()
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoints in ``checkpoint_dir``, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [p for p in checkpoint_dir.iterdir() if is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def find_latest(checkpoint_dir: Path) -> Path | None:
+    """The newest complete checkpoint (following ``latest`` when it is valid)."""
+    link = checkpoint_dir / LATEST
+    if link.is_symlink() or link.exists():
+        target = (checkpoint_dir / os.readlink(link)) if link.is_symlink() else link
+        if is_complete(target):
+            newest = complete_checkpoints(checkpoint_dir)
+            if newest and int(newest[-1].name[len(STEP_PREFIX) :]) > int(target.name[len(STEP_PREFIX) :]):
+                return newest[-1]  # a crash between the rename and the link update
+            return target
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+class DraftSourceError(UserError, ValueError):
+    """A draft that cannot be evaluated against this target; the message names the file, the field
+    and the fix."""
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    """Where the evaluated draft comes from."""
+
+    kind: str
+    """``checkpoint``, ``export`` or ``untrained``."""
+    path: Path | None
+    label: str
+    """Name in results and folder names: ``step_00000032``, the export folder's name, ``untrained``."""
+    step: int | None
+    """Training step of a checkpoint (or of an ``export-step_N`` folder), else None."""
+
+
+def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
+    """``latest``, ``step_N``, ``N``, ``untrained``, a checkpoint folder or an export folder."""
+    if value == UNTRAINED:
+        return DraftSource(UNTRAINED, None, UNTRAINED, 0)
+    if value == LATEST:
+        found = find_latest(checkpoint_dir)
+        if found is None:
+            raise DraftSourceError(
+                f"--checkpoint latest: {checkpoint_dir} holds no complete checkpoint; fix: train first (the trainer "
+                "writes one every trainer.checkpoint.every_steps), evaluate --checkpoint untrained, or name an export "
+                "folder"
+            )
+        return _checkpoint(found)
+    match = re.fullmatch(r"(?:step_)?(\d+)", value)
+    if match:
+        path = checkpoint_dir / step_dir_name(int(match.group(1)))
+        if not is_complete(path):
+            have = [p.name for p in complete_checkpoints(checkpoint_dir)]
+            raise DraftSourceError(
+                f"--checkpoint {value}: {path} is not a complete checkpoint; this run has "
+                f"{', '.join(have) or 'none'} (keep_last removes older ones); fix: pick one of them"
+            )
+        return _checkpoint(path)
+    path = Path(value).expanduser()
+    if is_complete(path):
+        return _checkpoint(path)
+    if (path / EXPORT_CONFIG_FILE).is_file():
+        step = re.search(r"step_(\d+)$", path.name)
+        return DraftSource("export", path, path.name, int(step.group(1)) if step else None)
+    raise DraftSourceError(
+        f"--checkpoint {value}: neither latest, step_N, untrained, a checkpoint folder (with {STATE_FILE}) nor a "
+        f"draft folder with {EXPORT_CONFIG_FILE} and *.safetensors; fix: use one of those (latest is the newest "
+        "checkpoint)"
+    )
+
+
+def _checkpoint(path: Path) -> DraftSource:
+    return DraftSource("checkpoint", path, path.name, int(path.name.removeprefix(STEP_PREFIX)))

@@ -1,0 +1,1161 @@
+"""The bad-input corpus: every command an operator types, given the mistakes operators make.
+
+Each case runs one command in this process (its ``main``, the same function the command line calls)
+in a fresh folder of job folders, recipes and data files, and asserts what a user must see:
+
+- a non-zero exit and no traceback (an unexpected exception fails the case);
+- the file, field or flag named, and a fix (each case lists the words that must appear);
+- for the damage class, every file that existed before is byte-identical after, and no temporary
+  file is left behind.
+
+The table is the corpus; ``test_corpus_covers_every_command_and_kind`` keeps it from shrinking.
+Nothing here starts a job, a server or a subprocess: the cases stay fast (the developer loop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from launcher import cli as launcher_cli
+from launcher.jobs import JobRecord, write_record
+from runtime.recipe import load_recipe, write_resolved
+from tools import compare_runs, data_prepare, data_verify, smoke_data
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+TINY_DATA = REPO / ".cache" / "tiny" / "data"
+TINY_TOKENIZER = REPO / ".cache" / "tiny" / "target"
+
+COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
+    "launcher": launcher_cli.main,
+    "prepare_data": data_prepare.main,
+    "verify_data": data_verify.main,
+    "compare_runs": compare_runs.main,
+    "derive_smoke_data": smoke_data.main,
+}
+
+KINDS = ("damage", "secret", "load-time", "os", "empty", "message", "value", "flag", "job", "data")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the command, its arguments (``{w}`` is the case's folder) and what must show."""
+
+    id: str
+    kind: str
+    command: str
+    argv: tuple[str, ...]
+    expect: tuple[str, ...]
+    """Substrings of the error output that must appear (the file/field/flag named, the fix)."""
+    setup: Callable[[Path], None] | None = None
+    keep: tuple[str, ...] = ()
+    """Files (relative to the case folder) that must be byte-identical after the command."""
+    needs_tiny: bool = False
+    """The case reads the tiny target/data (built by tools/make_tiny_target)."""
+    not_root: bool = False
+    """Permission cases: root reads everything, so they are skipped as root."""
+    forbid: tuple[str, ...] = field(default=())
+    """Substrings that must NOT appear (e.g. a secret's value)."""
+
+
+# -- the world each case starts from -------------------------------------------------------------
+
+METRICS_ROWS = [
+    {"step": 1, "loss": 5.0, "lr": 0.001, "acc@0": 0.1, "time": 1.0},
+    {"step": 2, "loss": 4.5, "lr": 0.002, "acc@0": 0.2, "time": 2.0},
+]
+
+
+def _job(world: Path, name: str, job_id: str, *, smoke: bool = False, metrics: bool = True) -> Path:
+    loaded = load_recipe(TINY, smoke=smoke, display_name="recipes/tiny.yaml")
+    job_dir = world / "runs" / "tiny" / name
+    write_resolved(loaded, job_dir, REPO)
+    (job_dir / "logs").mkdir()
+    record = JobRecord(
+        job_id=job_id,
+        mode="local",
+        name="tiny",
+        job_dir=str(job_dir),
+        recipe_source="recipes/tiny.yaml",
+        recipe_digest=loaded.digest,
+        smoke=smoke,
+        probe=False,
+        components={"capture": 1, "trainer": 4},
+        supervisor_pid=None,
+    )
+    write_record(record, world / "runs")
+    for component, count in record.components.items():
+        for rank in range(count):
+            record.log_path(component, rank).write_text(f"{component} {rank} done\n")
+    if metrics:
+        (job_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in METRICS_ROWS))
+    status = {c: {"state": "COMPLETED", "tasks": n, "exit_codes": {}} for c, n in record.components.items()}
+    (job_dir / "local_status.json").write_text(json.dumps(status))
+    return job_dir
+
+
+def build_world(world: Path) -> None:
+    """Recipes, data, a finished job (``runs/tiny/done``, id ``local-1``), a finished smoke job
+    (``local-2``) and a job that never stepped (``local-3``)."""
+    (world / "recipes").mkdir(parents=True)
+    shutil.copy(TINY, world / "recipes" / "tiny.yaml")
+    (world / "data").mkdir()
+    if TINY_DATA.exists():
+        for name in ("train.jsonl", "train.jsonl.manifest.json", "chat.jsonl"):
+            shutil.copy(TINY_DATA / name, world / "data" / name)
+    _job(world, "done", "local-1")
+    _job(world, "smoke", "local-2", smoke=True)
+    _job(world, "fresh", "local-3", metrics=False)
+
+
+def write(relative: str, content: str | bytes) -> Callable[[Path], None]:
+    """A setup step that writes one file of the case folder."""
+
+    def step(world: Path) -> None:
+        path = world / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+    return step
+
+
+def tiny_with(old: str, new: str, name: str = "bad.yaml") -> Callable[[Path], None]:
+    """A setup step writing ``recipes/<name>``: the tiny recipe with one text replaced."""
+
+    def step(world: Path) -> None:
+        text = TINY.read_text()
+        assert old in text, old
+        (world / "recipes" / name).write_text(text.replace(old, new, 1))
+
+    return step
+
+
+def mkdir(relative: str) -> Callable[[Path], None]:
+    """A setup step making a folder."""
+    return lambda world: (world / relative).mkdir(parents=True, exist_ok=True)
+
+
+def chmod(relative: str, mode: int) -> Callable[[Path], None]:
+    """A setup step changing a file's permissions."""
+    return lambda world: os.chmod(world / relative, mode)
+
+
+def steps(*parts: Callable[[Path], None]) -> Callable[[Path], None]:
+    """Several setup steps in order."""
+
+    def step(world: Path) -> None:
+        for part in parts:
+            part(world)
+
+    return step
+
+
+DRY = ("--dry-run",)
+JOB = "{w}/runs/tiny/done"
+SMOKE_JOB = "{w}/runs/tiny/smoke"
+FRESH_JOB = "{w}/runs/tiny/fresh"
+RUNS = ("--runs-dir", "{w}/runs")
+SHA_OF_NOTHING = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def L(*argv: str) -> tuple[str, ...]:
+    return argv
+
+
+# -- the corpus ----------------------------------------------------------------------------------
+
+RECIPE_VALUES = [
+    # --set on the tiny recipe: bad values name the field, the origin (--set) and the allowed range.
+    ("lr-text", "trainer.optimizer.lr=fast", ("trainer.optimizer.lr", "--set")),
+    ("lr-negative", "trainer.optimizer.lr=-1e-4", ("trainer.optimizer.lr", "greater than")),
+    ("lr-absurd", "trainer.optimizer.lr=50", ("trainer.optimizer.lr", "less than")),
+    ("lr-nan", "trainer.optimizer.lr=nan", ("trainer.optimizer.lr", "finite")),
+    ("betas-one", "trainer.optimizer.betas=[0.9]", ("trainer.optimizer.betas",)),
+    ("micro-batch-zero", "trainer.micro_batch_size=0", ("trainer.micro_batch_size", "greater than")),
+    ("grad-accum-negative", "trainer.gradient_accumulation_steps=-2", ("trainer.gradient_accumulation_steps",)),
+    ("global-batch-mismatch", "trainer.global_batch_size=7", ("global_batch_size", "fix")),
+    ("epochs-zero", "trainer.epochs=0", ("trainer.epochs",)),
+    ("time-limit-zero", "job.time_limit_min=0", ("job.time_limit_min",)),
+    ("time-limit-absurd", "job.time_limit_min=99999999", ("job.time_limit_min", "less than")),
+    ("name-empty", "job.name=", ("job.name",)),
+    ("name-slash", "job.name=a/b", ("job.name", "plain folder name")),
+    ("name-too-long", "job.name=" + "n" * 300, ("job.name",)),
+    ("port-too-high", "transport.master_rpc_port=70000", ("transport.master_rpc_port", "65535")),
+    ("port-zero", "transport.metadata_http_port=0", ("transport.metadata_http_port",)),
+    ("port-clash", "transport.metrics_port=50151", ("50151", "fix")),
+    ("master-port-clash", "job.master_port=50151", ("50151", "job.master_port")),
+    ("watermarks-swapped", "transport.low_watermark_samples=64", ("low_watermark_samples", "fix")),
+    ("bytes-garbage", "transport.global_segment_bytes=lots", ("transport.global_segment_bytes",)),
+    ("bytes-negative", "transport.local_buffer_bytes=-5MiB", ("transport.local_buffer_bytes",)),
+    ("sha-short", "data.expected_sha256=abc", ("data.expected_sha256", "64")),
+    ("sha-non-hex", "data.expected_sha256=" + "z" * 64, ("data.expected_sha256",)),
+    ("vocab-zero", "capture.vocab_size=0", ("capture.vocab_size",)),
+    ("aux-layer-out-of-range", "capture.aux_layer_ids=[1, 3, 99]", ("aux_layer_ids", "99")),
+    ("block-size-zero", "trainer.draft.block_size=0", ("trainer.draft.block_size",)),
+    ("heads-not-dividing", "trainer.draft.num_key_value_heads=3", ("num_key_value_heads",)),
+    ("device-typo", "trainer.device=gpu", ("trainer.device",)),
+    ("cuda-without-gpus", "trainer.device=cuda", ("trainer.device", "gpus_per_node")),
+    ("dtype-typo", "trainer.param_dtype=float31", ("trainer.param_dtype",)),
+    ("engine-typo", "capture.engine=sglangg", ("capture.engine",)),
+    ("keep-last-zero", "trainer.checkpoint.keep_last=0", ("trainer.checkpoint.keep_last",)),
+    ("stop-grace-negative", "job.stop_grace_s=-1", ("job.stop_grace_s",)),
+    ("seed-text", "trainer.seed=seven", ("trainer.seed",)),
+    ("unknown-field", "trainer.optimzer.lr=1e-4", ("trainer.optimzer", "optimizer")),
+    ("unknown-section", "traner.seed=1", ("traner",)),
+    ("no-equals", "trainer.seed", ("--set", "trainer.seed=VALUE")),
+    ("empty-key", "=3", ("--set",)),
+    ("set-on-section", "trainer=3", ("trainer",)),
+    ("broken-list", "capture.aux_layer_ids=[1, 3", ("capture.aux_layer_ids",)),
+    ("smoke-typo", "smoke.trainer.max_stepz=3", ("smoke", "max_stepz")),
+    ("eval-negative-temperature", "eval.temperatures=[-1]", ("eval.temperatures",)),
+    ("eval-zero-tokens", "eval.max_new_tokens=0", ("eval.max_new_tokens",)),
+    ("log-every-zero", "trainer.log_every_steps=0", ("trainer.log_every_steps",)),
+    ("warmup-negative", "trainer.schedule.warmup_steps=-1", ("trainer.schedule.warmup_steps",)),
+]
+
+LOAD_TIME = {
+    "global-batch-mismatch",
+    "port-clash",
+    "master-port-clash",
+    "watermarks-swapped",
+    "aux-layer-out-of-range",
+    "heads-not-dividing",
+    "cuda-without-gpus",
+}
+"""Cross-field checks that would otherwise fail inside the running job."""
+
+CASES: list[Case] = [
+    Case(
+        f"set-{name}",
+        "load-time" if name in LOAD_TIME else "value",
+        "launcher",
+        ("tiny", *DRY, "--set", override),
+        expect,
+    )
+    for name, override, expect in RECIPE_VALUES
+]
+CASES.append(
+    Case(
+        "set-ranks-beyond-gpus",
+        "load-time",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.device=cuda", "--set", "job.trainer.gpus_per_node=2"),
+        ("tasks_per_node", "gpus_per_node"),
+    )
+)
+
+CASES += [
+    # -- secrets: a credential anywhere the recipe renders is refused, and its value is never echoed
+    Case(
+        "secret-in-setup",
+        "secret",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.setup", "submitting shell"),
+        setup=tiny_with("  setup:\n", "  setup:\n    - export WANDB_API_KEY=abcd1234efgh5678ijkl\n"),
+        forbid=("abcd1234efgh5678ijkl",),
+    ),
+    Case(
+        "secret-in-set-setup",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", "job.setup=['export HF_TOKEN=hf_abcdefghijklmnopqrstuv']"),
+        ("job.setup",),
+        forbid=("hf_abcdefghijklmnopqrstuv",),
+    ),
+    Case(
+        "secret-in-env",
+        "secret",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.env", "submitting shell"),
+        setup=tiny_with(
+            "  master_port: 29511\n", "  master_port: 29511\n  env:\n    HF_TOKEN: hf_zyxwvutsrqponmlkjihgf\n"
+        ),
+        forbid=("hf_zyxwvutsrqponmlkjihgf",),
+    ),
+    Case(
+        "secret-in-description",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", "description=key sk-abcdefghijklmnopqrstuvwxyz123456"),
+        ("description",),
+        forbid=("sk-abcdefghijklmnopqrstuvwxyz123456",),
+    ),
+    Case(
+        "secret-in-api-key-env-value",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", "job.python=WANDB_API_KEY=0123456789abcdef0123456789abcdef python3"),
+        ("job.python",),
+        forbid=("0123456789abcdef0123456789abcdef",),
+    ),
+]
+
+CASES += [
+    # -- recipe files
+    Case("recipe-missing", "os", "launcher", ("{w}/recipes/nope.yaml", *DRY), ("nope.yaml",)),
+    Case("recipe-name-typo", "message", "launcher", ("tinyy", *DRY), ("tinyy", "tiny")),
+    Case("recipe-is-folder", "os", "launcher", ("{w}/recipes", *DRY), ("recipes", "folder")),
+    Case(
+        "recipe-empty",
+        "empty",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("bad.yaml", "empty"),
+        write("recipes/bad.yaml", ""),
+    ),
+    Case(
+        "recipe-indentation",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("bad.yaml", "indent"),
+        tiny_with("  time_limit_min: 30\n", "   time_limit_min: 30\n"),
+    ),
+    Case(
+        "recipe-tab",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("bad.yaml", "tab"),
+        tiny_with("  time_limit_min: 30\n", "\ttime_limit_min: 30\n"),
+    ),
+    Case(
+        "recipe-top-level-list",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("bad.yaml", "mapping"),
+        write("recipes/bad.yaml", "- job\n- trainer\n"),
+    ),
+    Case(
+        "recipe-unquoted-zero-sha",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("data.expected_sha256", "quote"),
+        tiny_with(
+            "expected_sha256: 8da918251c75e94b8b2b0259a548beb273ecd2e714687968f478934e61986ace",
+            "expected_sha256: " + "0" * 64,
+        ),
+    ),
+    Case(
+        "recipe-number-as-name",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.name",),
+        tiny_with("  name: tiny\n", "  name: 12\n"),
+    ),
+    Case(
+        "recipe-binary",
+        "os",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("bad.yaml", "UTF-8"),
+        write("recipes/bad.yaml", bytes(range(256))),
+    ),
+    Case(
+        "recipe-unknown-section",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("trainr",),
+        tiny_with("\ntrainer:\n", "\ntrainr:\n  seed: 1\ntrainer:\n"),
+    ),
+    Case(
+        "recipe-missing-section",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("transport",),
+        write("recipes/bad.yaml", TINY.read_text().split("\ntransport:\n")[0] + "\n"),
+    ),
+    Case(
+        "recipe-empty-env-var",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml",),
+        ("DSPARK_TEST_EMPTY_DIR", "empty"),
+        tiny_with(
+            "  train_path: .cache/tiny/data/train.jsonl\n", "  train_path: ${DSPARK_TEST_EMPTY_DIR}/train.jsonl\n"
+        ),
+    ),
+    Case(
+        "recipe-unset-env-var",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml",),
+        ("DSPARK_TEST_UNSET_DIR", "not set"),
+        tiny_with(
+            "  train_path: .cache/tiny/data/train.jsonl\n", "  train_path: ${DSPARK_TEST_UNSET_DIR}/train.jsonl\n"
+        ),
+    ),
+    Case(
+        "recipe-unreadable",
+        "os",
+        "launcher",
+        ("{w}/recipes/tiny.yaml", *DRY),
+        ("tiny.yaml", "permission"),
+        chmod("recipes/tiny.yaml", 0),
+        not_root=True,
+    ),
+    Case(
+        "recipe-data-missing",
+        "data",
+        "verify_data",
+        ("--recipe", "{w}/recipes/bad.yaml"),
+        ("nowhere.jsonl",),
+        tiny_with("  train_path: .cache/tiny/data/train.jsonl\n", "  train_path: /nonexistent/nowhere.jsonl\n"),
+    ),
+]
+
+CASES += [
+    # -- launcher flags
+    Case("flag-unknown", "flag", "launcher", ("tiny", "--dryrun"), ("--dryrun",)),
+    Case("flag-two-modes", "flag", "launcher", ("tiny", "--dry-run", "--local"), ("--local", "--dry-run")),
+    Case("flag-resume-unknown", "job", "launcher", ("tiny", *DRY, "--resume", "no-such-job"), ("no-such-job", "fix")),
+    Case(
+        "flag-resume-other-recipe",
+        "job",
+        "launcher",
+        ("tiny", "--plan", "--resume", JOB, "--set", "trainer.draft.markov_rank=16"),
+        ("trainer.draft.markov_rank", "was 32"),
+    ),
+    Case(
+        "flag-resume-broken-record",
+        "job",
+        "launcher",
+        ("tiny", *DRY, "--resume", JOB),
+        ("job.json",),
+        write("runs/tiny/done/job.json", "{not json"),
+        keep=("runs/tiny/done/job.json",),
+    ),
+    Case("flag-no-recipe", "flag", "launcher", (), ("recipe",)),
+    Case("flag-subcommand-typo", "flag", "launcher", ("stauts", "latest"), ("stauts",)),
+]
+
+# -- job commands: status, logs, cancel, gate, plots
+JOB_COMMANDS: list[Case] = []
+for command in ("status", "logs", "cancel", "gate", "plots"):
+    JOB_COMMANDS += [
+        Case(f"{command}-unknown-job", "job", "launcher", (command, "no-such-job", *RUNS), ("no-such-job", "fix")),
+        Case(
+            f"{command}-folder-without-record",
+            "job",
+            "launcher",
+            (command, "{w}/data", *RUNS),
+            ("data", "job.json"),
+        ),
+        Case(
+            f"{command}-malformed-record",
+            "os",
+            "launcher",
+            (command, JOB, *RUNS),
+            ("job.json", "fix"),
+            write("runs/tiny/done/job.json", '{"job_id": "local-1", '),
+            keep=("runs/tiny/done/job.json",),
+        ),
+        Case(
+            f"{command}-record-is-folder",
+            "os",
+            "launcher",
+            (command, "{w}/runs/tiny/weird", *RUNS),
+            ("job.json", "folder"),
+            mkdir("runs/tiny/weird/job.json"),
+        ),
+        Case(
+            f"{command}-record-wrong-fields",
+            "job",
+            "launcher",
+            (command, JOB, *RUNS),
+            ("job.json", "fix"),
+            write("runs/tiny/done/job.json", json.dumps({"job": "x", "mode": "local"})),
+        ),
+        Case(
+            f"{command}-record-binary",
+            "os",
+            "launcher",
+            (command, JOB, *RUNS),
+            ("job.json",),
+            write("runs/tiny/done/job.json", b"\xff\xfe\x00garbage"),
+        ),
+    ]
+CASES += JOB_COMMANDS
+
+CASES += [
+    Case("logs-rank-out-of-range", "job", "launcher", ("logs", JOB, "--rank", "99"), ("99", "trainer ranks 0..3")),
+    Case("logs-rank-negative", "job", "launcher", ("logs", JOB, "--rank", "-1"), ("-1", "ranks 0..")),
+    Case("logs-rank-text", "flag", "launcher", ("logs", JOB, "--rank", "one"), ("--rank", "one")),
+    Case("logs-component-typo", "flag", "launcher", ("logs", JOB, "--component", "trainr"), ("--component", "trainr")),
+    Case(
+        "logs-capture-rank-9",
+        "job",
+        "launcher",
+        ("logs", JOB, "--component", "capture", "--rank", "9"),
+        ("capture", "9", "ranks 0..0"),
+    ),
+    Case(
+        "status-malformed-local-status",
+        "os",
+        "launcher",
+        ("status", JOB),
+        ("local_status.json",),
+        write("runs/tiny/done/local_status.json", "{"),
+        keep=("runs/tiny/done/local_status.json",),
+    ),
+    Case(
+        "status-runs-dir-is-file",
+        "os",
+        "launcher",
+        ("status", "latest", "--runs-dir", "{w}/data/train.jsonl"),
+        ("train.jsonl",),
+        needs_tiny=True,
+    ),
+    Case(
+        "gate-not-smoke",
+        "damage",
+        "launcher",
+        ("gate", JOB),
+        ("not a --smoke job", "nothing was written"),
+        keep=("runs/tiny/done/job.json", "runs/tiny/done/local_status.json"),
+    ),
+    Case(
+        "cancel-finished-local-reused-pid",
+        "damage",
+        "launcher",
+        ("cancel", JOB),
+        ("local-1",),
+        setup=lambda w: _record_pid(w, os.getpid()),
+    ),
+    Case("plots-no-steps", "empty", "launcher", ("plots", FRESH_JOB), ("metrics.jsonl",)),
+    Case(
+        "plots-empty-metrics",
+        "empty",
+        "launcher",
+        ("plots", FRESH_JOB),
+        ("metrics.jsonl", "no metrics record"),
+        write("runs/tiny/fresh/metrics.jsonl", ""),
+    ),
+    Case(
+        "plots-binary-metrics",
+        "os",
+        "launcher",
+        ("plots", FRESH_JOB),
+        ("metrics.jsonl", "not a text metrics file"),
+        write("runs/tiny/fresh/metrics.jsonl", b"\x00\xff\xfe" * 50),
+    ),
+]
+
+
+def _record_pid(world: Path, pid: int) -> None:
+    """Make job local-1 record a supervisor pid that is alive but is not a supervisor (this test)."""
+    path = world / "runs" / "tiny" / "done" / "job.json"
+    data = json.loads(path.read_text())
+    data["supervisor_pid"] = pid
+    path.write_text(json.dumps(data))
+    status = {
+        c: {"state": "RUNNING", "tasks": n, "exit_codes": {}, "pids": {"0": pid}} for c, n in data["components"].items()
+    }
+    (path.parent / "local_status.json").write_text(json.dumps(status))
+
+
+CASES += [
+    # -- resolve: a job folder's recorded recipe is never rewritten
+    Case(
+        "resolve-other-recipe-over-job",
+        "damage",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", JOB, "--set", "trainer.seed=8"),
+        ("recipe.resolved.json", "never rewritten", "new --job-dir"),
+        keep=("runs/tiny/done/recipe.resolved.json",),
+    ),
+    Case(
+        "resolve-broken-resolved",
+        "damage",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", JOB),
+        ("recipe.resolved.json", "new --job-dir"),
+        write("runs/tiny/done/recipe.resolved.json", "{"),
+        keep=("runs/tiny/done/recipe.resolved.json",),
+    ),
+    Case(
+        "resolve-job-dir-is-file",
+        "os",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/recipes/tiny.yaml"),
+        ("tiny.yaml",),
+        keep=("recipes/tiny.yaml",),
+    ),
+    Case("resolve-no-job-dir", "flag", "launcher", ("resolve", "tiny"), ("--job-dir",)),
+    Case(
+        "resolve-bad-recipe",
+        "value",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/new", "--set", "trainer.seed=x"),
+        ("trainer.seed",),
+    ),
+    # -- render
+    Case("render-unknown", "message", "launcher", ("render", "nosuch", "--stdout"), ("nosuch",)),
+    Case(
+        "render-bad-file",
+        "value",
+        "launcher",
+        ("render", "{w}/recipes/bad.yaml", "--stdout"),
+        ("bad.yaml",),
+        write("recipes/bad.yaml", "job: [\n"),
+    ),
+    # -- eval
+    Case("eval-unknown-job", "job", "launcher", ("eval", "no-such-job", *RUNS), ("no-such-job", "fix")),
+    Case("eval-no-checkpoint", "empty", "launcher", ("eval", FRESH_JOB, "--local"), ("checkpoint", "fix")),
+    Case(
+        "eval-step-missing",
+        "job",
+        "launcher",
+        ("eval", JOB, "--local", "--checkpoint", "step_999"),
+        ("step_999",),
+    ),
+    Case(
+        "eval-checkpoint-word",
+        "job",
+        "launcher",
+        ("eval", JOB, "--local", "--checkpoint", "newest"),
+        ("newest", "latest"),
+    ),
+    Case(
+        "eval-set-unknown",
+        "value",
+        "launcher",
+        ("eval", JOB, "--local", "--eval-set", "nope"),
+        ("nope", "tiny-heldout"),
+    ),
+    Case(
+        "eval-set-not-eval",
+        "value",
+        "launcher",
+        ("eval", JOB, "--local", "--set", "trainer.seed=3"),
+        ("trainer.seed", "eval."),
+    ),
+    Case(
+        "eval-set-bad-value",
+        "value",
+        "launcher",
+        ("eval", JOB, "--local", "--set", "eval.batch_size=zero"),
+        ("eval.batch_size",),
+    ),
+    Case(
+        "eval-out-is-file",
+        "os",
+        "launcher",
+        ("eval", JOB, "--local", "--checkpoint", "untrained", "--out", "{w}/recipes/tiny.yaml"),
+        ("tiny.yaml", "--out"),
+        keep=("recipes/tiny.yaml",),
+    ),
+]
+
+# -- tools/prepare_data
+PREP = ("--tokenizer", str(TINY_TOKENIZER), "--max-length", "256")
+GOOD_CHAT = (
+    json.dumps(
+        {"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    )
+    + "\n"
+)
+CASES += [
+    Case("prep-no-args", "flag", "prepare_data", (), ("--input", "--recipe")),
+    Case(
+        "prep-input-missing",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/nope.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("nope.jsonl", "--input"),
+    ),
+    Case(
+        "prep-input-folder",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/data", "--output", "{w}/o.jsonl", *PREP),
+        ("data", "folder"),
+    ),
+    Case(
+        "prep-input-binary",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/bin.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("bin.jsonl", "UTF-8"),
+        write("bin.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00\xff"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-input-bad-json",
+        "data",
+        "prepare_data",
+        ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("c.jsonl", "line 2", "JSON"),
+        write("c.jsonl", GOOD_CHAT + "{oops\n"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-input-no-conversations",
+        "data",
+        "prepare_data",
+        ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("c.jsonl", "conversations"),
+        write("c.jsonl", json.dumps({"id": "a", "messages": []}) + "\n"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-input-empty",
+        "empty",
+        "prepare_data",
+        ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("c.jsonl", "no rows"),
+        write("c.jsonl", ""),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-bad-role",
+        "data",
+        "prepare_data",
+        ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("c.jsonl", "robot"),
+        write("c.jsonl", json.dumps({"id": "a", "conversations": [{"role": "robot", "content": "x"}]}) + "\n"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-output-is-folder",
+        "damage",
+        "prepare_data",
+        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/data", *PREP),
+        ("data", "folder"),
+        keep=("data/chat.jsonl", "data/train.jsonl"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-output-under-a-file",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/recipes/tiny.yaml/o.jsonl", *PREP),
+        ("tiny.yaml", "is a file"),
+        keep=("recipes/tiny.yaml",),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-over-verified-file",
+        "damage",
+        "prepare_data",
+        ("--input", "{w}/c.jsonl", "--output", "{w}/data/train.jsonl", *PREP),
+        ("train.jsonl", "pins", "another --output"),
+        write("c.jsonl", GOOD_CHAT),
+        keep=("data/train.jsonl", "data/train.jsonl.manifest.json"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-output-equals-input",
+        "damage",
+        "prepare_data",
+        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/data/chat.jsonl", *PREP),
+        ("chat.jsonl", "--output"),
+        keep=("data/chat.jsonl",),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-tokenizer-missing",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", "--tokenizer", "{w}/tok", "--max-length", "64"),
+        ("tok", "--tokenizer"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-max-length-zero",
+        "value",
+        "prepare_data",
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            "--tokenizer",
+            str(TINY_TOKENIZER),
+            "--max-length",
+            "0",
+        ),
+        ("--max-length",),
+        needs_tiny=True,
+    ),
+    Case("prep-max-length-text", "flag", "prepare_data", ("--max-length", "long"), ("--max-length", "long")),
+    Case(
+        "prep-openai-no-url",
+        "value",
+        "prepare_data",
+        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", *PREP, "--regenerate", "openai"),
+        ("--server-url", "--server-model"),
+        needs_tiny=True,
+    ),
+    Case(
+        "prep-api-key-env-unset",
+        "secret",
+        "prepare_data",
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            *PREP,
+            "--regenerate",
+            "openai",
+            "--server-url",
+            "http://127.0.0.1:9",
+            "--server-model",
+            "m",
+            "--api-key-env",
+            "DSPARK_TEST_NO_SUCH_KEY",
+        ),
+        ("DSPARK_TEST_NO_SUCH_KEY",),
+        needs_tiny=True,
+    ),
+    Case("prep-recipe-unknown", "message", "prepare_data", ("--recipe", "nosuch"), ("nosuch",)),
+    Case(
+        "prep-negative-temperature",
+        "value",
+        "prepare_data",
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            *PREP,
+            "--regenerate",
+            "embedded",
+            "--temperature",
+            "-1",
+        ),
+        ("--temperature",),
+        needs_tiny=True,
+    ),
+]
+
+# -- tools/verify_data
+CASES += [
+    Case("verify-no-args", "flag", "verify_data", (), ("--recipe",)),
+    Case("verify-missing", "os", "verify_data", ("{w}/nope.jsonl",), ("nope.jsonl",)),
+    Case("verify-folder", "os", "verify_data", ("{w}/data",), ("data", "folder")),
+    Case("verify-binary", "os", "verify_data", ("{w}/b.jsonl",), ("b.jsonl",), write("b.jsonl", b"\x00\x01\xff\xfe")),
+    Case("verify-empty", "empty", "verify_data", ("{w}/e.jsonl",), ("e.jsonl", "no rows"), write("e.jsonl", "")),
+    Case("verify-bad-json", "data", "verify_data", ("{w}/b.jsonl",), ("b.jsonl", "line 1"), write("b.jsonl", "{x\n")),
+    Case(
+        "verify-missing-ids",
+        "data",
+        "verify_data",
+        ("{w}/b.jsonl",),
+        ("b.jsonl", "input_ids"),
+        write("b.jsonl", json.dumps({"id": "a", "loss_mask": [1]}) + "\n"),
+    ),
+    Case(
+        "verify-sha-short",
+        "value",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--expected-sha256", "abc"),
+        ("abc", "64"),
+        needs_tiny=True,
+    ),
+    Case(
+        "verify-sha-manifest-missing",
+        "data",
+        "verify_data",
+        ("{w}/t.jsonl", "--expected-sha256", "manifest"),
+        ("manifest",),
+        lambda w: shutil.copy(TINY_DATA / "train.jsonl", w / "t.jsonl"),
+        needs_tiny=True,
+    ),
+    Case(
+        "verify-vocab-zero",
+        "value",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--vocab-size", "0"),
+        ("--vocab-size",),
+        needs_tiny=True,
+    ),
+    Case(
+        "verify-vocab-text", "flag", "verify_data", ("{w}/data/train.jsonl", "--vocab-size", "big"), ("--vocab-size",)
+    ),
+    Case(
+        "verify-rows-negative",
+        "value",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--rows", "-1"),
+        ("--rows",),
+        needs_tiny=True,
+    ),
+    Case("verify-recipe-unknown", "message", "verify_data", ("--recipe", "nosuch"), ("nosuch",)),
+    Case(
+        "verify-max-length-zero",
+        "value",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--max-length", "0"),
+        ("--max-length",),
+        needs_tiny=True,
+    ),
+    Case(
+        "verify-unreadable",
+        "os",
+        "verify_data",
+        ("{w}/data/train.jsonl",),
+        ("train.jsonl", "permission"),
+        chmod("data/train.jsonl", 0),
+        not_root=True,
+        needs_tiny=True,
+    ),
+]
+
+# -- tools/compare_runs
+CASES += [
+    Case("compare-missing", "os", "compare_runs", ("{w}/nope",), ("nope", "metrics.jsonl")),
+    Case("compare-folder-without-metrics", "empty", "compare_runs", ("{w}/data",), ("metrics.jsonl",)),
+    Case("compare-no-steps", "empty", "compare_runs", (FRESH_JOB,), ("metrics.jsonl",)),
+    Case(
+        "compare-empty-metrics",
+        "empty",
+        "compare_runs",
+        (FRESH_JOB,),
+        ("no metrics record",),
+        write("runs/tiny/fresh/metrics.jsonl", ""),
+    ),
+    Case(
+        "compare-binary",
+        "os",
+        "compare_runs",
+        (FRESH_JOB,),
+        ("not a text metrics file",),
+        write("runs/tiny/fresh/metrics.jsonl", b"\xff\x00" * 40),
+    ),
+    Case(
+        "compare-line-without-step",
+        "data",
+        "compare_runs",
+        (FRESH_JOB,),
+        ("metrics.jsonl:2", "step"),
+        write(
+            "runs/tiny/fresh/metrics.jsonl",
+            json.dumps({"step": 1, "loss": 1.0}) + "\n" + json.dumps({"loss": 2}) + "\n",
+        ),
+    ),
+    Case("compare-b-missing", "os", "compare_runs", (JOB, "{w}/nope"), ("nope",)),
+    Case(
+        "compare-out-is-file",
+        "os",
+        "compare_runs",
+        (JOB, "--out", "{w}/recipes/tiny.yaml"),
+        ("tiny.yaml", "--out"),
+        keep=("recipes/tiny.yaml",),
+    ),
+    Case("compare-top-negative", "value", "compare_runs", (JOB, JOB, "--top", "-1", "--no-plots"), ("--top",)),
+    Case("compare-top-text", "flag", "compare_runs", (JOB, "--top", "many"), ("--top",)),
+    Case(
+        "compare-metrics-is-folder",
+        "os",
+        "compare_runs",
+        (FRESH_JOB,),
+        ("metrics.jsonl", "folder"),
+        mkdir("runs/tiny/fresh/metrics.jsonl"),
+    ),
+    Case(
+        "compare-step-not-integer",
+        "data",
+        "compare_runs",
+        (FRESH_JOB,),
+        ("metrics.jsonl:1",),
+        write("runs/tiny/fresh/metrics.jsonl", json.dumps({"step": "one", "loss": 1.0}) + "\n"),
+    ),
+]
+
+# -- tools/derive_smoke_data
+CASES += [
+    Case("smoke-data-no-args", "flag", "derive_smoke_data", (), ("--recipe",)),
+    Case(
+        "smoke-data-input-missing",
+        "os",
+        "derive_smoke_data",
+        ("--input", "{w}/nope.jsonl", "--expected-sha256", SHA_OF_NOTHING, "--rows", "2", "--output", "{w}/s.jsonl"),
+        ("nope.jsonl",),
+    ),
+    Case(
+        "smoke-data-too-few-rows",
+        "data",
+        "derive_smoke_data",
+        ("--input", "{w}/e.jsonl", "--expected-sha256", SHA_OF_NOTHING, "--rows", "2", "--output", "{w}/s.jsonl"),
+        ("e.jsonl", "2"),
+        write("e.jsonl", ""),
+    ),
+    Case(
+        "smoke-data-sha-mismatch",
+        "data",
+        "derive_smoke_data",
+        (
+            "--input",
+            "{w}/data/train.jsonl",
+            "--expected-sha256",
+            SHA_OF_NOTHING,
+            "--rows",
+            "2",
+            "--output",
+            "{w}/s.jsonl",
+        ),
+        ("train.jsonl", "--expected-sha256"),
+        needs_tiny=True,
+    ),
+    Case(
+        "smoke-data-output-over-input",
+        "damage",
+        "derive_smoke_data",
+        (
+            "--input",
+            "{w}/data/train.jsonl",
+            "--expected-sha256",
+            "manifest",
+            "--rows",
+            "2",
+            "--output",
+            "{w}/data/train.jsonl",
+        ),
+        ("train.jsonl", "--output"),
+        keep=("data/train.jsonl", "data/train.jsonl.manifest.json"),
+        needs_tiny=True,
+    ),
+    Case(
+        "smoke-data-rows-zero",
+        "value",
+        "derive_smoke_data",
+        ("--input", "{w}/data/train.jsonl", "--expected-sha256", "manifest", "--rows", "0", "--output", "{w}/s.jsonl"),
+        ("--rows",),
+        needs_tiny=True,
+    ),
+    Case("smoke-data-recipe-unknown", "message", "derive_smoke_data", ("--recipe", "nosuch"), ("nosuch",)),
+]
+
+
+# -- running one case ----------------------------------------------------------------------------
+
+
+def _snapshot(world: Path, relative: tuple[str, ...]) -> dict[str, str]:
+    return {name: hashlib.sha256((world / name).read_bytes()).hexdigest() for name in relative}
+
+
+def run_case(case: Case, world: Path, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Run the case's command in-process; returns (exit code, stdout + stderr, a child's included)."""
+    argv = [part.replace("{w}", str(world)) for part in case.argv]
+    capfd.readouterr()
+    try:
+        code = COMMANDS[case.command](argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    world = tmp_path_factory.mktemp("bad-inputs-template")
+    build_world(world)
+    return world
+
+
+@pytest.fixture
+def world(template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    target = tmp_path / "w"
+    shutil.copytree(template, target, symlinks=True)
+    for record in target.glob("runs/tiny/*/job.json"):  # the template's records name the template's folders
+        data = json.loads(record.read_text())
+        data["job_dir"] = str(record.parent)
+        record.write_text(json.dumps(data))
+    monkeypatch.setenv("DSPARK_TEST_EMPTY_DIR", "")
+    monkeypatch.delenv("DSPARK_TEST_UNSET_DIR", raising=False)
+    monkeypatch.delenv("DSPARK_TEST_NO_SUCH_KEY", raising=False)
+    monkeypatch.chdir(target)
+    return target
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, world: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    if case.needs_tiny and not TINY_DATA.exists():
+        pytest.skip("the tiny data is not built (tools/make_tiny_target, tools/prepare_data --recipe tiny)")
+    if case.not_root and os.geteuid() == 0:
+        pytest.skip("root reads files without read permission")
+    if case.setup:
+        case.setup(world)
+    before = _snapshot(world, case.keep)
+    existing = {p for p in world.rglob("*")}
+    try:
+        code, output = run_case(case, world, capfd)
+    finally:
+        for path in world.rglob("*"):  # let tmp_path's cleanup remove what a permission case locked
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode | stat.S_IRWXU)
+    assert code != 0, f"{case.id}: exit 0\n{output}"
+    assert "Traceback" not in output, output
+    lowered = output.lower()
+    missing = [word for word in case.expect if word.lower().replace("{w}", str(world)) not in lowered]
+    assert not missing, f"{case.id}: the message lacks {missing}:\n{output}"
+    # A fix: the launcher's and the tools' messages say "fix"; argparse's errors show the usage.
+    assert "fix" in lowered or "usage:" in lowered, f"{case.id}: no fix in the message:\n{output}"
+    leaked = [word for word in case.forbid if word in output]
+    assert not leaked, f"{case.id}: the message repeats {leaked}"
+    assert _snapshot(world, case.keep) == before, f"{case.id}: a file that existed was changed"
+    leftovers = [p for p in world.rglob("*") if ".tmp" in p.name and p not in existing]
+    assert not leftovers, f"{case.id}: temporary files left: {leftovers}"
+
+
+def test_corpus_covers_every_command_and_kind() -> None:
+    """The corpus keeps its breadth: at least 150 cases, every command and kind present."""
+    assert len({c.id for c in CASES}) == len(CASES), "case ids are unique"
+    by_command = Counter(c.command for c in CASES)
+    by_kind = Counter(c.kind for c in CASES)
+    assert len(CASES) >= 150, len(CASES)
+    assert set(by_command) == set(COMMANDS), by_command
+    assert set(by_kind) == set(KINDS), by_kind
+
+
+def test_a_copied_job_folder_is_its_own_job(world: Path) -> None:
+    """``plots``/``status`` on a copy of a job folder read the copy, not the folder its record names."""
+    from launcher.jobs import find_record
+
+    copy = world / "copy"
+    shutil.copytree(world / "runs" / "tiny" / "done", copy, symlinks=True)
+    assert find_record(str(copy), world / "runs").job_dir == str(copy.resolve())
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "words"),
+    [
+        (KeyboardInterrupt(), 130, ("interrupted", "nothing is half-written")),
+        (IsADirectoryError(21, "Is a directory", "/x/data"), 2, ("/x/data", "is a folder", "fix")),
+        (PermissionError(13, "Permission denied", "/x/f"), 2, ("/x/f", "permission denied", "fix")),
+        (OSError(28, "No space left on device", "/x/tmp.1", None, "/x/out"), 2, ("/x/out", "no space", "fix")),
+    ],
+)
+def test_the_shared_error_path_renders_one_line(
+    raised: BaseException, code: int, words: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runtime.user_errors import run_command
+
+    def main(argv: list[str] | None) -> int:
+        raise raised
+
+    assert run_command(main, []) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err.lower() for w in words), err
