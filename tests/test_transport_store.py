@@ -551,3 +551,27 @@ def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
         for g, sample in sent.items():
             got = consumer.fetch(g)
             assert torch.equal(got.hs, sample["hs"]) and torch.equal(got.lhs, sample["lhs"])
+
+
+def test_rank0_leaving_before_the_producer_knows_the_run_ended_is_no_warning(
+    master: MasterProcess, tmp_path: Path, ports, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of a healthy run when the trainer leaves before the capture loop saw its last step:
+    the next beat aimed at rank 0's segment lands elsewhere. With rank 0's cursor gone too, that is
+    the run's end, said at INFO; it used to be a WARNING ("not mounted now?") on every such run."""
+    import logging
+
+    resolved = _plane(tmp_path, ports, "leaving")
+    endpoints = loopback_endpoints(resolved)
+    with open_producer(resolved, endpoints=endpoints, auto_heartbeat=False) as producer:
+        with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as rank0:
+            producer.heartbeat()
+            assert producer.heartbeat_writer.rank0_segment == rank0.client.hostname, "beats aim at rank 0"
+            assert _owner(producer.client, "leaving/heartbeat") == rank0.client.hostname
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dspark"):
+            producer.heartbeat()  # rank 0 has left with its segment and the cursor in it
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("trainer rank 0 has left" in r.getMessage() for r in caplog.records), caplog.text
+        assert producer.heartbeat_writer.rank0_segment == ""
+        assert _owner(producer.client, "leaving/heartbeat") == producer.client.hostname, "beat kept"
