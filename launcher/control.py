@@ -277,6 +277,24 @@ def is_local_supervisor(record: JobRecord) -> bool:
     return "launcher" in command and started_s is not None and started_s <= recorded_s + 1.0
 
 
+def running_local_jobs(runs_dir: Path) -> list[JobRecord]:
+    """The ``--local`` jobs of ``runs_dir`` whose supervisor still runs (see :func:`is_local_supervisor`)."""
+    from launcher.jobs import INDEX_DIRNAME, LATEST_ALIAS, find_record
+
+    index = runs_dir / INDEX_DIRNAME
+    running = []
+    for link in sorted(index.iterdir()) if index.is_dir() else []:
+        if link.name == LATEST_ALIAS or link.name.startswith(".") or not link.name.startswith("local-"):
+            continue
+        try:
+            record = find_record(link.name, runs_dir)
+        except (OSError, ValueError, TypeError):
+            continue  # a damaged or half-written record is not a running job
+        if record.mode == "local" and is_local_supervisor(record):
+            running.append(record)
+    return running
+
+
 def cancel_job(record: JobRecord) -> str:
     """Cancel every component of the job; returns what was done."""
     if record.mode == "local":
