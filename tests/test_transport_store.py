@@ -374,7 +374,18 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
                 producer.commit(producer.next_to_capture(), _sample(0, 16), {})  # g = 0, 2, 4: share 0's
             producer.heartbeat()
             second.heartbeat()
+            # As on the login node (RUNBOOK section 8): none of the job's variables, only its folder,
+            # where the master recorded its endpoints.
+            login = {k: v for k, v in env.items() if not k.startswith(("DSPARK_", "MC_"))}
             out = subprocess.run(
+                [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
+                cwd=REPO,
+                env=login,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            inside = subprocess.run(
                 [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
                 cwd=REPO,
                 env=env,
@@ -382,6 +393,7 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
                 text=True,
                 timeout=60,
             )
+        assert inside.returncode == 0 and "store tiny: cursor 0" in inside.stdout, inside.stderr[-2000:]
         assert out.returncode == 0, out.stderr[-2000:]
         assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
         assert "window [0, 8): 3 committed, first missing g=1" in out.stdout
@@ -392,6 +404,19 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
     finally:
         master.send_signal(signal.SIGTERM)
         assert master.wait(timeout=30) == 0
+    # A job whose master never recorded its endpoints: one line saying so, no traceback.
+    (resolved.path.parent / "transport" / "endpoints.json").unlink()
+    login = {k: v for k, v in env.items() if not k.startswith(("DSPARK_", "MC_"))}
+    missing = subprocess.run(
+        [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
+        cwd=REPO,
+        env=login,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "has not started its Mooncake master" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 @pytest.mark.gpu
