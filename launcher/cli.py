@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from launcher.plan import make_plan
 from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
-from runtime.files import atomic_write_text
+from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 
@@ -309,7 +310,15 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
     job_id = f"local-{job_dir.name}"
     record = _record_for(loaded, job_dir, job_id, "local", probe)
     record.supervisor_pid = os.getpid()
-    jobs.write_record(record, _runs_dir(loaded))
+    # Checked again, and the record written, under one lock: two runs started in the same second
+    # both passed the first check (before either had a record); the second to get here is refused.
+    with exclusive_lock(_runs_dir(loaded) / jobs.INDEX_DIRNAME / ".local-start.lock"):
+        try:
+            _refuse_running_local_jobs(loaded)
+        except LaunchError:
+            shutil.rmtree(job_dir, ignore_errors=True)  # made a moment ago; nothing ran in it
+            raise
+        jobs.write_record(record, _runs_dir(loaded))
     print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
     code = LocalRun(load_resolved(resolved_path), record, probe).run()
     print(control.job_report(record).render())

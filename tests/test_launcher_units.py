@@ -431,8 +431,17 @@ def test_a_second_local_run_is_refused_naming_the_running_job(tmp_path: Path) ->
         assert "python3 -m launcher cancel local-first" in done.stderr and "Traceback" not in done.stderr
         assert sorted(p.name for p in (runs / "tiny").iterdir()) == ["first"], "no second job folder"
         assert supervisor.poll() is None, "the running job is not disturbed"
+        # Started in the same second as the first (both passed the early check before either had a
+        # record): checked again under a lock just before the record is written; the fresh folder goes.
+        from launcher.cli import LaunchError, _refuse_running_local_jobs, run_local
+        from launcher.jobs import new_job_dir
+
+        loaded = load_recipe(TINY, overrides=sets)
+        late_dir = new_job_dir(REPO, loaded)
+        with pytest.raises(LaunchError, match="job local-first .* is running on this machine"):
+            run_local(loaded, late_dir, probe=True)
+        assert not late_dir.exists() and supervisor.poll() is None
         # Other ports: the second run is not refused for the first one (the check compares ports).
-        from launcher.cli import _refuse_running_local_jobs
 
         other = [*sets[:1], *(f"{s.split('=')[0]}={free_port()}" for s in sets[1:])]
         _refuse_running_local_jobs(load_recipe(TINY, overrides=other))
