@@ -1,7 +1,8 @@
 """Every command the code names works as printed: ``python3 -m MODULE`` (not ``python``, which a
 cluster's login node may not have) of a module that exists, ``python3 -m launcher SUB`` with a
 subcommand the launcher has (or a recipe, or a placeholder such as ``RECIPE``), and ``tools/NAME``
-of a tool that exists. Scans the string literals and docstrings of launcher/, runtime/ and tools/."""
+of a tool that exists. Scans launcher/, runtime/ and tools/ (string literals, docstrings) and the
+READMEs and RUNBOOK.md."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ OURS = ("launcher", "runtime", "tools")
 
 
 def sources() -> list[Path]:
-    """The Python files whose text is scanned."""
-    return sorted(p for top in SCANNED for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts)
+    """The Python files whose text is scanned, and the documents a user follows (README.md,
+    RUNBOOK.md and the package READMEs)."""
+    code = [p for top in SCANNED for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts]
+    docs = [REPO / "README.md", REPO / "RUNBOOK.md", *(p for top in SCANNED for p in (REPO / top).rglob("README.md"))]
+    return sorted(code + docs)
 
 
 def module_exists(dotted: str) -> bool:
