@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,8 +30,8 @@ from launcher.plan import make_plan
 from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
-from runtime.files import atomic_write_text
-from runtime.recipe import LoadedRecipe, load_recipe, load_resolved, write_resolved
+from runtime.files import atomic_write_text, exclusive_lock
+from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 from runtime.user_errors import UserError, run_command
 
@@ -255,6 +256,32 @@ def _finish_gate(record: jobs.JobRecord) -> int:
     return 0 if gate.passed(rows) else 1
 
 
+def _refuse_running_local_jobs(loaded: LoadedRecipe) -> None:
+    """A ``--local`` job still running on this machine with a port of this recipe: refuse, naming it.
+
+    Its ports are not all bound at every moment (the Mooncake master binds a few seconds after the
+    start, the trainer's rendezvous port later still), so the bind check alone lets a second run in
+    during the first one's start, and the two then fight over the ports: the second's failure took
+    the first one's trainer down."""
+    from runtime.recipe.checks import job_ports
+
+    mine = job_ports(loaded.recipe)
+    for record in control.running_local_jobs(_runs_dir(loaded)):
+        try:
+            theirs = job_ports(load_resolved(Path(record.job_dir) / RESOLVED_FILENAME).recipe)
+        except (OSError, ValueError, RecipeError):
+            theirs = mine  # its recipe cannot be read: assume the worst
+        shared = sorted(f"{field} {port}" for field, port in mine.items() if port in theirs.values())
+        if shared:
+            raise LaunchError(
+                f"job {record.job_id} ({_display_path(Path(record.job_dir))}) is running on this machine with "
+                f"port(s) this run needs: {', '.join(shared)}. Nothing was started. Wait for it "
+                f"(`python3 -m launcher status {record.job_id}`), stop it (`python3 -m launcher cancel "
+                f"{record.job_id}`), or give this run other ports, e.g. --set "
+                + " --set ".join(f"{item.split()[0]}=PORT" for item in shared)
+            )
+
+
 def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:
     """With --local every port of the job is bound on this machine: refuse before anything starts (no
     job folder, no process) when one is taken, instead of failing inside the running job."""
@@ -262,6 +289,7 @@ def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:
 
     from runtime.recipe.checks import job_ports
 
+    _refuse_running_local_jobs(loaded)
     taken = []
     for field, port in job_ports(loaded.recipe).items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -288,7 +316,15 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
     job_id = f"local-{job_dir.name}"
     record = _record_for(loaded, job_dir, job_id, "local", probe)
     record.supervisor_pid = os.getpid()
-    jobs.write_record(record, _runs_dir(loaded))
+    # Checked again, and the record written, under one lock: two runs started in the same second
+    # both passed the first check (before either had a record); the second to get here is refused.
+    with exclusive_lock(_runs_dir(loaded) / jobs.INDEX_DIRNAME / ".local-start.lock"):
+        try:
+            _refuse_running_local_jobs(loaded)
+        except LaunchError:
+            shutil.rmtree(job_dir, ignore_errors=True)  # made a moment ago; nothing ran in it
+            raise
+        jobs.write_record(record, _runs_dir(loaded))
     print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
     code = LocalRun(load_resolved(resolved_path), record, probe).run()
     print(control.job_report(record).render())

@@ -269,13 +269,34 @@ def is_local_supervisor(record: JobRecord) -> bool:
     if not pid or not _pid_alive(pid):
         return False
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         recorded_s = dt.datetime.fromisoformat(record.submitted_at).timestamp()
     except (OSError, ValueError):
         return False
     started_s = _process_start_epoch_s(pid)
-    # The record's time has whole seconds; the supervisor started before it wrote the record.
-    return "launcher" in command and started_s is not None and started_s <= recorded_s + 1.0
+    # The supervisor is `python3 -m launcher ... --local`: a process that merely mentions the launcher
+    # (an editor, a test run of tests/test_launcher_*.py) is not one. The record's time has whole
+    # seconds; the supervisor started before it wrote the record.
+    runs_launcher = any(a == "-m" and b == "launcher" for a, b in zip(arguments, arguments[1:], strict=False))
+    return runs_launcher and "--local" in arguments and started_s is not None and started_s <= recorded_s + 1.0
+
+
+def running_local_jobs(runs_dir: Path) -> list[JobRecord]:
+    """The ``--local`` jobs of ``runs_dir`` whose supervisor still runs (see :func:`is_local_supervisor`)."""
+    from launcher.jobs import INDEX_DIRNAME, LATEST_ALIAS, JobLookupError, find_record
+
+    index = runs_dir / INDEX_DIRNAME
+    running = []
+    for link in sorted(index.iterdir()) if index.is_dir() else []:
+        if link.name == LATEST_ALIAS or link.name.startswith(".") or not link.name.startswith("local-"):
+            continue
+        try:
+            record = find_record(link.name, runs_dir)
+        except (OSError, JobLookupError):
+            continue  # a damaged or half-written record is not a running job
+        if record.mode == "local" and is_local_supervisor(record):
+            running.append(record)
+    return running
 
 
 def cancel_job(record: JobRecord) -> str:

@@ -134,8 +134,10 @@ class LocalRun:
             task.echo_offset += complete
             prefix = f"[{task.component}]"
             for line in chunk[:complete].decode(errors="replace").splitlines():
-                # The trainer's own lines already start with "[trainer]": no second prefix.
-                print(line if line.startswith(prefix) else f"{prefix} {line}", flush=True)
+                # The trainer's own lines already start with "[trainer]" and a refusal with
+                # "[trainer rank 0]" (runtime/shared/refusal.py): no second prefix.
+                named = line.startswith((prefix, f"[{task.component} rank "))
+                print(line if named else f"{prefix} {line}", flush=True)
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True

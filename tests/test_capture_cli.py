@@ -35,3 +35,33 @@ def test_cli_rejects_unknown_exchange() -> None:
         text=True,
     )
     assert done.returncode == 2 and "invalid choice: 'pplx'" in done.stderr
+
+
+def test_a_refusal_is_one_line_and_the_traceback_goes_beside_the_logs(tmp_path: Path) -> None:
+    """The capture cannot start its Mooncake master (a held port): one ``error:`` line naming the
+    port and the fix, no traceback on stderr (the console --local echoes), the traceback in a file."""
+    import os
+    import socket
+
+    from runtime.shared.refusal import EXIT_REFUSED, traceback_path
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        resolved = resolved_tiny(tmp_path, f"transport.master_rpc_port={taken}")
+        env = {**os.environ, "DSPARK_BIND_ADDRESS": "127.0.0.1", "DSPARK_CAPTURE_HOST": "127.0.0.1"}
+        done = subprocess.run(
+            [sys.executable, "-m", "runtime.capture", "--recipe", str(resolved.path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("[capture rank 0] error: cannot start mooncake_master"), errors
+    assert f"port {taken}" in errors[0] and "choose a free port" in errors[0]
+    assert "MasterStartError" in traceback_path(resolved.job_dir, "capture", 0).read_text()

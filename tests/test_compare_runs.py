@@ -133,7 +133,7 @@ def test_the_verdict_says_identical_or_where_the_runs_first_differ(tmp_path: Pat
     same = load_run(make_run(tmp_path / "same", [2.0, 1.5, 1.2, 1.0], "h"))
     other = load_run(make_run(tmp_path / "other", [2.0, 1.5, 1.25, 1.0], "h"))
     assert verdict(a, same).startswith("verdict: identical on all 4 optimizer steps in common (steps 1..4)")
-    assert verdict(a, other) == "verdict: the runs first differ at optimizer step 3: loss A 1.2 vs B 1.25"
+    assert verdict(a, other) == "verdict: first differ at optimizer step 3 in loss (A=1.2, B=1.25)"
     done = subprocess.run(
         [sys.executable, "-m", "tools.compare_runs", str(tmp_path / "a"), str(tmp_path / "other"), "--no-plots"],
         cwd=REPO,

@@ -92,3 +92,31 @@ def test_tiny_with_streamed_experts_trains_exactly_like_resident(tmp_path: Path,
     assert [r["loss"] for r in got] == [r["loss"] for r in expected]
     assert [r["row_indices"] for r in got] == [r["row_indices"] for r in expected]
     assert final_weights(streamed / "checkpoints") == weights_at(tiny_reference_run / "checkpoints", 8)
+
+
+def test_a_corrupt_checkpoint_is_refused_in_one_console_line(tmp_path: Path, tiny_reference_run: Path) -> None:
+    """Resuming from a checkpoint with flipped bytes: the console says why and what to do once, with no
+    traceback; the traceback is kept beside the logs."""
+    import shutil
+
+    from tests.support.launcher_cli import probe_overrides
+
+    checkpoint = tmp_path / "checkpoints" / "step_00000008"
+    shutil.copytree(tiny_reference_run / "checkpoints" / "step_00000008", checkpoint)
+    shard = max((checkpoint / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    shard.write_bytes(bytes(data))
+
+    runs = tmp_path / "runs"
+    args = ["tiny", *probe_overrides(runs), "--set", f"trainer.checkpoint.resume_from={checkpoint}", "--local"]
+    done = launch(args)
+    console = done.stdout + done.stderr
+    assert done.returncode != 0, console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+    refusals = [line for line in console.splitlines() if f"{shard.name} is corrupt: sha256" in line]
+    assert len(refusals) == 1, console[-3000:]
+    assert refusals[0].startswith("[trainer rank 0] error: checkpoint file ") and "Fix:" in refusals[0], refusals
+    (job_dir,) = (runs / "tiny").iterdir()
+    assert "CheckpointError" in (job_dir / "logs" / "trainer_0.traceback.txt").read_text()

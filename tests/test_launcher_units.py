@@ -386,6 +386,72 @@ def test_a_taken_port_refuses_a_local_run_before_anything_starts(tmp_path: Path)
     assert not runs.exists(), "no job folder"
 
 
+def test_a_second_local_run_is_refused_naming_the_running_job(tmp_path: Path) -> None:
+    """A --local job still running with the same ports (here: its record and a live supervisor process,
+    before it bound any port, as in the first seconds of a run) refuses a second run up front, naming
+    it; nothing is started and the running job is not disturbed."""
+    import datetime as dt
+    import time
+
+    from launcher.jobs import JobRecord, write_record
+    from runtime.recipe import write_resolved
+    from runtime.transport.loopback import free_port
+
+    runs = tmp_path / "runs"
+    sets = [f"job.runs_dir={runs}", f"job.master_port={free_port()}", f"transport.master_rpc_port={free_port()}"]
+    sets += [f"transport.metadata_http_port={free_port()}", f"transport.metrics_port={free_port()}"]
+    job_dir = runs / "tiny" / "first"
+    (job_dir / "logs").mkdir(parents=True)
+    write_resolved(load_recipe(TINY, overrides=sets), job_dir, REPO)
+    # The running job's supervisor: a live process whose command line is `... -m launcher tiny --local`.
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "-m", "launcher", "tiny", "--local"]
+    )
+    try:
+        time.sleep(0.2)
+        record = JobRecord(
+            job_id="local-first",
+            mode="local",
+            name="tiny",
+            job_dir=str(job_dir),
+            recipe_source="tiny",
+            recipe_digest="d",
+            smoke=False,
+            probe=True,
+            components={"capture": 1, "trainer": 4},
+            submitted_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            supervisor_pid=supervisor.pid,
+        )
+        write_record(record, runs)
+        command = [sys.executable, "-m", "launcher", "tiny", "--local", "--probe"]
+        for item in sets:
+            command += ["--set", item]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "job local-first" in done.stderr and "is running on this machine" in done.stderr, done.stderr
+        assert "transport.master_rpc_port" in done.stderr and "Nothing was started" in done.stderr
+        assert "python3 -m launcher cancel local-first" in done.stderr and "Traceback" not in done.stderr
+        assert sorted(p.name for p in (runs / "tiny").iterdir()) == ["first"], "no second job folder"
+        assert supervisor.poll() is None, "the running job is not disturbed"
+        # Started in the same second as the first (both passed the early check before either had a
+        # record): checked again under a lock just before the record is written; the fresh folder goes.
+        from launcher.cli import LaunchError, _refuse_running_local_jobs, run_local
+        from launcher.jobs import new_job_dir
+
+        loaded = load_recipe(TINY, overrides=sets)
+        late_dir = new_job_dir(REPO, loaded)
+        with pytest.raises(LaunchError, match="job local-first .* is running on this machine"):
+            run_local(loaded, late_dir, probe=True)
+        assert not late_dir.exists() and supervisor.poll() is None
+        # Other ports: the second run is not refused for the first one (the check compares ports).
+
+        other = [*sets[:1], *(f"{s.split('=')[0]}={free_port()}" for s in sets[1:])]
+        _refuse_running_local_jobs(load_recipe(TINY, overrides=other))
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+
+
 def test_the_port_clash_check_covers_the_trainer_rendezvous_port() -> None:
     with pytest.raises(
         RecipeError, match=r"transport.master_rpc_port.*uses port 29511, already used by job.master_port"

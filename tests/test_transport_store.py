@@ -374,7 +374,18 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
                 producer.commit(producer.next_to_capture(), _sample(0, 16), {})  # g = 0, 2, 4: share 0's
             producer.heartbeat()
             second.heartbeat()
+            # As on the login node (RUNBOOK section 8): none of the job's variables, only its folder,
+            # where the master recorded its endpoints.
+            login = {k: v for k, v in env.items() if not k.startswith(("DSPARK_", "MC_"))}
             out = subprocess.run(
+                [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
+                cwd=REPO,
+                env=login,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            inside = subprocess.run(
                 [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
                 cwd=REPO,
                 env=env,
@@ -382,6 +393,7 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
                 text=True,
                 timeout=60,
             )
+        assert inside.returncode == 0 and "store tiny: cursor 0" in inside.stdout, inside.stderr[-2000:]
         assert out.returncode == 0, out.stderr[-2000:]
         assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
         assert "window [0, 8): 3 committed, first missing g=1" in out.stdout
@@ -392,6 +404,19 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
     finally:
         master.send_signal(signal.SIGTERM)
         assert master.wait(timeout=30) == 0
+    # A job whose master never recorded its endpoints: one line saying so, no traceback.
+    (resolved.path.parent / "transport" / "endpoints.json").unlink()
+    login = {k: v for k, v in env.items() if not k.startswith(("DSPARK_", "MC_"))}
+    missing = subprocess.run(
+        [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
+        cwd=REPO,
+        env=login,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "has not started its Mooncake master" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 @pytest.mark.gpu
@@ -551,3 +576,27 @@ def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
         for g, sample in sent.items():
             got = consumer.fetch(g)
             assert torch.equal(got.hs, sample["hs"]) and torch.equal(got.lhs, sample["lhs"])
+
+
+def test_rank0_leaving_before_the_producer_knows_the_run_ended_is_no_warning(
+    master: MasterProcess, tmp_path: Path, ports, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of a healthy run when the trainer leaves before the capture loop saw its last step:
+    the next beat aimed at rank 0's segment lands elsewhere. With rank 0's cursor gone too, that is
+    the run's end, said at INFO; it used to be a WARNING ("not mounted now?") on every such run."""
+    import logging
+
+    resolved = _plane(tmp_path, ports, "leaving")
+    endpoints = loopback_endpoints(resolved)
+    with open_producer(resolved, endpoints=endpoints, auto_heartbeat=False) as producer:
+        with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as rank0:
+            producer.heartbeat()
+            assert producer.heartbeat_writer.rank0_segment == rank0.client.hostname, "beats aim at rank 0"
+            assert _owner(producer.client, "leaving/heartbeat") == rank0.client.hostname
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dspark"):
+            producer.heartbeat()  # rank 0 has left with its segment and the cursor in it
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("trainer rank 0 has left" in r.getMessage() for r in caplog.records), caplog.text
+        assert producer.heartbeat_writer.rank0_segment == ""
+        assert _owner(producer.client, "leaving/heartbeat") == producer.client.hostname, "beat kept"

@@ -198,7 +198,7 @@ def verdict(a: Run, b: Run) -> str:
                 continue
             va, vb = a.steps[step][metric], b.steps[step][metric]
             if va != vb and not (math.isnan(va) and math.isnan(vb)):
-                return f"verdict: the runs first differ at optimizer step {step}: {metric} A {va:.9g} vs B {vb:.9g}"
+                return f"verdict: first differ at optimizer step {step} in {metric} (A={va:.9g}, B={vb:.9g})"
     return (
         f"verdict: identical on all {len(common)} optimizer steps in common (steps {common[0]}..{common[-1]}), "
         "every learning metric bit for bit"
@@ -326,8 +326,8 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
             rows = math.ceil(len(present) / columns)
             figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), sharex=True, sharey=True)
             panels = list(getattr(axes, "flat", [axes]))
+            window = smoothing_window(runs, present, spec)
             for axis, key in zip(panels, present, strict=False):
-                window = smoothing_window(runs, present, spec)
                 for run_index, run in enumerate(runs):
                     label = run.label if several else key
                     color, style = colors[run_index % len(colors)], styles[run_index % len(styles)]
@@ -339,8 +339,12 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
                 axis.set_visible(False)
             figure.supxlabel("optimizer step")
             figure.supylabel(spec.ylabel)
+            smoothing = f"; solid: moving average over {window} steps, faint: every step" if window > 1 else ""
             figure.suptitle(
-                f"{spec.ylabel} per draft slot" + (f" ({' vs '.join(r.label for r in runs)})" if several else "")
+                f"{spec.ylabel} per draft slot"
+                + (f" ({' vs '.join(r.label for r in runs)})" if several else "")
+                + smoothing,
+                fontsize=10,
             )
             if several:
                 panels[0].legend(fontsize=7)

@@ -1,6 +1,6 @@
 """How often a launcher command's call path crosses between rooms of the repository.
 
-    python -m tools.room_walk [--rooms launcher,runtime.recipe,runtime.shared] [--edges] -- kimi_k3_v1c --plan
+    python3 -m tools.room_walk [--rooms launcher,runtime.recipe,runtime.shared] [--edges] -- kimi_k3_v1c --plan
 
 Runs ``launcher.cli.main`` on the arguments after ``--`` (its output is discarded) with a profile
 hook, and counts every call of a Python function whose nearest repository caller sits in another
@@ -130,7 +130,7 @@ def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: print the walk of one launcher command."""
-    parser = argparse.ArgumentParser(prog="python -m tools.room_walk", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tools.room_walk", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rooms", default=",".join(DEFAULT_ROOMS), help="comma-separated module prefixes")
     parser.add_argument("--edges", action="store_true", help="list every distinct cross-room edge")
     parser.add_argument("launcher_args", nargs=argparse.REMAINDER, help="-- then the launcher's arguments")

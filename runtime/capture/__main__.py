@@ -9,7 +9,8 @@ import sys
 
 from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
-from runtime.shared.contracts import ENV_RECIPE
+from runtime.shared.contracts import ENV_RECIPE, ENV_TASK_RANK
+from runtime.shared.refusal import report_refusal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,41 @@ def main(argv: list[str] | None = None) -> int:
 
     resolved = load_resolved(args.recipe)
     override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
-    return run_capture(resolved, moe_exchange=override)
+    try:
+        return run_capture(resolved, moe_exchange=override)
+    except expected_refusals() as exc:
+        # Its message names the file or port and the fix: one line for the operator; the traceback
+        # goes to a file beside the logs.
+        return report_refusal(exc, resolved.job_dir, "capture", int(os.environ.get(ENV_TASK_RANK, "0")))
+
+
+def expected_refusals() -> tuple[type[Exception], ...]:
+    """The errors the capture raises on purpose, each with the reason and the fix in its message: a
+    recipe or data file that is not what the recipe says, a row it cannot use, a master that cannot
+    start (a taken port, no binary), a store it cannot join, an engine or SGLang patch it cannot use.
+    Anything else is a bug and keeps its traceback on the console."""
+    from runtime.capture.embedded_settings import EngineError
+    from runtime.capture.engine_sglang import SGLangPatchError
+    from runtime.capture.producer import DataError
+    from runtime.recipe import RecipeError
+    from runtime.recipe.streaming_budget import StreamingBudgetError
+    from runtime.shared.chat_tokenize import ChatFormatError
+    from runtime.shared.data_files import DataFileError
+    from runtime.shared.sglang_patch_manifest import PatchError
+    from runtime.transport.errors import MasterStartError, StoreSetupError
+
+    return (
+        RecipeError,
+        DataFileError,
+        DataError,
+        ChatFormatError,
+        MasterStartError,
+        StoreSetupError,
+        EngineError,
+        SGLangPatchError,
+        PatchError,
+        StreamingBudgetError,
+    )
 
 
 if __name__ == "__main__":

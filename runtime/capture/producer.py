@@ -239,11 +239,21 @@ class CaptureLoop:
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event, on_stop: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM / SIGINT set ``stop`` and call ``on_stop`` (the engine's request_stop) instead of killing."""
+def stop_on_signals(
+    stop: threading.Event, on_stop: Callable[[], None], finished: threading.Event | None = None
+) -> Iterator[None]:
+    """SIGTERM / SIGINT set ``stop`` and call ``on_stop`` (the engine's request_stop) instead of killing.
+
+    Once ``finished`` is set (every sample consumed, the master kept up for the trainer), the signal is
+    the run's ordinary end -- the supervisor stops the capture after the trainer left -- and is said so
+    in one line, not as an interruption."""
 
     def handler(signum: int, frame: Any) -> None:
-        log.info("received %s: finishing the sample being written, then stopping", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if finished is not None and finished.is_set():
+            log.info("the trainer has ended (%s from the supervisor): stopping the Mooncake master", name)
+        else:
+            log.info("received %s: finishing the sample being written, then stopping", name)
         stop.set()
         on_stop()
 
@@ -288,20 +298,26 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
     """The capture component (see the module docstring); returns the process exit code.
     ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
     from runtime.transport.dataplane import capture_share_of_this_task, open_producer
+    from runtime.transport.endpoints import record_endpoints
     from runtime.transport.master import MasterProcess
     from runtime.transport.settings import TransportSettings
 
     recipe = resolved.recipe
     stop = threading.Event()
+    finished = threading.Event()
     engine_holder: list[CaptureEngine] = []
     share = capture_share_of_this_task(resolved)
     gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke and share[0] == 0)  # one gate file per job
     with ExitStack() as stack:
         stack.enter_context(
-            stop_on_signals(stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")])
+            stop_on_signals(
+                stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")], finished
+            )
         )
         transport = TransportSettings.from_recipe(recipe)
         endpoints = endpoints or transport.endpoints_from_env()
+        if share[0] == 0:  # for a look from outside the job: python3 -m runtime.transport status --job DIR
+            record_endpoints(resolved.job_dir, endpoints)
         with gate.stage(
             "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
         ):
@@ -349,6 +365,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             # The trainer still holds store clients (and may write its last checkpoint for a while):
             # keep the master up until the supervisor stops this component after the trainer ends.
             log.info("every sample was consumed; keeping the Mooncake master up until the trainer ends")
+            finished.set()
             producer.trainer_is_leaving()
             producer.heartbeat({"capture": {"state": "finished; waiting for the trainer to end"}})
             stop.wait()

@@ -12,25 +12,12 @@ import argparse
 import logging
 import os
 import sys
-import traceback
-from pathlib import Path
 
-from runtime.files import atomic_write_text
 from runtime.native_log import route_native_output
 from runtime.recipe import RecipeError, load_resolved
 from runtime.shared.data_files import DataFileError
+from runtime.shared.refusal import report_refusal
 from runtime.trainer.settings import TrainerSetupError, derive_settings
-
-
-def _write_traceback(job_dir: Path, rank: int) -> Path:
-    """The current exception's traceback in ``logs/trainer_RANK.traceback.txt`` of the job folder."""
-    target = job_dir / "logs" / f"trainer_{rank}.traceback.txt"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, traceback.format_exc())
-    except OSError:
-        traceback.print_exc()  # nowhere to put it: the log gets it after all
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     route_native_output()
     resolved = load_resolved(args.recipe)
-    settings = derive_settings(resolved)
+    try:
+        settings = derive_settings(resolved)
+    except TrainerSetupError as exc:
+        return report_refusal(exc, resolved.job_dir, "trainer", int(os.environ.get("RANK", "0")))
     # Our own loggers at INFO (the consumer's "waiting for sample g" lines, the producer's heartbeat
     # age); other libraries stay at WARNING.
     logging.basicConfig(
@@ -69,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         # A refusal the trainer expects (a corrupt or incompatible checkpoint, a missing target tensor,
         # a bad setting): its message names the file and the fix. The operator sees it once, as one
         # line; the traceback goes to a file beside the logs, for whoever debugs the trainer itself.
-        where = _write_traceback(settings.job_dir, settings.rank)
-        print(f"[trainer rank {settings.rank}] error: {exc} (traceback: {where})", file=sys.stderr, flush=True)
-        return 1
+        return report_refusal(exc, settings.job_dir, "trainer", settings.rank)
     finally:
         import torch.distributed as dist
 

@@ -1,10 +1,14 @@
 """``python3 -m runtime.transport``: run the master by hand, or look at a running data plane.
 
     python3 -m runtime.transport master --recipe RESOLVED [--host IP]
-    python3 -m runtime.transport status --recipe RESOLVED
+    python3 -m runtime.transport status --job JOB_DIR        # from the login node, or any machine
+    python3 -m runtime.transport status --recipe RESOLVED    # inside a job, with its environment
 
 ``status`` prints the cursor, the producer's heartbeat and which samples of the window are
-committed; endpoints come from the launcher's environment contract (DSPARK_MOONCAKE_MASTER, ...).
+committed. Endpoints come from the launcher's environment contract (DSPARK_MOONCAKE_MASTER, ...)
+when it is set (inside a job); elsewhere from the job folder, where the process that started the
+master recorded them (``transport/endpoints.json``), and the client binds to this machine's address
+on the route to the master.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from runtime.recipe.loader import load_resolved
-from runtime.shared.contracts import ENV_BIND_ADDRESS
+from runtime.recipe.loader import RESOLVED_FILENAME, load_resolved
+from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER
+from runtime.transport.endpoints import Endpoints, endpoints_of_job, record_endpoints
 from runtime.transport.settings import TransportSettings
 
 
@@ -36,6 +42,7 @@ def run_master(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log_path = resolved.job_dir / "logs" / "mooncake_master.log"
     with MasterProcess(settings.master(host), log_path, die_with_parent=True) as master:
+        record_endpoints(resolved.job_dir, Endpoints.on_host(settings.ports, host, host))
         print(f"mooncake_master ready (pid {master.pid}) on {host}; log {log_path}", flush=True)
         while not stop.wait(1.0):
             if master.process is not None and master.process.poll() is not None:
@@ -52,9 +59,14 @@ def run_status(args: argparse.Namespace) -> int:
     from runtime.transport.records import Cursor
     from runtime.transport.store import StoreClient
 
-    resolved = load_resolved(args.recipe)
+    resolved = load_resolved(args.recipe or Path(args.job) / RESOLVED_FILENAME)
     settings = TransportSettings.from_recipe(resolved.recipe)
-    with StoreClient(settings.client(settings.endpoints_from_env(), 0), name="status").connect() as client:
+    try:
+        endpoints = status_endpoints(settings, Path(args.job) if args.job else resolved.job_dir)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with StoreClient(settings.client(endpoints, 0), name="status").connect() as client:
         store_id = settings.store_id
         raw = client.get_bytes(cursor_key(store_id))
         cursor = Cursor.decode(raw) if raw else None
@@ -86,6 +98,15 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def status_endpoints(settings: TransportSettings, job_dir: Path) -> Endpoints:
+    """Inside a job (the launcher's variables set): the job's environment. Elsewhere (the login node):
+    what the job's master recorded in ``job_dir``, bound to ``DSPARK_BIND_ADDRESS``, the recipe's
+    ``transport.bind_address``, or this machine's address on the route to the master."""
+    if os.environ.get(ENV_MOONCAKE_MASTER) or os.environ.get(ENV_CAPTURE_HOST):
+        return settings.endpoints_from_env()
+    return endpoints_of_job(job_dir, os.environ.get(ENV_BIND_ADDRESS) or settings.bind_address)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -95,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     master.add_argument("--recipe", required=True)
     master.add_argument("--host", default=None, help="address to bind (default: DSPARK_BIND_ADDRESS)")
     status = sub.add_parser("status", help="cursor, heartbeat and window of a running data plane")
-    status.add_argument("--recipe", required=True)
+    which = status.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", help="the job folder (runs/NAME/STAMP): its recipe and its master's endpoints")
+    which.add_argument("--recipe", help="a resolved recipe; endpoints from the job's environment, else its job folder")
     args = parser.parse_args(argv)
     return run_master(args) if args.command == "master" else run_status(args)
 

@@ -6,11 +6,20 @@ them); tests and tools pass an :class:`Endpoints` explicitly instead.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from runtime.files import atomic_write_text
 from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER, ENV_MOONCAKE_METADATA
+
+ENDPOINTS_FILE = Path("transport") / "endpoints.json"
+"""In the job folder: where the job's Mooncake master and metadata server answer, written by the
+process that starts the master, so that a look from outside the job (``python3 -m runtime.transport
+status --job DIR`` on the login node) finds them without the job's environment."""
 
 
 @dataclass(frozen=True)
@@ -89,3 +98,37 @@ class Endpoints:
                 f"{ENV_MOONCAKE_MASTER}={master!r} is not host:port; fix: set it to <capture host>:<rpc port>"
             )
         return cls(master_address=master, metadata_url=metadata, bind_address=bind)
+
+
+def record_endpoints(job_dir: Path, endpoints: Endpoints) -> Path:
+    """Write the master's and the metadata server's addresses into ``job_dir`` (:data:`ENDPOINTS_FILE`)."""
+    target = job_dir / ENDPOINTS_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    record = {"master_address": endpoints.master_address, "metadata_url": endpoints.metadata_url}
+    atomic_write_text(target, json.dumps(record, indent=2) + "\n")
+    return target
+
+
+def endpoints_of_job(job_dir: Path, bind_address: str = "") -> Endpoints:
+    """The endpoints a job's master recorded (:func:`record_endpoints`), for a client on this machine:
+    it binds to ``bind_address``, else to the address this machine routes to the master with.
+    ValueError, naming the file, when the job has not recorded them (its capture never started)."""
+    path = job_dir / ENDPOINTS_FILE
+    try:
+        record = json.loads(path.read_text())
+        master, metadata = str(record["master_address"]), str(record["metadata_url"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path} is missing or unreadable ({exc}): the job's capture has not started its Mooncake master "
+            "(or the job predates this file); run the command inside the job instead, with its environment"
+        ) from exc
+    host = master.rsplit(":", 1)[0]
+    return Endpoints(master_address=master, metadata_url=metadata, bind_address=bind_address or route_address(host))
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's local end after connect():
+    no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))
+        return str(probe.getsockname()[0])

@@ -400,6 +400,13 @@ class HeartbeatWriter:
         except TransportError as exc:
             log.debug("moving the heartbeat into %s failed: %s", target, exc)
         if actual != target:
+            # Rank 0's segment took nothing. The usual reason is that rank 0 has left -- the end of a
+            # healthy run, the trainer going before the capture loop saw its last step -- and then the
+            # cursor, which lives in that segment, is gone too: the cursor read says so at INFO and
+            # beats stop aiming there. Only a rank 0 whose cursor is still there is worth a warning.
+            self._read_cursor()
+            if self._trainer_leaving or self._rank0_segment != target:
+                return
             # rank 0's segment takes nothing now: rest it for a few beats (no remove-and-put every beat)
             rest_s = 3 * self.interval_s
             self._rank0_rest_until = time.monotonic() + rest_s

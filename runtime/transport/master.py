@@ -202,7 +202,7 @@ class MasterProcess:
                 raise MasterStartError(self._exit_message())
             if self.metadata_process is not None and self.metadata_process.poll() is not None:
                 raise MasterStartError(
-                    f"the metadata server (python -m runtime.transport.metadata_server) exited with code "
+                    f"the metadata server (python3 -m runtime.transport.metadata_server) exited with code "
                     f"{self.metadata_process.returncode} while starting: {self.log_tail()}"
                 )
             problem = self.check()

@@ -8,7 +8,7 @@ anyone who can reach the node could rewrite where clients send sample bytes. So 
 with its built-in service off and this one runs next to it, bound to the recipe's bind address
 (loopback in ``--local`` and tests).
 
-    python -m runtime.transport.metadata_server --host 127.0.0.1 --port 18180
+    python3 -m runtime.transport.metadata_server --host 127.0.0.1 --port 18180
 """
 
 from __future__ import annotations

@@ -95,6 +95,10 @@ class Producer:
         self._waiting_for = ""
         self._extra_stats: dict[str, Any] = {}
         self._last_progress_log = time.monotonic()
+        self._logged_paused = False
+        """The pause state the log last showed."""
+        self._pauses_at_last_log = 0
+        """``window.transitions`` when the last progress line was written."""
         self._stop = threading.Event()
         self.heartbeat_writer = HeartbeatWriter(
             client,
@@ -291,7 +295,6 @@ class Producer:
             self._committed_during_scan = None
             present.update(late)
             self.window.asked = asked
-            was_paused = self.window.paused
             self.window.observe(cursor, present)
             partial = [
                 g for g in partial if g not in self.window.in_flight and g not in in_flight_before and g not in late
@@ -320,11 +323,16 @@ class Producer:
             with self._lock:
                 self.window.removed(victims)
         with self._lock:
-            if self.window.paused != was_paused:
+            # A full window is the healthy steady state of a producer faster than the trainer (it
+            # pauses, the trainer consumes, it resumes: every few steps). The flips go to DEBUG and
+            # the periodic progress line counts them; only the state the log last showed is compared,
+            # so a pause taken between two passes is not reported as a lone "resumed".
+            if self.window.paused != self._logged_paused:
+                self._logged_paused = self.window.paused
                 if self.window.paused:
-                    log.info("producer paused: %s", self.window.pause_reason())
+                    log.debug("producer paused: %s", self.window.pause_reason())
                 else:
-                    log.info(
+                    log.debug(
                         "producer resumed: %d samples / %d bytes resident",
                         self.window.resident_samples,
                         self.window.resident_bytes,
@@ -499,9 +507,13 @@ class Producer:
             return
         self._last_progress_log = now
         s = self.stats()
+        with self._lock:
+            pauses = (self.window.transitions - self._pauses_at_last_log + 1) // 2
+            self._pauses_at_last_log = self.window.transitions
+        waited = f" (the window filled {pauses} times since the last line: the trainer sets the pace)" if pauses else ""
         log.info(
             "producer: %d samples committed (%.2f/s over the last minute), window [%s, %s), resident %d samples / "
-            "%d bytes, %s",
+            "%d bytes, %s%s",
             s["committed_total"],
             s["rate_samples_per_s"],
             s["cursor"],
@@ -509,6 +521,7 @@ class Producer:
             s["resident_samples"],
             s["resident_bytes"],
             "PAUSED" if s["paused"] else "capturing",
+            waited,
         )
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def assert_healthy_console(console: str, job_dir: Path, expected_warnings: tuple
         if " WARNING [" in line and not any(expected in line for expected in expected_warnings)
     ]
     assert not warnings, f"a healthy run prints no WARNING: {warnings[:5]}"
+    # A full window is the healthy steady state: its pause/resume flips are not console news.
+    assert "producer resumed" not in console and "producer paused" not in console
     assert "UNEXPECTED" not in console and "CANCELLED" not in console and "REPLICA_IS_NOT_READY" not in console
     native = job_dir / "logs" / "native_capture_0.log"
     assert native.exists() and "metadata not found" in native.read_text(errors="replace"), "glog lines are kept there"

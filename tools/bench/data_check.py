@@ -1,6 +1,6 @@
 """How long the launcher's data preflight takes at K3 size, against hashing the same file.
 
-    python -m tools.bench.data_check [--rows 462] [--tokens 65536]
+    python3 -m tools.bench.data_check [--rows 462] [--tokens 65536]
 
 Writes a synthetic file of ``rows`` rows of ``tokens`` tokens (the K3 v1c prompt set is 462 rows of
 up to 64K), then times in the same run: the SHA-256 alone (the old preflight, the baseline) and

@@ -18,9 +18,9 @@ do) is reported as a warm read, not passed off as the disk's rate.
 
 Examples::
 
-    python -m tools.bench.feature_cache --dir /local/nvme/dspark_cache --device cuda   # the trainer node
-    python -m tools.bench.feature_cache --dir /local/nvme/dspark_cache --tokens 16384 --rows 4
-    python -m tools.bench.feature_cache --quick                                        # CPU, small: the tool runs
+    python3 -m tools.bench.feature_cache --dir /local/nvme/dspark_cache --device cuda   # the trainer node
+    python3 -m tools.bench.feature_cache --dir /local/nvme/dspark_cache --tokens 16384 --rows 4
+    python3 -m tools.bench.feature_cache --quick                                        # CPU, small: the tool runs
 
 The entries are removed at the end (``--keep`` leaves them). The cache folder's digest is the
 bench's own, so a real run's entries in the same ``--dir`` are never read or touched.

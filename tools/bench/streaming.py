@@ -16,9 +16,9 @@ expert compute time against the per-layer copy time, which bounds what overlap c
 
 Examples::
 
-    python -m tools.bench.streaming                     # H200: the K3-rank stack, 62.9 GB of experts
-    python -m tools.bench.streaming --prefetch-layers 2 --tokens 16384,65536
-    python -m tools.bench.streaming --quick             # CPU, tiny shapes: proves the tool runs
+    python3 -m tools.bench.streaming                     # H200: the K3-rank stack, 62.9 GB of experts
+    python3 -m tools.bench.streaming --prefetch-layers 2 --tokens 16384,65536
+    python3 -m tools.bench.streaming --quick             # CPU, tiny shapes: proves the tool runs
 """
 
 from __future__ import annotations
