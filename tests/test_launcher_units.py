@@ -16,6 +16,7 @@ from launcher.plan import make_plan
 from launcher.render import RenderOptions, render_script
 from launcher.slurm_state import fold_state, parse_sacct
 from runtime.recipe import RecipeError, load_recipe
+from runtime.recipe.fit.host_memory import streamed_expert_host_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -168,6 +169,33 @@ def test_k3_plan_fits_with_streaming_and_checks_host_memory_per_node() -> None:
     with pytest.raises(RecipeError) as info:
         load_recipe(K3, ["transport.segment_placement=trainer", "plan.trainer_host_memory_bytes=512GiB"])
     assert "549.76 GB, below what lives there: Mooncake segment" in str(info.value) and "1,099.51 GB" in str(info.value)
+
+
+def test_plan_host_memory_is_the_figure_the_checks_refuse_on() -> None:
+    # Weights that would fit resident (B300) with streaming still on: the runtime streams, the
+    # checks count the streamed experts, and the plan's host-memory row counts the same bytes.
+    recipe = load_recipe(K3, ["plan.accelerator_memory_bytes=288GB"]).recipe
+    plan = make_plan(recipe)
+    assert plan.numbers["capture_host_bytes"] == streamed_expert_host_bytes(recipe) + 2**40
+    assert streamed_expert_host_bytes(recipe) > 0
+
+
+def test_weights_over_one_gpus_budget_but_under_the_total_hbm_are_a_blocker() -> None:
+    # 1 TB fits 8 x 141 GB in total, but 125 GB per GPU exceeds the 102.2 GB budget at TP8.
+    plan = make_plan(
+        load_recipe(
+            K3,
+            [
+                "capture.target_weight_bytes=1.0TB",
+                "capture.routed_expert_weight_bytes=0.9TB",
+                "capture.expert_streaming.enabled=false",
+            ],
+        ).recipe
+    )
+    (blocker,) = plan.blockers
+    assert "125.0 GB per GPU" in blocker.message and "do not fit 8 x H200 at TP8" in blocker.message
+    assert any("job.capture.nodes=2" in option for option in blocker.options)
+    assert "[OK] the target's weights fit" not in plan.render()
 
 
 def test_golden_sbatch_scripts_match_the_renderer() -> None:
