@@ -8,6 +8,7 @@ from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
+from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.schema import SECRET_NAME, Recipe
 from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
@@ -32,7 +33,38 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_credentials(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
+        problems += _check_memory_requests(recipe)
     return problems
+
+
+def _check_memory_requests(recipe: Recipe) -> list[Problem]:
+    """Each component's ``--mem`` holds what the plan counts on its node and stays under the site's
+    cap ``plan.slurm_max_mem_per_node_gib``."""
+    out = []
+    cap = recipe.plan.slurm_max_mem_per_node_gib
+    for component in ("capture", "trainer"):
+        request = memory_request(recipe, component)
+        if request.explicit_gib is not None and request.explicit_gib < request.needed_gib:
+            out.append(
+                Problem(
+                    f"job.{component}.mem_gib",
+                    f"is {request.explicit_gib} GiB, below the {request.needed_gib} GiB the plan counts on a "
+                    f"{component} node ({request.describe()})",
+                    f"raise it to at least {request.needed_gib}, or remove it (the launcher derives it from the plan)",
+                )
+            )
+        elif cap is not None and request.requested_gib > cap:
+            out.append(
+                Problem(
+                    "plan.slurm_max_mem_per_node_gib",
+                    f"is {cap} GiB, below the {request.requested_gib} GiB a {component} node needs by the plan "
+                    f"({request.describe()})",
+                    "use nodes with more memory (and raise the cap to what they have), move or split the Mooncake "
+                    "segment (transport.segment_placement, transport.global_segment_bytes), or stream fewer experts "
+                    "(capture.expert_streaming.gpu_budget_bytes)",
+                )
+            )
+    return out
 
 
 # A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,

@@ -95,7 +95,9 @@ class ComponentResources(Section):
     cpus_per_task: int = Field(1, ge=1)
     """CPU cores per task."""
     mem_gib: int | None = Field(None, ge=1)
-    """Memory per node in GiB (``--mem``); null lets the site default apply."""
+    """Memory per node in GiB (``--mem``); null derives it from the plan's host memory of the node
+    plus a stated margin (``--plan`` shows it; runtime/recipe/fit/slurm_request.py). Set below what
+    the plan counts, the recipe is refused."""
     exclusive: bool = False
     """Request whole nodes (``--exclusive``)."""
     constraint: str | None = None
@@ -790,6 +792,11 @@ class PlanSection(Section):
     cache_read_gbps: float = Field(20.0, gt=0)
     """GB/s at which the trainer node's ranks together read the feature cache from local disk (an
     assumption for an NVMe RAID, not measured on our machines: measure yours with ``fio`` or ``dd``)."""
+    slurm_max_mem_per_node_gib: int | None = Field(None, ge=1)
+    """The most memory one node may be given (``--mem``) at this site: Slurm's MaxMemPerNode, or
+    the nodes' RealMemory (``scontrol show node``). Each component requests the plan's host memory
+    of its node plus a margin (runtime/recipe/fit/slurm_request.py); a request above this cap is
+    refused at load time with both numbers. Null: no cap known (Slurm refuses what no node has)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@
 - ``capture_node``: the plan's "capture node fit" section: host memory per node, the HBM fit, and the
   options when the target does not fit;
 - ``trainer_memory``: the draft's parameter counts and the bytes per trainer rank;
+- ``slurm_request``: what the job asks Slurm for: ``--mem`` per component from the host-memory
+  figure plus a stated margin, against the site's cap;
 - ``throughput``: capture, commit, transfer and train seconds per sample, the bottleneck, the run
   time with and without the trainer's feature cache.
 

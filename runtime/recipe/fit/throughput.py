@@ -5,7 +5,7 @@ the trainer's node-local feature cache: epoch 0 captured, later epochs read from
 from __future__ import annotations
 
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.fit.store_budget import commit_staging_slots, largest_sample
 from runtime.recipe.fit.trainer_memory import draft_parameter_counts
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize
@@ -79,7 +79,7 @@ def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dic
                 f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
             )
         )
-        _commit_overlap(recipe, report, stages, sample, capture_units)
+        _commit_overlap(recipe, report, stages, sample)
     link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
     stages["transfer"] = sample.total_bytes / link_bytes_s
     report.rows.append(
@@ -107,15 +107,11 @@ def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dic
     return stages
 
 
-def _commit_overlap(
-    recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize, capture_units: int
-) -> None:
+def _commit_overlap(recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize) -> None:
     """The capture side's commit (the Mooncake put of each sample): hidden behind the next forward
     by the commit pipeline, or added to the capture time without it."""
-    cap = recipe.capture
     commit_s = sample.total_bytes / (recipe.plan.store_put_gbps * 1e9)
-    # SGLang: one sink per server (TP group); embedded: one pipeline per replica, one batch each.
-    slots = cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else capture_units)
+    slots = commit_staging_slots(recipe)
     if slots:
         stages["capture"] = max(stages["capture"], commit_s)
         how = (
