@@ -77,11 +77,15 @@ def test_a_request_above_the_site_cap_is_refused_with_both_numbers_and_the_fix()
 
 
 def test_the_plan_explains_the_time_limit_and_warns_when_the_run_would_not_fit() -> None:
-    text = make_plan(load_recipe(K3).recipe).render()
+    plan = make_plan(load_recipe(K3).recipe)
+    text, run_s = plan.render(), plan.numbers["run_seconds"]
+    suggested = math.ceil((run_s + 5400) * 1.5 / 60)  # + capture.sglang.health_timeout_s
+    assert plan.numbers["time_limit_suggested_min"] == suggested
     assert "time limit" in text and "2880 min (48.0 h, job.time_limit_min)" in text
-    assert "the plan needs 53.5 min of run + up to 1.50 h of server start" in text
-    assert "--set job.time_limit_min=216" in text and "The recipe's value is kept" in text
+    assert f"the plan needs {run_s / 60:.1f} min of run + up to 1.50 h of server start" in text
+    assert f"--set job.time_limit_min={suggested}" in text and "The recipe's value is kept" in text
     short = make_plan(load_recipe(K3, ["job.time_limit_min=60"]).recipe)
     (warning,) = [f for f in short.findings if "job.time_limit_min 60" in f.message]
     assert warning.level == "warn" and "requeues (up to 3)" in warning.message
-    assert warning.options == ("--set job.time_limit_min=216 (the plan x 1.5)",)
+    assert warning.options == (f"--set job.time_limit_min={suggested} (the plan x 1.5)",)
+    assert not [f for f in plan.findings if "job.time_limit_min" in f.message]

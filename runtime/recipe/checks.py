@@ -28,6 +28,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_segment(recipe, budget)
     problems += _check_ports(recipe)
     problems += _check_capture(recipe)
+    problems += _check_target_attention(recipe)
     problems += _check_trainer(recipe)
     problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
@@ -35,6 +36,40 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
         problems += _check_memory_requests(recipe)
     return problems
+
+
+def _check_target_attention(recipe: Recipe) -> list[Problem]:
+    """``linear_attn_config``'s layer lists: 1-based within the target's layers, and
+    ``full_attn_layers`` exactly the layers not in ``kda_layers`` (how SGLang 0.5.23 reads them: a
+    list that says otherwise would be silently ignored there)."""
+    attention = recipe.capture.target_attention
+    if attention is None or attention.linear_attn_config is None:
+        return []
+    linear, layers = attention.linear_attn_config, recipe.capture.num_target_layers
+    path = "capture.target_attention.linear_attn_config"
+    out = []
+    for name in ("kda_layers", "full_attn_layers"):
+        outside = sorted(i for i in getattr(linear, name) if not 1 <= i <= layers)
+        if outside:
+            out.append(
+                Problem(
+                    f"{path}.{name}",
+                    f"names layers {outside} outside 1..{layers} (capture.num_target_layers; the lists are 1-based)",
+                    "copy the lists from the target's config.json unchanged",
+                )
+            )
+    full = set(range(1, layers + 1)) - set(linear.kda_layers)
+    if not out and set(linear.full_attn_layers) != full:
+        out.append(
+            Problem(
+                f"{path}.full_attn_layers",
+                f"lists {len(linear.full_attn_layers)} layers, but the {len(full)} layers not in kda_layers are "
+                f"full attention (SGLang reads every layer not in kda_layers as full); they differ at "
+                f"{sorted(full.symmetric_difference(linear.full_attn_layers))}",
+                "copy both lists from the target's config.json unchanged",
+            )
+        )
+    return out
 
 
 def _check_memory_requests(recipe: Recipe) -> list[Problem]:
