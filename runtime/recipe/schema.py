@@ -826,10 +826,11 @@ class PlanSection(Section):
     trainer_local_disk_bytes: ByteSize = 28 * 10**12
     """Free local disk (NVMe) of one trainer node for ``trainer.feature_cache`` (8-GPU nodes often
     carry 8 x 3.84 TB NVMe drives; an assumption: set your site's number)."""
-    attention_tflops: float = Field(400.0, gt=0)
-    """Rate of causal full attention in a long prefill (MLA-like heads: qk 192, v 128, at 64K). An
-    assumption until measured: ``python3 -m tools.bench.attention`` on one accelerator prints it
-    (TFLOP/s of SDPA and flex attention against a matmul timed in the same run)."""
+    attention_tflops: float = Field(600.0, gt=0)
+    """Rate of causal full attention in a long prefill (MLA-like heads: qk 192, v 128, at 64K): 601
+    TFLOP/s measured on our H200 with PyTorch's SDPA (torch 2.11; 80% of a bf16 matmul in the same
+    run; compiled flex attention reached 314). ``python3 -m tools.bench.attention`` measures it on
+    yours. SGLang's own MLA prefill kernel was not measured."""
     linear_attention_tflops: float = Field(100.0, gt=0)
     """Rate of the KDA linear-attention kernels (chunked delta rule, Triton) in a long prefill. An
     assumption: these kernels reach far less of the peak than matmuls; not measured here."""

@@ -4,6 +4,7 @@ the trainer's node-local feature cache: epoch 0 captured, later epochs read from
 
 from __future__ import annotations
 
+from runtime.recipe.capture_layout import capture_shares
 from runtime.recipe.fit.expert_streaming import streamed_pcie_seconds
 from runtime.recipe.fit.prefill import PrefillSplit, prefill_split
 from runtime.recipe.fit.report import Finding, FitReport
@@ -70,7 +71,8 @@ def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dic
     capture_units = max(1, recipe.job.capture.gpus_per_node * recipe.job.capture.nodes)
     if recipe.capture.target_active_params:
         split = prefill_split(recipe, capture_units)
-        pcie_s = streamed_pcie_seconds(recipe)
+        # Each engine copies its own streamed experts; the engines capture different samples at once.
+        pcie_s = streamed_pcie_seconds(recipe) / capture_shares(recipe)
         stages["capture"] = max(split.seconds, pcie_s)
         report.rows.append(
             (
@@ -148,8 +150,9 @@ def _prefill_rows(recipe: Recipe, split: PrefillSplit, pcie_s: float) -> list[tu
         rows.append(
             (
                 "  prefill: PCIe",
-                f"{pcie_s:.3f} s  (streamed experts' copies per GPU at {hw.pcie_h2d_bytes_per_s / 1e9:.0f} GB/s, "
-                "prefetched: they overlap the compute, the prefill takes the longer of the two)",
+                f"{pcie_s:.3f} s  (streamed experts' copies per GPU at {hw.pcie_h2d_bytes_per_s / 1e9:.0f} GB/s"
+                + (f", over {capture_shares(recipe)} engines capturing at once" if capture_shares(recipe) > 1 else "")
+                + ", prefetched: they overlap the compute, the prefill takes the longer of the two)",
             )
         )
     return rows
