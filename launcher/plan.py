@@ -20,8 +20,11 @@ from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import throughput_model
 from runtime.recipe.fit.trainer_memory import trainer_memory_fit
+from runtime.recipe.site_facts import PLAN_FIELD_OF_FACT, SITE_FIELDS, SiteFacts
 from runtime.recipe.units import format_bytes
 
+SITE_FACT_NAMES = {**{name: target for name, (target, _) in PLAN_FIELD_OF_FACT.items()}, "link_gbps": "plan.link_gbps"}
+"""Probe fact (or skipped-measurement) name -> the plan field it stands for."""
 TIME_LIMIT_MARGIN = 1.5
 """The suggested time limit: the planned run (every sample at max_length, an upper bound) plus the
 SGLang server's start, times this."""
@@ -64,8 +67,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(recipe: Recipe) -> Plan:
-    """Compute the plan of ``recipe``."""
+def make_plan(recipe: Recipe, facts: SiteFacts | None = None) -> Plan:
+    """Compute the plan of ``recipe`` (whose ``plan`` fields carry ``facts`` when the probe measured
+    them: ``--plan --site-facts``; the plan says which site figures are measured, which assumed)."""
     plan = Plan()
     budget = store_budget(recipe)
     for report in (
@@ -80,7 +84,38 @@ def make_plan(recipe: Recipe) -> Plan:
     components = _components(recipe, plan.numbers)
     plan.add(components)
     plan.sections.insert(0, plan.sections.pop())
+    plan.add(_site_figures(recipe, facts or SiteFacts()))
     return plan
+
+
+def _site_figures(recipe: Recipe, facts: SiteFacts) -> FitReport:
+    """Each site figure the plan rests on: measured by ``--probe`` (how, where) or assumed."""
+    report = FitReport("site figures (measured by --probe, or assumed)")
+    for dotted in SITE_FIELDS:
+        name = dotted.split(".", 1)[1]
+        value = getattr(recipe.plan, name)
+        shown = _site_value(name, value)
+        found = facts.measured_field(dotted)
+        if found is not None and found[1] != value:  # a --set after the facts wins
+            how = f"set by --set (the probe measured {_site_value(name, found[1])})"
+        elif found is not None:
+            how = f"measured on {found[0]['where']}: {found[0]['how']}"
+        else:
+            why = next((w for n, w in facts.skipped.items() if SITE_FACT_NAMES.get(n) == dotted), None)
+            how = f"assumed (the probe skipped it: {why})" if why else "assumed (the recipe's value)"
+        report.rows.append((dotted, f"{shown}  {how}"))
+    if facts.sources:
+        report.rows.append(("facts read from", ", ".join(facts.sources)))
+    return report
+
+
+def _site_value(name: str, value: float) -> str:
+    """A site figure with its unit."""
+    if name == "pcie_h2d_bytes_per_s":
+        return f"{value / 1e9:.1f} GB/s per GPU"
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    return f"{value:g} {'Gbit/s' if name == 'link_gbps' else 'GB/s'}"
 
 
 def _components(recipe: Recipe, numbers: dict[str, float]) -> FitReport:

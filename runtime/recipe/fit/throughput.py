@@ -255,7 +255,7 @@ def _feature_cache(
         (
             "cache read s/sample",
             f"{read_s:.3f} s  ({format_bytes(sample.total_bytes)} at {recipe.plan.cache_read_gbps:g} GB/s, "
-            "plan.cache_read_gbps: assumed until measured on the trainer node with tools/bench/feature_cache.py)",
+            "plan.cache_read_gbps; measured or assumed: the site figures below)",
         ),
         (
             "run time with the cache",
