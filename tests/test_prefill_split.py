@@ -4,6 +4,7 @@ the sequence length."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,7 @@ def test_one_trainer_idle_figure_defined_over_the_run() -> None:
     assert text.count("trainer idle") == 1 and f"trainer idle             {idle:.0%} of the run" in text
     assert f"expected to idle {idle:.0%} of the time over the run" in text
     assert "trainer idle fraction" not in text
+    uncached = make_plan(load_recipe(K3, ["trainer.feature_cache.enabled=false"]).recipe)
+    text = uncached.render()
+    assert len(set(re.findall(r"idle\s+(\d+)%", text))) == 1, "one idle percentage, in the row and the finding"
+    assert f"expected to idle {uncached.numbers['trainer_idle_fraction']:.0%} of the time" in text

@@ -227,7 +227,7 @@ def _capture_once_projection(recipe: Recipe, report: FitReport, stages: dict[str
     report.rows.append(
         (
             "with trainer.feature_cache",
-            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%}: each row captured once, later epochs read from the "
+            f"{seconds / 3600:.2f} h: each row captured once, later epochs read from the "
             "trainer node's disk (off in this recipe: --set trainer.feature_cache.enabled=true "
             "--set trainer.feature_cache.dir=/local/nvme/dspark_cache)",
         )
