@@ -33,6 +33,7 @@ from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
+from runtime.recipe.site_facts import read_site_facts
 from runtime.user_errors import UserError, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +82,13 @@ def _submit_parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the exact script and command; submit nothing")
     mode.add_argument("--plan", action="store_true", help="print the resource and throughput plan and exit")
+    parser.add_argument(
+        "--site-facts",
+        type=Path,
+        metavar="FILE",
+        help="with --plan: the site facts a --probe job measured (its site_facts/ folder or a facts_*.json) in place "
+        "of the recipe's assumptions",
+    )
     mode.add_argument("--local", action="store_true", help="run both components on this machine, loopback only")
     parser.add_argument(
         "--probe",
@@ -171,8 +179,19 @@ def submit(args: argparse.Namespace) -> int:
     loaded = load(args.recipe, args.overrides, args.smoke)
     if args.resume:
         loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, loaded), args.smoke)
+    if args.site_facts and not args.plan:
+        raise LaunchError("--site-facts goes with --plan: python3 -m launcher RECIPE --plan --site-facts FILE")
     if args.plan:
-        print(make_plan(loaded.recipe).render())
+        facts = read_site_facts(args.site_facts) if args.site_facts else None
+        if facts is not None:  # the measured facts in place of the recipe's assumptions, checks included
+            try:  # the operator's own --set lines come after the facts and win
+                loaded = load(args.recipe, facts.overrides() + args.overrides, args.smoke)
+            except RecipeError as exc:
+                raise LaunchError(
+                    f"{exc}\n  (the --set plan.* values named above are the probe's measurements, from "
+                    f"{', '.join(facts.sources)})"
+                ) from None
+        print(make_plan(loaded.recipe, facts).render())
         return 0
     if args.dry_run:
         planned = jobs.runs_root(REPO_ROOT, loaded.recipe.job.runs_dir) / loaded.recipe.job.name / "<stamp>"

@@ -49,6 +49,7 @@ def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
         time_limit_min=recipe.eval.time_limit_min,
         nodes=1,
         tasks_per_node=1,
+        mem_gib=resources.mem_gib,
     )
     flags += [("output", "slurm-%x-%j.out"), *sorted(resources.extra_sbatch.items())]
     python = job.python

@@ -10,15 +10,26 @@ assumptions in its ``plan`` section; the plan says where it is an estimate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from runtime.recipe import Recipe
 from runtime.recipe.fit.capture_node import capture_node_fit
 from runtime.recipe.fit.report import Finding, FitReport
+from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import throughput_model
 from runtime.recipe.fit.trainer_memory import trainer_memory_fit
+from runtime.recipe.site_facts import PLAN_FIELD_OF_FACT, SITE_FIELDS, SiteFacts
 from runtime.recipe.units import format_bytes
+
+SITE_FACT_NAMES = {**{name: target for name, (target, _) in PLAN_FIELD_OF_FACT.items()}, "link_gbps": "plan.link_gbps"}
+"""Probe fact (or skipped-measurement) name -> the plan field it stands for."""
+TIME_LIMIT_MARGIN = 1.5
+"""The suggested time limit: the planned run (every sample at max_length, an upper bound) plus the
+SGLang server's start, times this."""
+TIME_LIMIT_FLOOR_MIN = 10
+"""The suggested time limit is never below this (Slurm's start-up, the environment setup)."""
 
 
 @dataclass
@@ -56,12 +67,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(recipe: Recipe) -> Plan:
-    """Compute the plan of ``recipe``."""
+def make_plan(recipe: Recipe, facts: SiteFacts | None = None) -> Plan:
+    """Compute the plan of ``recipe`` (whose ``plan`` fields carry ``facts`` when the probe measured
+    them: ``--plan --site-facts``; the plan says which site figures are measured, which assumed)."""
     plan = Plan()
     budget = store_budget(recipe)
     for report in (
-        _components(recipe),
         _data_per_sample_and_step(recipe, budget),
         _mooncake(recipe, budget),
         trainer_memory_fit(recipe),
@@ -69,24 +80,114 @@ def make_plan(recipe: Recipe) -> Plan:
         throughput_model(recipe),
     ):
         plan.add(report)
+    # First in the text, last computed: the time limit is read against the run time.
+    components = _components(recipe, plan.numbers)
+    plan.add(components)
+    plan.sections.insert(0, plan.sections.pop())
+    plan.add(_site_figures(recipe, facts or SiteFacts()))
     return plan
 
 
-def _components(recipe: Recipe) -> FitReport:
+def _site_figures(recipe: Recipe, facts: SiteFacts) -> FitReport:
+    """Each site figure the plan rests on: measured by ``--probe`` (how, where) or assumed."""
+    report = FitReport("site figures (measured by --probe, or assumed)")
+    for dotted in SITE_FIELDS:
+        name = dotted.split(".", 1)[1]
+        value = getattr(recipe.plan, name)
+        shown = _site_value(name, value)
+        found = facts.measured_field(dotted)
+        if found is not None and found[1] != value:  # a --set after the facts wins
+            how = f"set by --set (the probe measured {_site_value(name, found[1])})"
+        elif found is not None:
+            how = f"measured on {found[0]['where']}: {found[0]['how']}"
+        else:
+            why = next((w for n, w in facts.skipped.items() if SITE_FACT_NAMES.get(n) == dotted), None)
+            how = f"assumed (the probe skipped it: {why})" if why else "assumed (the recipe's value)"
+        report.rows.append((dotted, f"{shown}  {how}"))
+    if facts.sources:
+        report.rows.append(("facts read from", ", ".join(facts.sources)))
+    return report
+
+
+def _site_value(name: str, value: float) -> str:
+    """A site figure with its unit."""
+    if name == "pcie_h2d_bytes_per_s":
+        return f"{value / 1e9:.1f} GB/s per GPU"
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    return f"{value:g} {'Gbit/s' if name == 'link_gbps' else 'GB/s'}"
+
+
+def _components(recipe: Recipe, numbers: dict[str, float]) -> FitReport:
+    """Per component: shape, ``--mem`` (with its parts) and what ``--exclusive`` holds; the time limit."""
     job = recipe.job
-    report = FitReport("components")
+    report = FitReport("components (what the job asks Slurm for)")
     for name in ("capture", "trainer"):
         res = getattr(job, name)
-        memory = f"{res.mem_gib} GiB" if res.mem_gib else "site default"
+        request = memory_request(recipe, name)
+        report.numbers[f"{name}_mem_request_gib"] = request.requested_gib
         report.rows.append(
             (
                 name,
                 f"{res.nodes} node(s) x {res.gpus_per_node} GPU(s), {res.tasks_per_node} task(s)/node, "
-                f"{res.cpus_per_task} CPU(s)/task, mem {memory}",
+                f"{res.cpus_per_task} CPU(s)/task",
             )
         )
-    report.rows.append(("time limit", f"{job.time_limit_min} min, requeue up to {job.max_requeues} times"))
+        report.rows.append((f"  memory per {name} node", request.describe()))
+        if res.exclusive:
+            report.rows.append(
+                (
+                    "  --exclusive",
+                    f"holds each whole node for {res.tasks_per_node} task(s) on {res.gpus_per_node} GPU(s): GPUs, "
+                    f"cores and memory beyond these stay idle for the job (job.{name}.exclusive: false shares the node)",
+                )
+            )
+    cap = recipe.plan.slurm_max_mem_per_node_gib
+    report.rows.append(
+        (
+            "memory cap",
+            f"{cap} GiB per node (plan.slurm_max_mem_per_node_gib)"
+            if cap
+            else "none stated (plan.slurm_max_mem_per_node_gib: your site's MaxMemPerNode or the nodes' RealMemory)",
+        )
+    )
+    report.rows.append(("time limit", _time_limit(recipe, report, numbers)))
     return report
+
+
+def _time_limit(recipe: Recipe, report: FitReport, numbers: dict[str, float]) -> str:
+    """The recipe's time limit against the planned run (and the SGLang server's start), and why it
+    is kept; a warning when the run would not fit it."""
+    job = recipe.job
+    limit = f"{job.time_limit_min} min ({job.time_limit_min / 60:.1f} h, job.time_limit_min), requeue up to {job.max_requeues} times"
+    run_s = numbers.get("run_seconds")
+    if not run_s:
+        return limit + " (no run time planned: data.num_rows unknown)"
+    start_s = recipe.capture.sglang.health_timeout_s if recipe.capture.engine == "sglang" else 0
+    needed_s = run_s + start_s
+    suggested_min = max(TIME_LIMIT_FLOOR_MIN, math.ceil(needed_s * TIME_LIMIT_MARGIN / 60))
+    start = f" + up to {_hours(start_s)} of server start (capture.sglang.health_timeout_s)" if start_s else ""
+    report.numbers.update(time_limit_suggested_min=suggested_min)
+    if job.time_limit_min * 60 < needed_s:
+        report.findings.append(
+            Finding(
+                "warn",
+                f"job.time_limit_min {job.time_limit_min} is below the planned {_hours(needed_s)} "
+                f"({_hours(run_s)} of run{start}): the job reaches its limit and continues only through "
+                f"requeues (up to {job.max_requeues}), each restarting the capture server",
+                (f"--set job.time_limit_min={suggested_min} (the plan x {TIME_LIMIT_MARGIN:g})",),
+            )
+        )
+    return (
+        f"{limit}; the plan needs {_hours(run_s)} of run{start}, x {TIME_LIMIT_MARGIN:g} (at least "
+        f"{TIME_LIMIT_FLOOR_MIN} min): --set job.time_limit_min={suggested_min}. The recipe's value is kept: the "
+        "run time rests on assumed rates until a real run measures them, and a time-out only requeues"
+    )
+
+
+def _hours(seconds: float) -> str:
+    """``0.89 h``, or minutes below an hour (``4.2 min``)."""
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def _data_per_sample_and_step(recipe: Recipe, budget: StoreBudget) -> FitReport:

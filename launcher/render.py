@@ -16,6 +16,7 @@ from pathlib import Path
 from launcher.environment import COMPONENTS
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import Recipe
+from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
 
@@ -90,8 +91,7 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
         if index:
             lines.append("#SBATCH hetjob")
         lines.append(f"# ---- het group {index}: {component} ({_COMPONENT_ROLE[component]}) ----")
-        resources: ComponentResources = getattr(job, component)
-        lines += _sbatch_block(recipe, resources, options)
+        lines += _sbatch_block(recipe, component, options)
     lines += ["", "set -uo pipefail", ""]
     lines += _site_settings(recipe, options)
     lines += [""]
@@ -111,9 +111,11 @@ def resource_flags(
     time_limit_min: int,
     nodes: int,
     tasks_per_node: int,
+    mem_gib: int | None,
 ) -> list[tuple[str, str | None]]:
     """The ``#SBATCH`` flags that place one het group (or a one-node job) on the site: name,
-    partition/account/qos, time, shape, GPUs, memory, exclusivity, constraint."""
+    partition/account/qos, time, shape, GPUs, memory per node (``mem_gib``; None: the site's
+    default), exclusivity, constraint."""
     job = recipe.job
     flags: list[tuple[str, str | None]] = [("job-name", job_name)]
     if job.partition:
@@ -130,8 +132,8 @@ def resource_flags(
     ]
     if resources.gpus_per_node:
         flags.append(("gpus-per-node", str(resources.gpus_per_node)))
-    if resources.mem_gib:
-        flags.append(("mem", f"{resources.mem_gib}G"))
+    if mem_gib:
+        flags.append(("mem", f"{mem_gib}G"))
     if resources.exclusive:
         flags.append(("exclusive", None))
     if resources.constraint:
@@ -144,8 +146,10 @@ def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
     return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_quote(value)}" for key, value in flags]
 
 
-def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: RenderOptions) -> list[str]:
+def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> list[str]:
     job = recipe.job
+    resources: ComponentResources = getattr(job, component)
+    # --mem from the plan's host memory of the node plus its margin (the plan shows the parts).
     flags = resource_flags(
         recipe,
         resources,
@@ -153,6 +157,7 @@ def _sbatch_block(recipe: Recipe, resources: ComponentResources, options: Render
         time_limit_min=job.time_limit_min,
         nodes=resources.nodes,
         tasks_per_node=resources.tasks_per_node,
+        mem_gib=memory_request(recipe, component).requested_gib,
     )
     flags += [
         ("signal", f"{PREEMPT_SIGNAL}@{job.signal_delay_s}"),

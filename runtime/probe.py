@@ -6,7 +6,15 @@ contract for real:
 - trainer ranks form a gloo process group from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and
   all-reduce their ranks;
 - the capture task listens on its bind address at the Mooncake master RPC port, and trainer rank 0
-  dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes.
+  dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes;
+- rank 0 of each component measures the site facts the plan rests on (``runtime/probe_measure.py``)
+  and writes them to ``{job_dir}/site_facts/facts_{component}.json``, saying what it skipped and why:
+  the capture node's host memory, its aggregate pinned host-to-device rate with all GPUs copying
+  at once, and a Mooncake put/get over loopback (before it listens: the trainer's end stops it);
+  the trainer node's host memory and the feature-cache disk's cold read rate (after its dial).
+  ``python3 -m launcher RECIPE --plan --site-facts {job_dir}/site_facts`` puts them in place of the
+  recipe's assumptions. ``DSPARK_PROBE_MEASURE_BYTES`` sets the bytes copied, read and put;
+  ``DSPARK_PROBE_MEASURE=0`` skips the measurements (the test suite does, but for the tests of them).
 
 Set ``DSPARK_PROBE_FAIL=<component>`` (through the recipe's ``job.env``) to make that component exit
 with code 3 after recording, which is how tests check that a failed component is reported. Set
@@ -29,8 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime import probe_measure
 from runtime.files import atomic_write_text
+from runtime.native_log import route_native_output
 from runtime.recipe import load_resolved
+from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
 from runtime.shared import contracts
 
 CONTRACT_VARIABLES = (
@@ -47,6 +59,10 @@ CONTRACT_VARIABLES = (
 )
 CONNECT_TIMEOUT_S = 120.0
 FAIL_EXIT_CODE = 3
+MEASURE_BYTES_RANGE = (64 * 2**20, 2**30)
+"""Bytes each measurement moves (per GPU for the host-to-device copies): the recipe's largest
+sample, within this range (K3: 1 GiB; the tiny recipe: 64 MiB), unless
+``DSPARK_PROBE_MEASURE_BYTES`` says otherwise."""
 
 
 def _record(job_dir: Path, component: str, rank: int, extra: dict[str, Any]) -> Path:
@@ -108,6 +124,61 @@ def _trainer_all_reduce() -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
+    """Measure this node's site facts and write ``site_facts/facts_{component}.json``; returns its path."""
+    low, high = MEASURE_BYTES_RANGE
+    sample = largest_sample(resolved.recipe).total_bytes
+    size = int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", min(high, max(low, sample))))
+    measured: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+
+    def attempt(name: str, measure: Any) -> None:
+        try:
+            value, how = measure()
+        except probe_measure.Skipped as exc:
+            skipped[name] = str(exc)
+        except Exception as exc:  # a measurement that breaks must not fail the probe: say so
+            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
+        else:
+            measured[name] = {"value": value, "how": how}
+
+    attempt(f"{component}_host_memory_available_bytes", probe_measure.host_memory_available_bytes)
+    recipe = resolved.recipe
+    if component == "capture":
+        attempt("h2d_gbps_per_gpu", lambda: probe_measure.h2d_gbps_per_gpu(size))
+        attempt("store_put_gbps", lambda: _put_rate(size, job_dir / "logs"))
+    else:
+        cache = recipe.trainer.feature_cache
+        if cache.enabled and cache.dir:
+            attempt("cache_read_gbps", lambda: probe_measure.cold_read_gbps(Path(cache.dir), size))
+        else:
+            skipped["cache_read_gbps"] = "trainer.feature_cache is off: measured the job folder's disk instead"
+            attempt("job_dir_read_gbps", lambda: probe_measure.cold_read_gbps(job_dir / SITE_FACTS_DIRNAME, size))
+        skipped["link_gbps"] = (
+            "a Mooncake transfer between the two nodes is not measured yet (the probe only proves the route)"
+        )
+    payload = {
+        "component": component,
+        "host": socket.gethostname(),
+        "time": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "measured": measured,
+        "skipped": skipped,
+    }
+    target = job_dir / SITE_FACTS_DIRNAME / f"facts_{component}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    for name, fact in measured.items():
+        print(f"[probe {component}/0] measured {name}: {fact['how']}", flush=True)
+    for name, why in skipped.items():
+        print(f"[probe {component}/0] skipped {name}: {why}", flush=True)
+    return target
+
+
+def _put_rate(size: int, log_dir: Path) -> tuple[float, str]:
+    put_gbps, _, how = probe_measure.store_put_get_gbps(size, log_dir)
+    return put_gbps, how
+
+
 def _stop_slowly(job_dir: Path, component: str, rank: int, delay_s: float) -> None:
     stops = job_dir / "probe" / "stops"
     stops.mkdir(parents=True, exist_ok=True)
@@ -123,20 +194,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, type=Path)
     parser.add_argument("--component", required=True, choices=("capture", "trainer"))
     args = parser.parse_args(argv)
+    route_native_output()  # the probe's Mooncake client logs through glog onto fd 2: into logs/native_*
     resolved = load_resolved(args.recipe)
     job_dir = Path(os.environ.get(contracts.ENV_JOB_DIR, resolved.job_dir))
     rank = int(os.environ.get(contracts.ENV_TASK_RANK, "0"))
     extra: dict[str, Any] = {}
+    facts: Path | None = None
+    measure = os.environ.get("DSPARK_PROBE_MEASURE", "1") != "0"
     if args.component == "trainer":
         extra.update(_trainer_all_reduce())
         if rank == 0:
             extra["capture_reply"] = _trainer_dial(os.environ[contracts.ENV_MOONCAKE_MASTER], CONNECT_TIMEOUT_S)
+            facts = _measure_site_facts("trainer", resolved, job_dir) if measure else None
     elif rank == 0:
+        facts = _measure_site_facts("capture", resolved, job_dir) if measure else None
         extra["trainer_message"] = _capture_listen(
             os.environ[contracts.ENV_BIND_ADDRESS], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
         )
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
+    if facts is not None:
+        print(
+            f"[probe {args.component}/{rank}] site facts in {facts}; the plan with them: python3 -m launcher "
+            f"RECIPE --plan --site-facts {facts.parent}",
+            flush=True,
+        )
     if os.environ.get("DSPARK_PROBE_FAIL") == args.component:
         print(f"[probe {args.component}/{rank}] DSPARK_PROBE_FAIL asks this component to fail", flush=True)
         return FAIL_EXIT_CODE

@@ -29,8 +29,13 @@ WORKER_PORT_SPAN = 1500
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give this xdist worker its own loopback port range (free_port reads DSPARK_PORT_RANGE)."""
+    """Give this xdist worker its own loopback port range (free_port reads DSPARK_PORT_RANGE); probe
+    jobs skip their site measurements unless a test asks for them (DSPARK_PROBE_MEASURE)."""
     from runtime.transport.loopback import ENV_PORT_RANGE
+
+    # The probe's site measurements (a private Mooncake master, a disk write and read) add about 5 s
+    # to every probe job on 2 busy cores; the tests that check them set DSPARK_PROBE_MEASURE=1.
+    os.environ.setdefault("DSPARK_PROBE_MEASURE", "0")
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):

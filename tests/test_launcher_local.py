@@ -30,6 +30,7 @@ def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
         "MASTER_PORT": "1",
         "LOCAL_RANK": "5",
         "NODE_RANK": "3",
+        "DSPARK_PROBE_MEASURE": "1",  # this test checks the site measurements too
     }
     done = launch(["tiny", "--local", "--probe", *probe_overrides(runs)], env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -48,6 +49,19 @@ def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
     assert capture["env"]["DSPARK_BIND_ADDRESS"] == "127.0.0.1"
     assert capture["trainer_message"] == "trainer-ok", "trainer rank 0 reached the handed Mooncake endpoint"
     assert probes[("trainer", 0)]["capture_reply"] == "capture-ok"
+    # rank 0 of each component measured its site facts (CPU and loopback here) and said what it skipped
+    capture_facts = json.loads((job_dir / "site_facts" / "facts_capture.json").read_text())
+    assert capture_facts["measured"]["store_put_gbps"]["value"] > 0
+    assert capture_facts["measured"]["capture_host_memory_available_bytes"]["value"] > 0
+    if "h2d_gbps_per_gpu" in capture_facts["skipped"]:
+        assert capture_facts["skipped"]["h2d_gbps_per_gpu"] == "no CUDA device here"
+    trainer_facts = json.loads((job_dir / "site_facts" / "facts_trainer.json").read_text())
+    assert trainer_facts["measured"]["job_dir_read_gbps"]["value"] > 0
+    assert "trainer.feature_cache is off" in trainer_facts["skipped"]["cache_read_gbps"]
+    assert "[probe capture/0] measured store_put_gbps" in done.stdout
+    plan = launch(["tiny", "--plan", "--site-facts", str(job_dir / "site_facts")])
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "plan.store_put_gbps" in plan.stdout and "measured on" in plan.stdout
 
     record = json.loads((job_dir / "job.json").read_text())
     status = launch(["status", record["job_id"], "--runs-dir", str(runs)])

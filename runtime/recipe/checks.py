@@ -6,6 +6,7 @@ from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
+from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.schema import Recipe, credentials_in
 from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
@@ -25,12 +26,78 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_segment(recipe, budget)
     problems += _check_ports(recipe)
     problems += _check_capture(recipe)
+    problems += _check_target_attention(recipe)
     problems += _check_trainer(recipe)
     problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
+        problems += _check_memory_requests(recipe)
     return problems
+
+
+def _check_target_attention(recipe: Recipe) -> list[Problem]:
+    """``linear_attn_config``'s layer lists: 1-based within the target's layers, and
+    ``full_attn_layers`` exactly the layers not in ``kda_layers`` (how SGLang 0.5.23 reads them: a
+    list that says otherwise would be silently ignored there)."""
+    attention = recipe.capture.target_attention
+    if attention is None or attention.linear_attn_config is None:
+        return []
+    linear, layers = attention.linear_attn_config, recipe.capture.num_target_layers
+    path = "capture.target_attention.linear_attn_config"
+    out = []
+    for name in ("kda_layers", "full_attn_layers"):
+        outside = sorted(i for i in getattr(linear, name) if not 1 <= i <= layers)
+        if outside:
+            out.append(
+                Problem(
+                    f"{path}.{name}",
+                    f"names layers {outside} outside 1..{layers} (capture.num_target_layers; the lists are 1-based)",
+                    "copy the lists from the target's config.json unchanged",
+                )
+            )
+    full = set(range(1, layers + 1)) - set(linear.kda_layers)
+    if not out and set(linear.full_attn_layers) != full:
+        out.append(
+            Problem(
+                f"{path}.full_attn_layers",
+                f"lists {len(linear.full_attn_layers)} layers, but the {len(full)} layers not in kda_layers are "
+                f"full attention (SGLang reads every layer not in kda_layers as full); they differ at "
+                f"{sorted(full.symmetric_difference(linear.full_attn_layers))}",
+                "copy both lists from the target's config.json unchanged",
+            )
+        )
+    return out
+
+
+def _check_memory_requests(recipe: Recipe) -> list[Problem]:
+    """Each component's ``--mem`` holds what the plan counts on its node and stays under the site's
+    cap ``plan.slurm_max_mem_per_node_gib``."""
+    out = []
+    cap = recipe.plan.slurm_max_mem_per_node_gib
+    for component in ("capture", "trainer"):
+        request = memory_request(recipe, component)
+        if request.explicit_gib is not None and request.explicit_gib < request.needed_gib:
+            out.append(
+                Problem(
+                    f"job.{component}.mem_gib",
+                    f"is {request.explicit_gib} GiB, below the {request.needed_gib} GiB the plan counts on a "
+                    f"{component} node ({request.describe()})",
+                    f"raise it to at least {request.needed_gib}, or remove it (the launcher derives it from the plan)",
+                )
+            )
+        elif cap is not None and request.requested_gib > cap:
+            out.append(
+                Problem(
+                    "plan.slurm_max_mem_per_node_gib",
+                    f"is {cap} GiB, below the {request.requested_gib} GiB a {component} node needs by the plan "
+                    f"({request.describe()})",
+                    "use nodes with more memory (and raise the cap to what they have), move or split the Mooncake "
+                    "segment (transport.segment_placement, transport.global_segment_bytes), or stream fewer experts "
+                    "(capture.expert_streaming.gpu_budget_bytes)",
+                )
+            )
+    return out
 
 
 def _strings(value: object, path: str) -> list[tuple[str, str]]:

@@ -118,7 +118,9 @@ class ComponentResources(Section):
     cpus_per_task: int = Field(1, ge=1)
     """CPU cores per task."""
     mem_gib: int | None = Field(None, ge=1)
-    """Memory per node in GiB (``--mem``); null lets the site default apply."""
+    """Memory per node in GiB (``--mem``); null derives it from the plan's host memory of the node
+    plus a stated margin (``--plan`` shows it; runtime/recipe/fit/slurm_request.py). Set below what
+    the plan counts, the recipe is refused."""
     exclusive: bool = False
     """Request whole nodes (``--exclusive``)."""
     constraint: str | None = None
@@ -306,6 +308,40 @@ class ExpertStreamingSettings(Section):
     fraction of the PCIe rate and cannot overlap with compute."""
 
 
+class LinearAttnConfig(Section):
+    """The target config's ``linear_attn_config`` (Kimi Linear / K3), under its own names. Layer
+    numbers are 1-based as the config writes them: SGLang 0.5.23 (``configs/kimi_linear.py``,
+    ``is_kda_layer``) takes 0-based layer i as KDA linear attention when ``i + 1`` is in
+    ``kda_layers``, and every other layer as full (MLA) attention."""
+
+    kda_layers: list[int]
+    """1-based layers with KDA linear attention."""
+    full_attn_layers: list[int]
+    """1-based layers with full MLA attention (SGLang reads them as every layer not in ``kda_layers``;
+    the recipe checks that the two lists say the same)."""
+    num_heads: int = Field(..., ge=1)
+    """KDA heads."""
+    head_dim: int = Field(..., ge=1)
+    """KDA key and value head size."""
+
+
+class TargetAttention(Section):
+    """The target's attention shape, copied from its ``config.json`` (K3: ``text_config``) under the
+    same names; the plan counts the prefill's attention FLOPs from it. A GQA target without MLA:
+    ``qk_nope_head_dim`` = ``v_head_dim`` = ``head_dim`` and ``qk_rope_head_dim`` 0."""
+
+    num_attention_heads: int = Field(..., ge=1)
+    """Query heads of a full-attention layer."""
+    qk_nope_head_dim: int = Field(..., ge=0)
+    """MLA: per-head query/key size without rotary embedding."""
+    qk_rope_head_dim: int = Field(0, ge=0)
+    """MLA: per-head query/key size with rotary embedding."""
+    v_head_dim: int = Field(..., ge=1)
+    """Per-head value size."""
+    linear_attn_config: LinearAttnConfig | None = None
+    """Hybrid targets: which layers are linear attention; null: every layer is full attention."""
+
+
 class CaptureSection(Section):
     """The capture component: target model, engine and producer."""
 
@@ -334,6 +370,9 @@ class CaptureSection(Section):
     routed_expert_weight_bytes: ByteSize | None = None
     """The routed experts' share of ``target_weight_bytes`` (K3: about 1.45 TB of the 1.56 TB): what
     expert offload could keep in host memory. Null: the plan does not size offload."""
+    target_attention: TargetAttention | None = None
+    """The target's attention layout (hybrid linear / full attention), for the plan's prefill time;
+    null: attention is not counted (the plan says so)."""
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the embedded engine's forward (float32 gives exact CPU tests)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -810,9 +849,22 @@ class PlanSection(Section):
     trainer_local_disk_bytes: ByteSize = 28 * 10**12
     """Free local disk (NVMe) of one trainer node for ``trainer.feature_cache`` (8-GPU nodes often
     carry 8 x 3.84 TB NVMe drives; an assumption: set your site's number)."""
+    attention_tflops: float = Field(600.0, gt=0)
+    """Rate of causal full attention in a long prefill (MLA-like heads: qk 192, v 128, at 64K): 601
+    TFLOP/s measured on our H200 with PyTorch's SDPA (torch 2.11; 80% of a bf16 matmul in the same
+    run; compiled flex attention reached 314). ``python3 -m tools.bench.attention`` measures it on
+    yours. SGLang's own MLA prefill kernel was not measured."""
+    linear_attention_tflops: float = Field(100.0, gt=0)
+    """Rate of the KDA linear-attention kernels (chunked delta rule, Triton) in a long prefill. An
+    assumption: these kernels reach far less of the peak than matmuls; not measured here."""
     cache_read_gbps: float = Field(20.0, gt=0)
     """GB/s at which the trainer node's ranks together read the feature cache from local disk (an
     assumption for an NVMe RAID, not measured on our machines: measure yours with ``fio`` or ``dd``)."""
+    slurm_max_mem_per_node_gib: int | None = Field(None, ge=1)
+    """The most memory one node may be given (``--mem``) at this site: Slurm's MaxMemPerNode, or
+    the nodes' RealMemory (``scontrol show node``). Each component requests the plan's host memory
+    of its node plus a margin (runtime/recipe/fit/slurm_request.py); a request above this cap is
+    refused at load time with both numbers. Null: no cap known (Slurm refuses what no node has)."""
 
 
 # ----------------------------------------------------------------------------------------------

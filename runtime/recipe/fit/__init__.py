@@ -13,6 +13,10 @@
 - ``capture_node``: the plan's "capture node fit" section: host memory per node, the HBM fit, and the
   options when the target does not fit;
 - ``trainer_memory``: the draft's parameter counts and the bytes per trainer rank;
+- ``prefill``: one capture prefill per accelerator, split into routed experts, the dense rest and
+  attention (causal full attention and linear attention, from the target's layer mix);
+- ``slurm_request``: what the job asks Slurm for: ``--mem`` per component from the host-memory
+  figure plus a stated margin, against the site's cap;
 - ``throughput``: capture, commit, transfer and train seconds per sample, the bottleneck, the run
   time with and without the trainer's feature cache.
 

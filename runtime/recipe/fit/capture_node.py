@@ -4,8 +4,10 @@ they do not."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from runtime.recipe.fit.capture_hbm import capture_hbm_fit, offload_support_0_5_23
-from runtime.recipe.fit.host_memory import host_needs_per_node
+from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
 from runtime.recipe.fit.report import Finding, FitReport
 from runtime.recipe.schema import Recipe
 from runtime.recipe.units import GB, format_bytes
@@ -16,13 +18,13 @@ def capture_node_fit(recipe: Recipe) -> FitReport:
     target's weights against the capture node's HBM."""
     report = FitReport("capture node fit")
     hbm_fit = capture_hbm_fit(recipe)
-    streamed_per_gpu = int(hbm_fit.numbers.get("streaming_host_bytes_per_gpu", 0)) if hbm_fit else 0
-    _add_host_memory(report, recipe, streamed_per_gpu * recipe.job.capture.gpus_per_node)
+    # The same figure the recipe checks refuse on: every GPU's streamed experts whenever streaming
+    # splits the layers (also when the weights would fit resident: the runtime streams them then too).
+    _add_host_memory(report, recipe, streamed_expert_host_bytes(recipe))
     if hbm_fit is not None:
         report.rows += hbm_fit.rows
         report.numbers.update(hbm_fit.numbers)
-        # The fit verdict itself is stated once, below.
-        report.findings += [f for f in hbm_fit.findings if "do not fit" not in f.message]
+        report.findings += hbm_fit.findings
     _add_weights_verdict(report, recipe, hbm_fit)
     return report
 
@@ -55,6 +57,8 @@ def _add_weights_verdict(report: FitReport, recipe: Recipe, hbm_fit: FitReport |
     streams = hbm_fit is not None and bool(hbm_fit.numbers.get("streaming_fits"))
     if cap.target_weight_bytes > hbm and not streams:  # with streaming the verdict came with its findings
         shortfall = cap.target_weight_bytes - hbm
+        # The verdict is stated once: this total replaces the HBM fit's per-GPU "do not fit".
+        report.findings = [f for f in report.findings if not _per_gpu_verdict(f)]
         report.findings.append(
             Finding(
                 "blocker",
@@ -64,8 +68,19 @@ def _add_weights_verdict(report: FitReport, recipe: Recipe, hbm_fit: FitReport |
                 fit_options(recipe, hbm_fit.numbers if hbm_fit else {}, shortfall),
             )
         )
+    elif not streams and hbm_fit is not None and any(_per_gpu_verdict(f) for f in hbm_fit.findings):
+        # All GPUs together would hold the weights, one GPU's share does not: the per-GPU blocker
+        # stands, with the options.
+        per_gpu = hbm_fit.numbers["weights_per_gpu_bytes"] - hbm_fit.numbers["weight_budget_per_gpu_bytes"]
+        options = fit_options(recipe, hbm_fit.numbers, per_gpu * recipe.capture.sglang.tp_size)
+        report.findings = [replace(f, options=options) if _per_gpu_verdict(f) else f for f in report.findings]
     elif not streams and (hbm_fit is None or not hbm_fit.blockers):
         report.findings.append(Finding("ok", "the target's weights fit the capture node's accelerator memory"))
+
+
+def _per_gpu_verdict(finding: Finding) -> bool:
+    """The HBM fit's blocker: one GPU's share of the weights exceeds its budget at the TP size."""
+    return finding.level == "blocker" and "do not fit" in finding.message
 
 
 def fit_options(recipe: Recipe, numbers: dict[str, float], shortfall: float) -> tuple[str, ...]:

@@ -11,6 +11,8 @@ import math
 
 K3_ROUTED_EXPERTS = 896
 K3_TOP_K = 16
+MXFP4_BITS_PER_WEIGHT = 4.25
+"""E2M1 value (4 bits) plus one 8-bit E8M0 scale per 32 weights."""
 
 
 def untouched_expert_fraction(num_tokens: int, top_k: int, num_experts: int) -> float:

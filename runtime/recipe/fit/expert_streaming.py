@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 from runtime.recipe.fit.eval_decode import eval_decode_rows
-from runtime.recipe.fit.expert_routing import untouched_expert_fraction
+from runtime.recipe.fit.expert_routing import K3_ROUTED_EXPERTS, K3_TOP_K, untouched_expert_fraction
+from runtime.recipe.fit.prefill import prefill_seconds, routed_expert_active_params
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.throughput import prefill_seconds
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import segment_shares
 from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, split_layers
@@ -20,8 +20,6 @@ SGLANG_PATCH_STREAMS_EXPERTS_SINCE = "kimi_k3_dspark_sglang_0.5.23/2"
 """The capture patch version that creates streamed layers' experts in host memory and streams them
 (runtime/capture/sglang_streaming.py). Served so far on the CPU only (Qwen3-MoE, bf16/fp32
 experts), not on a GPU and not with K3's MXFP4 runner: the plan says so in a warning."""
-MXFP4_BITS_PER_WEIGHT = 4.25
-"""E2M1 value (4 bits) plus one 8-bit E8M0 scale per 32 weights."""
 
 
 def target_streaming_split(recipe: Recipe) -> StreamingSplit | None:
@@ -44,6 +42,19 @@ def target_streaming_split(recipe: Recipe) -> StreamingSplit | None:
     )
 
 
+def streamed_pcie_seconds(recipe: Recipe) -> float:
+    """Seconds one capture GPU spends copying its streamed experts over PCIe per prefill (0 without
+    streaming): every streamed expert a prefill routes to crosses once, at ``plan.pcie_h2d_bytes_per_s``."""
+    try:
+        split = target_streaming_split(recipe)
+    except (StreamingBudgetError, ValueError):
+        return 0.0
+    if split is None:
+        return 0.0
+    untouched = untouched_expert_fraction(recipe.data.max_length, K3_TOP_K, K3_ROUTED_EXPERTS)
+    return split.host_bytes * (1.0 - untouched) / recipe.plan.pcie_h2d_bytes_per_s
+
+
 @dataclass(frozen=True)
 class StreamingFit:
     """The numbers of streaming on one capture GPU at the recipe's TP size, per prefill of
@@ -63,7 +74,8 @@ class StreamingFit:
     """Routed-expert FLOPs one GPU computes per prefill."""
     expert_compute_seconds: float
     prefill_seconds: float
-    """The whole prefill at the throughput model's rate (nan without ``capture.target_active_params``)."""
+    """The whole prefill's compute (experts, dense, attention: runtime/recipe/fit/prefill.py; nan
+    without ``capture.target_active_params``)."""
     capture_host_bytes: int
     """The capture node's host memory: streamed experts of all its GPUs + its Mooncake segment share."""
     capture_host_memory_bytes: int
@@ -97,8 +109,7 @@ def streaming_fit(
     t = recipe.data.max_length
     untouched = untouched_expert_fraction(t, top_k, num_experts)
     pcie_bytes = split.host_bytes * (1.0 - untouched)
-    expert_params = (cap.routed_expert_weight_bytes or 0) * 8 / MXFP4_BITS_PER_WEIGHT
-    expert_flops = 2.0 * t * expert_params * top_k / num_experts / tp
+    expert_flops = 2.0 * t * routed_expert_active_params(recipe) / tp
     capture_segment, _ = segment_shares(tr.global_segment_bytes, tr.segment_placement)
     return StreamingFit(
         split=split,

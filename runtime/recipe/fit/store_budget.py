@@ -24,6 +24,14 @@ def max_samples_in_flight(recipe: Recipe) -> int:
     return c.batch_size * engines * recipe.job.capture.nodes
 
 
+def commit_staging_slots(recipe: Recipe) -> int:
+    """Pinned staging slots of the capture side's commit pipeline (0: no pipeline). SGLang: one
+    sink per server; embedded: one pipeline per replica, one batch each."""
+    cap = recipe.capture
+    units = max(1, recipe.job.capture.gpus_per_node * recipe.job.capture.nodes)
+    return cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else units)
+
+
 @dataclass(frozen=True)
 class StoreBudget:
     """The store's bytes at ``data.max_length`` against the recipe's watermarks."""

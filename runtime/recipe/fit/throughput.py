@@ -4,8 +4,11 @@ the trainer's node-local feature cache: epoch 0 captured, later epochs read from
 
 from __future__ import annotations
 
+from runtime.recipe.capture_layout import capture_shares
+from runtime.recipe.fit.expert_streaming import streamed_pcie_seconds
+from runtime.recipe.fit.prefill import PrefillSplit, prefill_split
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.fit.store_budget import commit_staging_slots, largest_sample
 from runtime.recipe.fit.trainer_memory import draft_parameter_counts
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize
@@ -13,16 +16,6 @@ from runtime.recipe.units import format_bytes
 
 TRAINER_IDLE_WARN_FRACTION = 0.5
 """Above this expected idle fraction the plan warns (and names the fix when capture is the bottleneck)."""
-
-
-def prefill_seconds(recipe: Recipe, gpus: int) -> float:
-    """Seconds of one ``data.max_length`` prefill of the target on ``gpus`` accelerators: 2 FLOPs
-    per active parameter and token at ``plan.capture_efficiency`` of peak (attention not counted)."""
-    hw = recipe.plan
-    peak_flops = hw.accelerator_peak_tflops * 1e12
-    return (
-        2.0 * recipe.capture.target_active_params * recipe.data.max_length / (gpus * peak_flops * hw.capture_efficiency)
-    )
 
 
 def draft_train_flops_per_sample(recipe: Recipe) -> float:
@@ -53,10 +46,17 @@ def throughput_model(recipe: Recipe) -> FitReport:
     slowest = stages[bottleneck]
     idle = 1.0 - stages["train"] / slowest
     report.rows.append(("bottleneck", f"{bottleneck} ({slowest:.3f} s/sample, {1 / slowest:.3f} samples/s)"))
-    report.rows.append(("trainer idle fraction", f"{idle:.1%}"))
     cached = recipe.trainer.feature_cache.enabled and "capture" in stages and bool(recipe.data.num_rows)
+    how = f"1 - train s/sample / {bottleneck} s/sample: the trainer waits on the bottleneck"
     if recipe.data.num_rows:
         idle = _run_time(recipe, report, stages, sample, cached, idle)
+        samples = run_steps(recipe) * recipe.trainer.global_batch_size
+        how = (
+            f"1 - training time / run time: {samples} samples x {stages['train']:.3f} s of "
+            f"{report.numbers['run_seconds'] / 3600:.2f} h"
+        )
+    # The one trainer-idle figure of the plan: the share of the run's wall time the trainer does not compute.
+    report.rows.append(("trainer idle", f"{idle:.0%} of the run ({how})"))
     report.numbers.update({f"{k}_s_per_sample": v for k, v in stages.items()})
     report.numbers.update(trainer_idle_fraction=idle)
     report.findings.append(_bottleneck_finding(recipe, bottleneck, idle, cached))
@@ -70,16 +70,27 @@ def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dic
     stages: dict[str, float] = {}
     capture_units = max(1, recipe.job.capture.gpus_per_node * recipe.job.capture.nodes)
     if recipe.capture.target_active_params:
-        stages["capture"] = prefill_seconds(recipe, capture_units)
+        split = prefill_split(recipe, capture_units)
+        # Each engine copies its own streamed experts; the engines capture different samples at once.
+        pcie_s = streamed_pcie_seconds(recipe) / capture_shares(recipe)
+        stages["capture"] = max(split.seconds, pcie_s)
         report.rows.append(
             (
                 "capture s/sample",
-                f"{stages['capture']:.3f} s  (2 x {recipe.capture.target_active_params:.3g} active "
-                f"params x {recipe.data.max_length} tokens on {capture_units} x {hw.accelerator} at "
-                f"{hw.capture_efficiency:.0%} of peak; attention not counted)",
+                f"{stages['capture']:.3f} s  (one {recipe.data.max_length}-token prefill on {capture_units} x "
+                f"{hw.accelerator}: " + ("the PCIe copies, longer than the compute)" if pcie_s > split.seconds
+                                         else "experts + dense + attention below)"),
             )
+        )  # fmt: skip
+        report.rows += _prefill_rows(recipe, split, pcie_s)
+        report.numbers.update(
+            prefill_expert_s=split.expert_seconds,
+            prefill_dense_s=split.dense_seconds,
+            prefill_attention_s=split.attention_seconds,
+            prefill_compute_s=split.seconds,
+            prefill_pcie_s=pcie_s,
         )
-        _commit_overlap(recipe, report, stages, sample, capture_units)
+        _commit_overlap(recipe, report, stages, sample)
     link_bytes_s = hw.link_gbps * 1e9 / 8 * hw.link_efficiency
     stages["transfer"] = sample.total_bytes / link_bytes_s
     report.rows.append(
@@ -107,15 +118,51 @@ def _stage_seconds(recipe: Recipe, report: FitReport, sample: SampleSize) -> dic
     return stages
 
 
-def _commit_overlap(
-    recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize, capture_units: int
-) -> None:
+def _prefill_rows(recipe: Recipe, split: PrefillSplit, pcie_s: float) -> list[tuple[str, str]]:
+    """One row per part of a prefill, per accelerator (runtime/recipe/fit/prefill.py)."""
+    hw, t = recipe.plan, recipe.data.max_length
+    rows = [
+        ("  prefill: experts", f"{split.expert_seconds:.3f} s  ({split.expert_flops / 1e12:,.0f} TFLOP of routed "
+         f"experts per GPU at {hw.expert_compute_tflops:g} TFLOP/s, plan.expert_compute_tflops)"),
+        ("  prefill: dense", f"{split.dense_seconds:.3f} s  ({split.dense_flops / 1e12:,.0f} TFLOP of the other "
+         f"active params per GPU at {hw.capture_efficiency:.0%} of {hw.accelerator_peak_tflops:g} TFLOP/s)"),
+    ]  # fmt: skip
+    if split.mix is None:
+        rows.append(("  prefill: attention", "not counted (capture.target_attention is not set)"))
+    else:
+        linear = (
+            f"; {split.mix.linear_layers} KDA linear layers: {split.linear_attention_flops / 1e12:,.1f} TFLOP at "
+            f"{hw.linear_attention_tflops:g} TFLOP/s (plan.linear_attention_tflops, assumed)"
+            if split.mix.linear_layers
+            else ""
+        )
+        rows.append(
+            (
+                "  prefill: attention",
+                f"{split.attention_seconds:.3f} s  ({split.mix.full_layers} full (MLA) layers, causal at {t} tokens: "
+                f"{split.full_attention_flops / 1e12:,.0f} TFLOP per GPU at {hw.attention_tflops:g} TFLOP/s "
+                f"(plan.attention_tflops){linear})",
+            )
+        )
+    share = split.attention_seconds / split.seconds if split.seconds else 0.0
+    rows.append(("  prefill: compute", f"{split.seconds:.3f} s  (attention {share:.0%} of it)"))
+    if pcie_s:
+        rows.append(
+            (
+                "  prefill: PCIe",
+                f"{pcie_s:.3f} s  (streamed experts' copies per GPU at {hw.pcie_h2d_bytes_per_s / 1e9:.0f} GB/s"
+                + (f", over {capture_shares(recipe)} engines capturing at once" if capture_shares(recipe) > 1 else "")
+                + ", prefetched: they overlap the compute, the prefill takes the longer of the two)",
+            )
+        )
+    return rows
+
+
+def _commit_overlap(recipe: Recipe, report: FitReport, stages: dict[str, float], sample: SampleSize) -> None:
     """The capture side's commit (the Mooncake put of each sample): hidden behind the next forward
     by the commit pipeline, or added to the capture time without it."""
-    cap = recipe.capture
     commit_s = sample.total_bytes / (recipe.plan.store_put_gbps * 1e9)
-    # SGLang: one sink per server (TP group); embedded: one pipeline per replica, one batch each.
-    slots = cap.effective_commit_staging_slots(1 if cap.engine == "sglang" else capture_units)
+    slots = commit_staging_slots(recipe)
     if slots:
         stages["capture"] = max(stages["capture"], commit_s)
         how = (
@@ -180,7 +227,7 @@ def _capture_once_projection(recipe: Recipe, report: FitReport, stages: dict[str
     report.rows.append(
         (
             "with trainer.feature_cache",
-            f"{seconds / 3600:.2f} h, trainer idle {idle:.0%}: each row captured once, later epochs read from the "
+            f"{seconds / 3600:.2f} h: each row captured once, later epochs read from the "
             "trainer node's disk (off in this recipe: --set trainer.feature_cache.enabled=true "
             "--set trainer.feature_cache.dir=/local/nvme/dspark_cache)",
         )
@@ -208,20 +255,18 @@ def _feature_cache(
         (
             "cache read s/sample",
             f"{read_s:.3f} s  ({format_bytes(sample.total_bytes)} at {recipe.plan.cache_read_gbps:g} GB/s, "
-            "plan.cache_read_gbps: assumed until measured on the trainer node with tools/bench/feature_cache.py)",
+            "plan.cache_read_gbps; measured or assumed: the site figures below)",
         ),
         (
             "run time with the cache",
             f"{seconds / 3600:.2f} h: epoch 0's {first} samples at {max(stages.values()):.3f} s (captured once), "
-            f"then {samples - first} at {max(stages['train'], read_s):.3f} s (the slower of train and cache read); "
-            f"trainer idle {idle:.0%} over the run",
+            f"then {samples - first} at {max(stages['train'], read_s):.3f} s (the slower of train and cache read)",
         ),
     ]
     report.numbers.update(
         feature_cache_bytes=cache_bytes,
         run_seconds=seconds,
         cache_read_s_per_sample=read_s,
-        run_trainer_idle_fraction=idle,
     )
     if cache_bytes > disk:
         report.findings.append(

@@ -1,0 +1,101 @@
+"""What the job asks Slurm for, from the plan: host memory per component node (``--mem``) and the
+time limit against the planned run.
+
+Memory. A node without ``--mem`` gets the site's DefMemPerCPU / DefMemPerNode, often a few GB, and
+the K3 capture node dies while loading. So every component requests, per node, the plan's host
+memory figure for that node (:func:`runtime.recipe.fit.host_memory.host_needs_per_node`: its share
+of the Mooncake segment, the streamed experts of every GPU) plus a stated margin:
+
+- per process of the component (one per GPU or per task, whichever is more: SGLang's TP workers,
+  the trainer's ranks) :data:`PROCESS_ALLOWANCE_BYTES` for Python, torch, the CUDA context and the
+  loaders, plus one largest sample (the producer's commit copy, a rank's fetched or cached sample);
+- the Mooncake client's registered local buffer (``transport.local_buffer_bytes``) per client;
+- on the capture node, the commit pipeline's pinned staging slots.
+
+``job.<component>.mem_gib`` set in the recipe wins (below the figure it is refused); the site's
+cap ``plan.slurm_max_mem_per_node_gib`` (MaxMemPerNode, or what the nodes really have) refuses a
+request above it, naming both numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
+from runtime.recipe.fit.store_budget import commit_staging_slots, largest_sample
+from runtime.recipe.schema import Recipe
+from runtime.recipe.units import format_bytes
+
+GIB = 2**30
+PROCESS_ALLOWANCE_BYTES = 8 * GIB
+"""Host memory of one component process besides the samples and what the plan counts: Python,
+torch and the CUDA context (about 3 GiB), the weight loaders' buffers and the trainer's frozen
+embedding and lm_head on their way to the GPU (4.4 GiB at K3). An allowance, not measured."""
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """The ``--mem`` of one component's nodes."""
+
+    component: str
+    plan_parts: dict[str, int]
+    """The plan's host memory of the node, by use (streamed experts, Mooncake segment share)."""
+    margin_parts: dict[str, int]
+    """The margin, by use (process allowances, Mooncake local buffers, commit staging)."""
+    explicit_gib: int | None
+    """``job.<component>.mem_gib`` when the recipe sets it."""
+
+    @property
+    def plan_bytes(self) -> int:
+        """The plan's host-memory figure of the node."""
+        return sum(self.plan_parts.values())
+
+    @property
+    def needed_bytes(self) -> int:
+        """The plan's figure plus the margin."""
+        return self.plan_bytes + sum(self.margin_parts.values())
+
+    @property
+    def needed_gib(self) -> int:
+        """``needed_bytes`` in whole GiB, rounded up."""
+        return math.ceil(self.needed_bytes / GIB)
+
+    @property
+    def requested_gib(self) -> int:
+        """What ``--mem`` asks: the recipe's ``mem_gib``, else the plan's figure plus the margin."""
+        return self.explicit_gib if self.explicit_gib is not None else self.needed_gib
+
+    def describe(self) -> str:
+        """One line: the request and every part of it."""
+        parts = " + ".join(f"{format_bytes(v)} {k}" for k, v in {**self.plan_parts, **self.margin_parts}.items() if v)
+        how = (
+            f"job.{self.component}.mem_gib; the plan counts {self.needed_gib} GiB"
+            if self.explicit_gib is not None
+            else "derived"
+        )
+        return f"--mem={self.requested_gib}G per node ({how}: {parts})"
+
+
+def component_processes(recipe: Recipe, component: str) -> int:
+    """Processes of one component on one node: one per GPU or per task, whichever is more."""
+    res = getattr(recipe.job, component)
+    return max(res.tasks_per_node, res.gpus_per_node)
+
+
+def memory_request(recipe: Recipe, component: str) -> MemoryRequest:
+    """The ``--mem`` of ``component`` (``capture`` or ``trainer``) from the plan's host-memory figure."""
+    needs = host_needs_per_node(recipe, streamed_expert_host_bytes(recipe))[component]
+    plan_parts = {name.split(" (")[0]: value for name, value in needs.items()}
+    sample = largest_sample(recipe)
+    processes = component_processes(recipe, component)
+    clients = 1 if component == "capture" else getattr(recipe.job, component).tasks_per_node
+    margin = {
+        f"for {processes} process(es) x ({format_bytes(PROCESS_ALLOWANCE_BYTES)} allowance + one "
+        f"{format_bytes(sample.total_bytes)} sample)": processes * (PROCESS_ALLOWANCE_BYTES + sample.total_bytes),
+        f"Mooncake local buffer x {clients}": clients * recipe.transport.local_buffer_bytes,
+    }
+    if component == "capture":
+        slots = commit_staging_slots(recipe)
+        margin[f"commit staging ({slots} slot(s))"] = slots * sample.feature_bytes
+    return MemoryRequest(component, plan_parts, margin, getattr(recipe.job, component).mem_gib)

@@ -1,0 +1,91 @@
+"""What the job asks Slurm for matches the plan: ``--mem`` per component from the plan's host
+memory plus the stated margin, the site's cap, the time limit against the planned run, and what
+``--exclusive`` holds."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from launcher.plan import make_plan
+from launcher.render import RenderOptions, render_script
+from runtime.recipe import RecipeError, load_recipe
+from runtime.recipe.fit.slurm_request import PROCESS_ALLOWANCE_BYTES, memory_request
+
+REPO = Path(__file__).resolve().parent.parent
+K3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+GIB = 2**30
+
+
+def _het_groups(script: str) -> tuple[str, str]:
+    capture, _, trainer = script.partition("#SBATCH hetjob")
+    return capture, trainer
+
+
+def test_k3_mem_per_component_is_the_plans_host_memory_plus_the_margin() -> None:
+    recipe = load_recipe(K3).recipe
+    plan = make_plan(recipe)
+    capture = memory_request(recipe, "capture")
+    # the plan's figure of the capture node is exactly the host-memory row's
+    assert capture.plan_bytes == plan.numbers["capture_host_bytes"]
+    sample = 5_637_738_496
+    margin = 8 * (PROCESS_ALLOWANCE_BYTES + sample) + 1 * GIB + 5_637_144_576
+    assert capture.requested_gib == math.ceil((capture.plan_bytes + margin) / GIB) == 1900
+    trainer = memory_request(recipe, "trainer")
+    assert trainer.plan_bytes == 0 and trainer.requested_gib == math.ceil(
+        (4 * (PROCESS_ALLOWANCE_BYTES + sample) + 4 * GIB) / GIB
+    )
+    text = plan.render()
+    assert (
+        "memory per capture node  --mem=1900G per node (derived: 763.28 GiB streamed experts + 1.00 TiB Mooncake segment"
+        in text
+    )
+    assert f"memory per trainer node  --mem={trainer.requested_gib}G per node (derived:" in text
+    assert "holds each whole node for 4 task(s) on 4 GPU(s)" in text
+    assert "mem site default" not in text
+    script_capture, script_trainer = _het_groups(render_script(recipe, RenderOptions(recipe_file="recipes/k3.yaml")))
+    assert "#SBATCH --mem=1900G" in script_capture and "#SBATCH --mem=" not in script_trainer.replace(
+        f"#SBATCH --mem={trainer.requested_gib}G", ""
+    )
+    assert f"#SBATCH --mem={trainer.requested_gib}G" in script_trainer
+
+
+def test_an_explicit_mem_gib_wins_and_one_below_the_plan_is_refused() -> None:
+    recipe = load_recipe(K3, ["job.trainer.mem_gib=500"]).recipe
+    _, trainer = _het_groups(render_script(recipe, RenderOptions(recipe_file="recipes/k3.yaml")))
+    assert "#SBATCH --mem=500G" in trainer
+    assert "--mem=500G per node (job.trainer.mem_gib; the plan counts" in make_plan(recipe).render()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, ["job.capture.mem_gib=1000"])
+    assert "job.capture.mem_gib" in str(info.value)
+    assert "is 1000 GiB, below the 1900 GiB the plan counts on a capture node" in str(info.value)
+
+
+def test_a_request_above_the_site_cap_is_refused_with_both_numbers_and_the_fix() -> None:
+    assert load_recipe(K3, ["plan.slurm_max_mem_per_node_gib=1900"]).recipe.plan.slurm_max_mem_per_node_gib == 1900
+    with pytest.raises(RecipeError) as info:
+        load_recipe(K3, ["plan.slurm_max_mem_per_node_gib=1800"])
+    message = str(info.value)
+    assert "plan.slurm_max_mem_per_node_gib" in message
+    assert "is 1800 GiB, below the 1900 GiB a capture node needs by the plan" in message
+    assert "transport.segment_placement" in message  # the fix
+    # the segment moved to the trainer node: the capture node fits the cap, the trainer's grows
+    moved = load_recipe(K3, ["plan.slurm_max_mem_per_node_gib=1800", "transport.segment_placement=trainer"]).recipe
+    assert memory_request(moved, "trainer").requested_gib == 1024 + 58
+
+
+def test_the_plan_explains_the_time_limit_and_warns_when_the_run_would_not_fit() -> None:
+    plan = make_plan(load_recipe(K3).recipe)
+    text, run_s = plan.render(), plan.numbers["run_seconds"]
+    suggested = math.ceil((run_s + 5400) * 1.5 / 60)  # + capture.sglang.health_timeout_s
+    assert plan.numbers["time_limit_suggested_min"] == suggested
+    assert "time limit" in text and "2880 min (48.0 h, job.time_limit_min)" in text
+    assert f"the plan needs {run_s / 60:.1f} min of run + up to 1.50 h of server start" in text
+    assert f"--set job.time_limit_min={suggested}" in text and "The recipe's value is kept" in text
+    short = make_plan(load_recipe(K3, ["job.time_limit_min=60"]).recipe)
+    (warning,) = [f for f in short.findings if "job.time_limit_min 60" in f.message]
+    assert warning.level == "warn" and "requeues (up to 3)" in warning.message
+    assert warning.options == (f"--set job.time_limit_min={suggested} (the plan x 1.5)",)
+    assert not [f for f in plan.findings if "job.time_limit_min" in f.message]
