@@ -208,6 +208,7 @@ RECIPE_VALUES = [
     ("heads-not-dividing", "trainer.draft.num_key_value_heads=3", ("num_key_value_heads",)),
     ("device-typo", "trainer.device=gpu", ("trainer.device",)),
     ("cuda-without-gpus", "trainer.device=cuda", ("trainer.device", "gpus_per_node")),
+    ("cpu-with-gpus", "job.trainer.gpus_per_node=4", ("trainer.device", "never uses")),
     ("dtype-typo", "trainer.param_dtype=float31", ("trainer.param_dtype",)),
     ("engine-typo", "capture.engine=sglangg", ("capture.engine",)),
     ("keep-last-zero", "trainer.checkpoint.keep_last=0", ("trainer.checkpoint.keep_last",)),
@@ -234,6 +235,7 @@ LOAD_TIME = {
     "aux-layer-out-of-range",
     "heads-not-dividing",
     "cuda-without-gpus",
+    "cpu-with-gpus",
 }
 """Cross-field checks that would otherwise fail inside the running job."""
 
@@ -264,7 +266,7 @@ CASES += [
         "secret",
         "launcher",
         ("{w}/recipes/bad.yaml", *DRY),
-        ("job.setup", "submitting shell"),
+        ("job.setup", "submitting shell", "has 1 problem"),  # not again for the smoke overlay
         setup=tiny_with("  setup:\n", "  setup:\n    - export WANDB_API_KEY=abcd1234efgh5678ijkl\n"),
         forbid=("abcd1234efgh5678ijkl",),
     ),

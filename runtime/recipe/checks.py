@@ -457,6 +457,16 @@ def _check_devices_against_gpus(recipe: Recipe) -> list[Problem]:
                     f"set job.{component}.gpus_per_node to the GPUs each node has, or {field}: cpu",
                 )
             )
+        if device == "cpu" and getattr(job, component).gpus_per_node > 0:
+            # The reverse: GPUs held for the whole job and never used (and a CPU run that crawls).
+            out.append(
+                Problem(
+                    field,
+                    f"is cpu, but job.{component}.gpus_per_node is {getattr(job, component).gpus_per_node}: the "
+                    f"{component} would hold GPUs it never uses",
+                    f"set {field}: cuda, or job.{component}.gpus_per_node: 0",
+                )
+            )
     trainer = job.trainer
     if recipe.trainer.device != "cpu" and 0 < trainer.gpus_per_node < trainer.tasks_per_node:
         out.append(

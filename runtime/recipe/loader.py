@@ -182,8 +182,12 @@ def load_recipe(
         # A typo in the smoke overlay should fail now, not minutes before a gate on the cluster.
         smoke_doc = deep_merge(raw, smoke_overlay)
         smoke_recipe = _validate(smoke_doc, name, smoke_origins, smoke_overlay, prefix="smoke.")
+        # A problem the base recipe already has is not repeated for the overlay: the cause is said once.
+        seen = {(p.path, p.message) for p in problems}
         problems += [
-            Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}") for p in check_recipe(smoke_recipe)
+            Problem(f"smoke.{p.path}", p.message, p.fix, f"smoke overlay in {name}")
+            for p in check_recipe(smoke_recipe)
+            if (p.path, p.message) not in seen
         ]
     if problems:
         raise RecipeError(name, [_with_source(p, name, origins, smoke_overlay if smoke else {}) for p in problems])
