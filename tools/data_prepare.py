@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.shared.chat_tokenize import ChatFormatError, check_messages, tokenize_chat
-from runtime.shared.data_files import DataFileError, rows_text, sha256_file, write_manifest, write_rows
+from runtime.shared.data_files import (
+    DataFileError,
+    manifest_path,
+    rows_text,
+    sha256_file,
+    write_manifest,
+    write_rows,
+)
 from runtime.user_errors import run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
@@ -155,8 +162,9 @@ def recipes_pinning(sha256: str, recipes_dir: Path | None = None) -> list[str]:
 
 
 def refuse_to_replace_pinned_data(output: Path, new_sha256: str, recipes_dir: Path | None = None) -> None:
-    """Raise DataFileError when ``output`` holds data a recipe pins and this run would replace it with
-    other data: a verified data file is never overwritten without a word."""
+    """Raise DataFileError when ``output`` holds other data that a recipe pins, or a file no data tool
+    wrote (no manifest beside it): a verified data file, or anything else, is never overwritten without
+    a word. A data tool's own earlier output (with its manifest) is replaced."""
     if not output.is_file():
         return
     old_sha256 = sha256_file(output)
@@ -168,6 +176,12 @@ def refuse_to_replace_pinned_data(output: Path, new_sha256: str, recipes_dir: Pa
             f"{output} holds the data {', '.join(pinned)} pins (sha256 {old_sha256}); this run would write other "
             f"data there (sha256 {new_sha256}), so nothing was written. fix: give another --output, or move that "
             "file away first if you mean to replace it"
+        )
+    if not manifest_path(output).is_file():
+        # Not a file this tool (or derive_smoke_data) wrote: a recipe, a chat file, someone's data.
+        raise DataFileError(
+            f"{output} exists and has no {manifest_path(output).name} beside it, so no data tool wrote it; this run "
+            "would replace it, so nothing was written. fix: give another --output, or move that file away first"
         )
 
 

@@ -14,6 +14,7 @@ Rows keep their order in the full file; ties in length go to the earlier row.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -21,11 +22,13 @@ from runtime.shared.data_files import (
     DataFileError,
     check_data_sha256,
     iter_rows,
+    rows_text,
     sha256_file,
     write_manifest,
     write_rows,
 )
 from runtime.user_errors import run_command
+from tools.data_prepare import refuse_to_replace_pinned_data
 from tools.recipe_args import load_tool_recipe
 
 
@@ -42,9 +45,9 @@ def derive(input_path: Path, expected_sha256: str, num_rows: int, output_path: P
         )
     longest = sorted(rows, key=lambda r: (-r.num_tokens, r.index))[:num_rows]
     chosen = sorted(longest, key=lambda r: r.index)
-    write_rows(
-        output_path, [{"id": r.id, "input_ids": list(r.input_ids), "loss_mask": list(r.loss_mask)} for r in chosen]
-    )
+    out_rows = [{"id": r.id, "input_ids": list(r.input_ids), "loss_mask": list(r.loss_mask)} for r in chosen]
+    refuse_to_replace_pinned_data(output_path, hashlib.sha256(rows_text(out_rows).encode()).hexdigest())
+    write_rows(output_path, out_rows)
     manifest = {
         "file": output_path.name,
         "sha256": sha256_file(output_path),
