@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from runtime.evaluate.decoder import Generation, plain_generate, speculative_generate
-from runtime.evaluate.draft import UNTRAINED, DraftProposer, DraftSource, build_draft
+from runtime.evaluate.draft import DraftProposer, build_draft
 from runtime.evaluate.eval_sets import Prompt, load_prompts
 from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figures
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.evaluate.teacher_forced import teacher_forced_tau
 from runtime.recipe import ResolvedRecipe
 from runtime.recipe.schema import EvalSection
+from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 
 log = logging.getLogger("dspark.evaluate")
