@@ -24,8 +24,8 @@ from pathlib import Path
 
 from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, Recipe
+from runtime.shared.contracts import JOB_RECORD_FILENAME
 
-JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
 CAPTURE_STOP_FILENAME = "capture.stop"
 """Written into the job folder by the batch script once the trainer has ended: the capture

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import IO
 
 from launcher.component import start_component, stop_processes
+from launcher.deaths import Death, last_words, order_deaths
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.recipe import ResolvedRecipe
-from runtime.shared.contracts import TRAINER_EXIT_STOPPED
+from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
 
 POLL_INTERVAL_S = 0.5
 
@@ -47,6 +48,9 @@ class LocalRun:
         self.tasks: list[LocalTask] = []
         self.status: dict[str, dict[str, object]] = {}
         self._stop_requested = False
+        self._round = 0
+        self.deaths: dict[tuple[str, int], Death] = {}
+        """Tasks that ended badly on their own, by (component, rank), with the poll round they were seen in."""
         self.stop_grace_s = float(resolved.recipe.job.stop_grace_s)
 
     def _start(self) -> None:
@@ -178,7 +182,7 @@ class LocalRun:
         log = self.record.log_path("trainer", 0)
         text = log.read_text(errors="replace") if log.exists() else ""
         stopped = [line for line in text.splitlines() if "stopped after step" in line]
-        resume = f"python3 -m launcher {self.record.recipe_source} --local --resume {self.record.job_dir}"
+        resume = self.resume_command()
         if kept and stopped:
             where = stopped[-1].split("[trainer] ", 1)[-1]
             return f"[local] STOPPED: {where}; resume with `{resume}`"
@@ -187,13 +191,50 @@ class LocalRun:
             f"job.stop_grace_s = {self.stop_grace_s:.0f} s); `{resume}` continues from the last one there is"
         )
 
+    def resume_command(self) -> str:
+        """The command that continues this job from its newest checkpoint."""
+        return resume_command(self.record.recipe_source, self.record.job_dir, local=True)
+
+    def _note_deaths(self) -> None:
+        """Record every task seen ended badly for the first time, with this poll round."""
+        self._round += 1
+        for task in self.tasks:
+            code = task.process.poll()
+            key = (task.component, task.rank)
+            if code not in (None, 0) and key not in self.deaths:
+                self.deaths[key] = Death(task.component, task.rank, code, self._round, last_words(task.log_path))
+
+    def _report_first_death(self) -> Death | None:
+        """Print the cause of the failure: the first task that died, with its exit and the resume command."""
+        ordered = order_deaths(list(self.deaths.values()))
+        if not ordered:
+            return None
+        first = ordered[0]
+        resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
+        print(f"[local] FAILED: {first.describe()}{resume}", file=sys.stderr, flush=True)
+        return first
+
+    def _report_consequences(self, first: Death | None) -> None:
+        """After the stop: the other tasks that had died on their own, named as what followed the cause."""
+        rest = [d for d in order_deaths(list(self.deaths.values())) if d != first]
+        if first is None or not rest:
+            return
+        listed = "; ".join(d.describe() for d in rest)
+        print(
+            f"[local] after {first.component} rank {first.rank} (consequences, not the cause): {listed}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def _supervise(self) -> int:
         while True:
             self._echo_logs()
             if self._stop_requested:
                 return self._stop_keeping_the_work()
+            self._note_deaths()
             trainer_code = self._component_exit("trainer")
             if trainer_code is not None:
+                first = self._report_first_death() if trainer_code != 0 else None
                 self._finish("trainer", trainer_code)
                 capture_code = self._component_exit("capture")
                 if capture_code is None:
@@ -206,12 +247,15 @@ class LocalRun:
                     self._finish("capture", 0, state="COMPLETED" if clean else "STOPPED")
                 else:
                     self._finish("capture", capture_code)
+                self._report_consequences(first)
                 return trainer_code
             capture_code = self._component_exit("capture")
             if capture_code not in (None, 0) and self.status["capture"]["state"] == "RUNNING":
-                print(f"[local] capture failed with exit code {capture_code}; stopping the trainer", file=sys.stderr)
+                first = self._report_first_death()
+                print("[local] stopping the trainer", file=sys.stderr, flush=True)
                 self._finish("capture", capture_code)
                 self._finish("trainer", capture_code, state="CANCELLED")
+                self._report_consequences(first)
                 return capture_code
             if capture_code == 0 and self.status["capture"]["state"] == "RUNNING":
                 self._finish("capture", 0)

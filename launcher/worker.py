@@ -21,12 +21,14 @@ from submitit.core import job_environment, utils
 from submitit.slurm.slurm import SlurmJobEnvironment
 
 from launcher.component import STOP_GRACE_S, signal_group, start_component, stop_process
+from launcher.deaths import Death, claim_first_death
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 from runtime.shared import contracts
+from runtime.shared.contracts import resume_command_of
 
 STOP_POLL_S = 1.0
 """How often a capture task looks for the batch script's stop file."""
@@ -91,6 +93,17 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
             )
         time.sleep(1)
     return utils.DelayedSubmission.load(path)
+
+
+def _death_line(job_dir: Path, death: Death) -> str:
+    """The line a task whose child ended badly prints: the cause (the job's first death, recorded in the
+    shared job folder by whichever task saw its own first), with the resume command; a later death is
+    named a consequence of that cause."""
+    first = claim_first_death(job_dir, death)
+    resume = f"resume with `{resume_command_of(job_dir)}`"
+    if (first.component, first.rank) == (death.component, death.rank):
+        return f"FAILED (the first task to die): {death.describe()}; {resume}"
+    return f"{death.describe()}: a consequence of {first.describe()}, which died first (the cause); {resume}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             "requeue_count": payload.requeue_count,
         }
         if code != 0:
+            print(f"{log} {_death_line(job_dir, Death(args.component, placement.rank, code))}", flush=True)
             raise RuntimeError(f"{args.component} task {placement.rank} exited with code {code}")
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)

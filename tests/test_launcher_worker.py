@@ -118,6 +118,11 @@ def test_a_failed_component_leaves_an_error_result_with_its_trace(
     assert workers["capture"].returncode == 1 and workers["trainer"].returncode == 0, outputs
     status, trace = _result(job_dir, "capture")
     assert status == "error" and "capture task 0 exited with code 3" in str(trace)
+    # the first task to die names itself the cause, with the resume command
+    assert "FAILED (the first task to die): capture rank 0 exited with code 3; resume with `python3 -m launcher " in (
+        outputs["capture"]
+    ), outputs["capture"]
+    assert f"--resume {job_dir}`" in outputs["capture"]
 
 
 def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(

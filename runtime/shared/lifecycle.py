@@ -18,3 +18,14 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signum)
     except OSError:
         pass
+
+
+def exit_text(code: int) -> str:
+    """How a child ended, in words, from its ``Popen.returncode``: ``killed by SIGKILL (-9)`` or
+    ``exited with code 1``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} ({code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
