@@ -7,6 +7,7 @@ capture component is stopped); a capture failure stops the trainer and fails the
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -19,10 +20,15 @@ from launcher.component import start_component, stop_processes
 from launcher.deaths import Death, last_words, order_deaths
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
+from runtime.files import DiskFullError
 from runtime.recipe import ResolvedRecipe
 from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
 
 POLL_INTERVAL_S = 0.5
+STATUS_RESERVE_BYTES = 256 * 1024
+"""Space the supervisor holds in the job folder (a hidden file) and gives up when the disk fills, so that
+the summary it writes last still fits: a full disk must not leave ``local_status.json`` saying RUNNING."""
+STATUS_RESERVE_FILENAME = ".local_status.reserve"
 
 
 @dataclass
@@ -50,10 +56,12 @@ class LocalRun:
         self._stop_requested = False
         self._round = 0
         self.deaths: dict[tuple[str, int], Death] = {}
+        self.first_death: Death | None = None
         """Tasks that ended badly on their own, by (component, rank), with the poll round they were seen in."""
         self.stop_grace_s = float(resolved.recipe.job.stop_grace_s)
 
     def _start(self) -> None:
+        self._hold_status_reserve()
         base_env = current_environment()
         for component in COMPONENTS:
             world = self.record.components[component]
@@ -82,9 +90,20 @@ class LocalRun:
             }
         self._save_status()
 
+    def _hold_status_reserve(self) -> None:
+        with contextlib.suppress(OSError):  # a disk already full: nothing to hold
+            (self.resolved.job_dir / STATUS_RESERVE_FILENAME).write_bytes(b"\0" * STATUS_RESERVE_BYTES)
+
     def _save_status(self) -> None:
         try:
-            write_local_status(self.resolved.job_dir, self.status)
+            try:
+                write_local_status(self.resolved.job_dir, self.status)
+            except DiskFullError:
+                reserve = self.resolved.job_dir / STATUS_RESERVE_FILENAME
+                if not reserve.exists():
+                    raise
+                reserve.unlink()  # give up the held space: the summary must be true
+                write_local_status(self.resolved.job_dir, self.status)
         except OSError as exc:
             # A full disk must not crash the supervisor (its children would be left unwatched): the
             # terminal gets the reason; the components keep running and are stopped as usual.
@@ -116,6 +135,12 @@ class LocalRun:
             "started_at": self.status.get(component, {}).get("started_at"),
             "ended_at": time.time(),
         }
+        first = self.first_death
+        if first is not None:  # why it ended, for `status`
+            own = first.component == component
+            self.status[component]["reason"] = (
+                first.describe() if own else f"stopped after {first.component} rank {first.rank} died"
+            )
         self._save_status()
 
     def _echo_logs(self) -> None:
@@ -154,6 +179,8 @@ class LocalRun:
             stop_processes([t.process for t in self.tasks], self.stop_grace_s)
             for task in self.tasks:
                 task.log.close()
+            with contextlib.suppress(OSError):
+                (self.resolved.job_dir / STATUS_RESERVE_FILENAME).unlink()
             self._echo_logs()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -209,7 +236,7 @@ class LocalRun:
         ordered = order_deaths(list(self.deaths.values()))
         if not ordered:
             return None
-        first = ordered[0]
+        first = self.first_death = ordered[0]
         resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
         print(f"[local] FAILED: {first.describe()}{resume}", file=sys.stderr, flush=True)
         return first

@@ -238,6 +238,11 @@ def test_kill_9_of_the_mooncake_master_is_one_line_within_seconds(tmp_path: Path
         failed[0][0] - killed_at,
     )
     assert supervisor.returncode == EXIT_MASTER_DIED
+    (job_dir,) = [p for p in (runs / "tiny").iterdir() if p.is_dir()]
+    status = json.loads((job_dir / "local_status.json").read_text())
+    assert status["capture"]["state"] == "FAILED" and "mooncake_master" in status["capture"]["reason"], status
+    assert status["trainer"]["state"] == "CANCELLED" and "after capture rank 0 died" in status["trainer"]["reason"]
+    assert not [p for p in job_dir.rglob(".*") if p.is_file()], "no temporary or reserve file is left"
     print(
         f"kill -9 -> capture line {watch[0][0] - killed_at:.1f} s; -> supervisor line {failed[0][0] - killed_at:.1f} s"
     )

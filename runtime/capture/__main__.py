@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from runtime.files import DiskFullError
 from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
 from runtime.shared.contracts import ENV_RECIPE
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     resolved = load_resolved(args.recipe)
     override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
-    return run_capture(resolved, moe_exchange=override)
+    try:
+        return run_capture(resolved, moe_exchange=override)
+    except DiskFullError as exc:
+        # what, where, how much and the fix, in one line: no traceback around it
+        logging.getLogger("dspark.capture").error("the capture stops: %s", exc)
+        return 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # environment: launcher -> component
 # ----------------------------------------------------------------------------------------------
 
+JOB_FOLDER_SETTING = "job.runs_dir"
+"""The setting that moves every job folder (and all a run writes into it) to another file system: the
+fix a full disk's message names."""
 JOB_RECORD_FILENAME = "job.json"
 """The launcher's record of a job in its folder (mode, recipe source, ...): ``launcher/jobs.py`` writes it."""
 
@@ -420,7 +423,7 @@ RecordT = TypeVar("RecordT", bound=BaseModel)
 def write_record(path: Path, record: BaseModel) -> Path:
     """Write a gate record atomically (NaN stays NaN, as JSON's extension writes it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record.model_dump(mode="python"), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(record.model_dump(mode="python"), indent=2) + "\n", JOB_FOLDER_SETTING)
     return path
 
 

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from runtime.files import atomic_write_text
+from runtime.files import DiskFullError, atomic_write_text
 from runtime.native_log import route_native_output
 from runtime.recipe import RecipeError, load_resolved
 from runtime.shared.data_files import DataFileError
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(resolved, settings)
     try:
         return trainer.run()
+    except DiskFullError as exc:
+        # One line (what, where, how much, the fix); no traceback file: there is no room for one.
+        print(f"[trainer rank {settings.rank}] error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except (
         CheckpointError,
         TargetTensorError,
