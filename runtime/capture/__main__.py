@@ -10,7 +10,8 @@ import sys
 from runtime.files import DiskFullError
 from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
-from runtime.shared.contracts import ENV_RECIPE
+from runtime.shared.contracts import ENV_PARENT_PID, ENV_RECIPE
+from runtime.shared.lifecycle import exit_when_orphaned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.capture.producer import run_capture
 
     resolved = load_resolved(args.recipe)
+    exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
     try:
         return run_capture(resolved, moe_exchange=override)

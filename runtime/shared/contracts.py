@@ -93,6 +93,9 @@ TRAINER_ENV_NAMES: tuple[str, ...] = (
 )
 """torch.distributed's rendezvous variables, which only trainer ranks receive (from their own het
 group's Slurm variables or the local launcher)."""
+ENV_PARENT_PID = "DSPARK_PARENT_PID"
+"""The pid of the process that started the component (the ``--local`` supervisor or the Slurm worker):
+the component ends itself when that parent is gone (runtime.shared.lifecycle.exit_when_orphaned)."""
 ENV_SLURM_JOB_ID = "DSPARK_SLURM_JOB_ID"
 """The het job's leader id, exported by the batch script (every srun task sees the same one)."""
 CONTRACT_ENV_NAMES: tuple[str, ...] = (

@@ -18,7 +18,9 @@ from pathlib import Path
 from runtime.files import DiskFullError, atomic_write_text
 from runtime.native_log import route_native_output
 from runtime.recipe import RecipeError, load_resolved
+from runtime.shared.contracts import ENV_PARENT_PID
 from runtime.shared.data_files import DataFileError
+from runtime.shared.lifecycle import exit_when_orphaned
 from runtime.trainer.settings import TrainerSetupError, derive_settings
 
 
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     route_native_output()
     resolved = load_resolved(args.recipe)
+    exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     settings = derive_settings(resolved)
     # Our own loggers at INFO (the consumer's "waiting for sample g" lines, the producer's heartbeat
     # age); other libraries stay at WARNING.
