@@ -143,3 +143,16 @@ def test_a_real_full_tmpfs(tmp_path: Path) -> None:
         assert (mount / "metrics.jsonl").read_text() == "a" * 100 + "\n"
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_the_producer_state_save_on_a_full_disk_is_the_one_line(tmp_path: Path, full_disk) -> None:
+    """The writer that crashed the capture with a raw ``OSError: [Errno 28]`` traceback."""
+    from runtime.transport.producer import Producer
+
+    state = tmp_path / "transport" / "producer_state.json"
+    producer = SimpleNamespace(state_path=state, store_id="store-1")
+    with pytest.raises(DiskFullError) as err:
+        Producer._save_state(producer, 16)  # type: ignore[arg-type]
+    assert str(err.value).startswith(f"disk full at {state.parent} while writing producer_state.json (need ")
+    assert str(err.value).endswith("or point job.runs_dir at a larger file system")
+    assert list(state.parent.iterdir()) == []
