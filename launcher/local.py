@@ -23,6 +23,7 @@ from launcher.jobs import JobRecord, write_local_status
 from runtime.files import DiskFullError
 from runtime.recipe import ResolvedRecipe
 from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
+from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
 STATUS_RESERVE_BYTES = 256 * 1024
@@ -182,6 +183,7 @@ class LocalRun:
             with contextlib.suppress(OSError):
                 (self.resolved.job_dir / STATUS_RESERVE_FILENAME).unlink()
             self._echo_logs()
+            self._repeat_the_cause()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -240,6 +242,19 @@ class LocalRun:
         resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
         print(f"[local] FAILED: {first.describe()}{resume}", file=sys.stderr, flush=True)
         return first
+
+    def _repeat_the_cause(self) -> None:
+        """The last line of a failed run names the cause again: the logs echoed after the first death are
+        mostly its peers' reactions (connection resets, aborts), which must not read as the cause."""
+        first = self.first_death
+        if first is None:
+            return
+        print(
+            f"[local] the cause, above: {first.component} rank {first.rank} {exit_text(first.code)} (what its peers "
+            f"logged after it are consequences); resume with `{self.resume_command()}`",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _report_consequences(self, first: Death | None) -> None:
         """After the stop: the other tasks that had died on their own, named as what followed the cause."""

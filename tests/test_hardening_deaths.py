@@ -105,6 +105,11 @@ def test_the_supervisor_names_the_killed_rank_first(tmp_path: Path, capsys) -> N
         f"`python3 -m launcher tiny --local --resume {run.record.job_dir}`"
     ], err
     assert took_s < 4, f"{took_s:.1f} s from the start to the supervisor's end"
+    run._repeat_the_cause()  # the run's last line, after the echoed logs of its peers
+    assert capsys.readouterr().err == (
+        "[local] the cause, above: trainer rank 1 killed by SIGKILL (-9) (what its peers logged after it are "
+        f"consequences); resume with `python3 -m launcher tiny --local --resume {run.record.job_dir}`\n"
+    )
     assert run.status["trainer"]["state"] == "FAILED" and run.status["capture"]["state"] == "STOPPED"
 
 
