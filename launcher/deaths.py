@@ -25,7 +25,7 @@ LAST_WORDS_BYTES = 64 * 1024
 """How much of a task's log end is searched for its last error line."""
 _LOG_PREFIX = re.compile(r"^(\[\w+\] )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ERROR \[[\w.]+\] ")
 """A logged line's time, level and logger: dropped from the last words."""
-_ERROR_LINE = re.compile(r"( ERROR \[|^\w*(Error|Exception)\b|^\[\w+\] \w*(Error|Exception)\b)")
+_ERROR_LINE = re.compile(r"( ERROR \[|^\w*(Error|Exception)\b|^\[\w+\] \w*(Error|Exception)\b|^\[[^\]]+\] error: )")
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,7 @@ class LocalRun:
         return next((c for c in codes if c != 0), 0)
 
     def _finish(self, component: str, code: int, state: str | None = None) -> None:
+        self._note_deaths(component)  # tasks of it that ended badly on their own before this stop
         stop_processes([t.process for t in self._component_tasks(component)], self.stop_grace_s)
         codes = {str(t.rank): t.process.returncode for t in self._component_tasks(component)}
         self.status[component] = {
@@ -138,10 +139,14 @@ class LocalRun:
         }
         first = self.first_death
         if first is not None:  # why it ended, for `status`
-            own = first.component == component
-            self.status[component]["reason"] = (
-                first.describe() if own else f"stopped after {first.component} rank {first.rank} died"
-            )
+            own = order_deaths([d for d in self.deaths.values() if d.component == component])
+            if first.component == component:
+                reason = first.describe()
+            elif own:
+                reason = f"{own[0].describe()}, after {first.component} rank {first.rank} died first"
+            else:
+                reason = f"stopped after {first.component} rank {first.rank} died"
+            self.status[component]["reason"] = reason
         self._save_status()
 
     def _echo_logs(self) -> None:
@@ -224,17 +229,21 @@ class LocalRun:
         """The command that continues this job from its newest checkpoint."""
         return resume_command(self.record.recipe_source, self.record.job_dir, local=True)
 
-    def _note_deaths(self) -> None:
-        """Record every task seen ended badly for the first time, with this poll round."""
-        self._round += 1
-        for task in self.tasks:
+    def _note_deaths(self, component: str | None = None) -> None:
+        """Record every task seen ended badly for the first time, with this poll round (a new one); with
+        ``component``, only its tasks, counted after the current round (about to be stopped)."""
+        if component is None:
+            self._round += 1
+        for task in self._component_tasks(component) if component else self.tasks:
             code = task.process.poll()
             key = (task.component, task.rank)
             if code not in (None, 0) and key not in self.deaths:
-                self.deaths[key] = Death(task.component, task.rank, code, self._round, last_words(task.log_path))
+                seen = self._round if component is None else self._round + 1
+                self.deaths[key] = Death(task.component, task.rank, code, seen, last_words(task.log_path))
 
     def _report_first_death(self) -> Death | None:
         """Print the cause of the failure: the first task that died, with its exit and the resume command."""
+        self._note_deaths()  # one that died after this round's look, before the exit check that saw it
         ordered = order_deaths(list(self.deaths.values()))
         if not ordered:
             return None

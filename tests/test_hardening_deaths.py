@@ -53,6 +53,8 @@ def test_last_words_are_the_last_error_line(tmp_path: Path) -> None:
     log.write_text("2026-12-03 14:20:27,154 ERROR [dspark.capture] master gone; resume with `x`\nshutting down\n")
     assert last_words(log) == "master gone; resume with `x`" and Death("capture", 0, 3, last_words="x").describe()
     assert last_words(tmp_path / "missing.out") == ""
+    log.write_text("[trainer rank 0] error: disk full at /x while writing metrics.jsonl\n")
+    assert last_words(log) == "[trainer rank 0] error: disk full at /x while writing metrics.jsonl"
 
 
 def _local_run(tmp_path: Path, children: dict[tuple[str, int], str]) -> LocalRun:
@@ -132,6 +134,33 @@ def test_a_peer_that_died_on_its_own_is_reported_after_the_cause(tmp_path: Path,
         "[local] after trainer rank 2 (consequences, not the cause): "
         "trainer rank 1 exited with code 1: ConnectionResetError: peer gone"
     ) in err, err
+
+
+def test_a_capture_that_failed_on_its_own_while_the_trainer_stopped_says_so(tmp_path: Path, capsys) -> None:
+    """A full disk fails both components within a second: the trainer is seen first and named the cause;
+    the capture, dead on its own before the supervisor stopped it, keeps its own reason in the summary."""
+    disk_full = "[trainer rank 0] error: disk full at /x while writing metrics.jsonl"
+    slow_to_stop = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(1))); time.sleep(60)"
+    capture_fails = (
+        "import sys, time; time.sleep(0.8); print('t ERROR [dspark.capture] the capture stops: disk full'); sys.exit(1)"
+    )
+    run = _local_run(
+        tmp_path,
+        {
+            ("capture", 0): capture_fails,
+            ("trainer", 0): f"import sys, time; time.sleep(0.3); print({disk_full!r}); sys.exit(1)",
+            ("trainer", 1): slow_to_stop,  # the supervisor's stop of the trainer takes a second
+        },
+    )
+    _supervise(run)
+    err = capsys.readouterr().err
+    assert f"[local] FAILED: trainer rank 0 exited with code 1: {disk_full}; resume with" in err, err
+    assert run.status["trainer"]["reason"] == f"trainer rank 0 exited with code 1: {disk_full}"
+    assert run.status["capture"]["state"] == "FAILED"
+    assert run.status["capture"]["reason"] == (
+        "capture rank 0 exited with code 1: t ERROR [dspark.capture] the capture stops: disk full, "
+        "after trainer rank 0 died first"
+    )
 
 
 def test_a_capture_failure_is_named_first_with_its_last_error_line(tmp_path: Path, capsys) -> None:
