@@ -7,6 +7,7 @@ exactly the same command under the same environment contract.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from launcher.environment import TaskPlacement, component_environment
 from runtime.recipe import Recipe
+from runtime.shared.contracts import ENV_PARENT_PID
 from runtime.shared.lifecycle import die_with_parent
 
 RUNTIME_MODULES = {"capture": "runtime.capture", "trainer": "runtime.trainer"}
@@ -48,23 +50,33 @@ def start_component(
     """Start one component task as a child in its own process group."""
     env = component_environment(recipe, placement, job_dir, recipe_path, base_env, requeue_count)
     command = component_command(placement.component, recipe_path, probe)
+    return spawn_component(command, env, cwd, stdout)
+
+
+def spawn_component(
+    command: list[str], env: Mapping[str, str], cwd: Path, stdout: object = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` as a component task: its own session, the parent-death signal, the time-out
+    signal ignored, and this process's pid in ``DSPARK_PARENT_PID`` for its orphan watch."""
+    parent_pid = os.getpid()
     return subprocess.Popen(
         command,
-        env=env,
+        env={**env, ENV_PARENT_PID: str(parent_pid)},
         cwd=str(cwd),
         stdout=stdout,  # type: ignore[arg-type]
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
-        preexec_fn=_prepare_child,
+        preexec_fn=functools.partial(_prepare_child, parent_pid),
     )
 
 
-def _prepare_child() -> None:
+def _prepare_child(parent_pid: int) -> None:
     # Its own session keeps terminal signals away from the component, so it must learn of its
     # supervisor's death another way: a SIGKILLed supervisor (or worker) sends it SIGTERM, and the
     # component stops as it does on any SIGTERM (the capture stops its master; the trainer
-    # checkpoints at the next step boundary).
-    die_with_parent(signal.SIGTERM)
+    # checkpoints at the next step boundary); its orphan watch (exit_when_orphaned) ends it after
+    # job.stop_grace_s if that stop does not finish.
+    die_with_parent(signal.SIGTERM, parent_pid)
     _ignore_requeue_signal()
 
 

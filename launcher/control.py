@@ -169,6 +169,8 @@ def _local_report(record: JobRecord) -> JobReport:
                 state = "COMPLETED" if name == "trainer" else "STOPPED"
             else:
                 state = "LOST"
+        if entry.get("reason") and state in {"FAILED", "CANCELLED", "STOPPED"}:
+            notes.append(f"{name} {state}: {entry['reason']}")
         codes = entry.get("exit_codes", {}) or {}
         results = {int(rank): ("success" if code == 0 else "error") for rank, code in dict(codes).items()}
         exit_code = ",".join(sorted({str(c) for c in dict(codes).values()})) if codes else ""

@@ -29,6 +29,7 @@ from runtime.recipe import LoadedRecipe
 from runtime.recipe.loader import resolve_recipe_path
 from runtime.shared.contracts import (
     CAPTURE_GATE_FILE,
+    JOB_FOLDER_SETTING,
     TRAINER_GATE_FILE,
     CaptureGateRecord,
     CaptureStageName,
@@ -330,7 +331,7 @@ def write_gate(job_dir: Path, rows: list[Check], job_id: str | None, loaded_sour
         "checks": [asdict(r) for r in rows],
     }
     target = job_dir / GATE_FILENAME
-    atomic_write_text(target, json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(target, json.dumps(payload, indent=2) + "\n", JOB_FOLDER_SETTING)
     return target
 
 

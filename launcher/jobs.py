@@ -25,9 +25,9 @@ from pathlib import Path
 from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, Recipe
 from runtime.shared.checkpoint_folders import find_latest
+from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
 from runtime.user_errors import UserError
 
-JOB_RECORD_FILENAME = "job.json"
 LOCAL_STATUS_FILENAME = "local_status.json"
 CAPTURE_STOP_FILENAME = "capture.stop"
 """Written into the job folder by the batch script once the trainer has ended: the capture
@@ -109,7 +109,7 @@ def write_record(record: JobRecord, runs_dir: Path | None) -> Path:
     if not record.submitted_at:
         record.submitted_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     target = job_dir / JOB_RECORD_FILENAME
-    atomic_write_text(target, json.dumps(asdict(record), indent=2) + "\n")
+    atomic_write_text(target, json.dumps(asdict(record), indent=2) + "\n", JOB_FOLDER_SETTING)
     if runs_dir is not None:
         index = runs_dir / INDEX_DIRNAME
         index.mkdir(parents=True, exist_ok=True)
@@ -203,7 +203,9 @@ def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:
 
 def write_local_status(job_dir: Path, status: dict[str, dict[str, object]]) -> None:
     """Atomically record the ``--local`` component states."""
-    atomic_write_text(job_dir / LOCAL_STATUS_FILENAME, json.dumps(status, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(
+        job_dir / LOCAL_STATUS_FILENAME, json.dumps(status, indent=2, sort_keys=True) + "\n", JOB_FOLDER_SETTING
+    )
 
 
 RESUME_MUST_AGREE: tuple[str, ...] = (

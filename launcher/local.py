@@ -7,6 +7,7 @@ capture component is stopped); a capture failure stops the trainer and fails the
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -16,12 +17,19 @@ from pathlib import Path
 from typing import IO
 
 from launcher.component import start_component, stop_processes
+from launcher.deaths import Death, last_words, order_deaths
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
+from runtime.files import DiskFullError
 from runtime.recipe import ResolvedRecipe
-from runtime.shared.contracts import TRAINER_EXIT_STOPPED
+from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
+from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
+STATUS_RESERVE_BYTES = 256 * 1024
+"""Space the supervisor holds in the job folder (a hidden file) and gives up when the disk fills, so that
+the summary it writes last still fits: a full disk must not leave ``local_status.json`` saying RUNNING."""
+STATUS_RESERVE_FILENAME = ".local_status.reserve"
 
 
 @dataclass
@@ -47,9 +55,14 @@ class LocalRun:
         self.tasks: list[LocalTask] = []
         self.status: dict[str, dict[str, object]] = {}
         self._stop_requested = False
+        self._round = 0
+        self.deaths: dict[tuple[str, int], Death] = {}
+        self.first_death: Death | None = None
+        """Tasks that ended badly on their own, by (component, rank), with the poll round they were seen in."""
         self.stop_grace_s = float(resolved.recipe.job.stop_grace_s)
 
     def _start(self) -> None:
+        self._hold_status_reserve()
         base_env = current_environment()
         for component in COMPONENTS:
             world = self.record.components[component]
@@ -78,9 +91,20 @@ class LocalRun:
             }
         self._save_status()
 
+    def _hold_status_reserve(self) -> None:
+        with contextlib.suppress(OSError):  # a disk already full: nothing to hold
+            (self.resolved.job_dir / STATUS_RESERVE_FILENAME).write_bytes(b"\0" * STATUS_RESERVE_BYTES)
+
     def _save_status(self) -> None:
         try:
-            write_local_status(self.resolved.job_dir, self.status)
+            try:
+                write_local_status(self.resolved.job_dir, self.status)
+            except DiskFullError:
+                reserve = self.resolved.job_dir / STATUS_RESERVE_FILENAME
+                if not reserve.exists():
+                    raise
+                reserve.unlink()  # give up the held space: the summary must be true
+                write_local_status(self.resolved.job_dir, self.status)
         except OSError as exc:
             # A full disk must not crash the supervisor (its children would be left unwatched): the
             # terminal gets the reason; the components keep running and are stopped as usual.
@@ -103,6 +127,7 @@ class LocalRun:
         return next((c for c in codes if c != 0), 0)
 
     def _finish(self, component: str, code: int, state: str | None = None) -> None:
+        self._note_deaths(component)  # tasks of it that ended badly on their own before this stop
         stop_processes([t.process for t in self._component_tasks(component)], self.stop_grace_s)
         codes = {str(t.rank): t.process.returncode for t in self._component_tasks(component)}
         self.status[component] = {
@@ -112,6 +137,16 @@ class LocalRun:
             "started_at": self.status.get(component, {}).get("started_at"),
             "ended_at": time.time(),
         }
+        first = self.first_death
+        if first is not None:  # why it ended, for `status`
+            own = order_deaths([d for d in self.deaths.values() if d.component == component])
+            if first.component == component:
+                reason = first.describe()
+            elif own:
+                reason = f"{own[0].describe()}, after {first.component} rank {first.rank} died first"
+            else:
+                reason = f"stopped after {first.component} rank {first.rank} died"
+            self.status[component]["reason"] = reason
         self._save_status()
 
     def _echo_logs(self) -> None:
@@ -152,7 +187,10 @@ class LocalRun:
             stop_processes([t.process for t in self.tasks], self.stop_grace_s)
             for task in self.tasks:
                 task.log.close()
+            with contextlib.suppress(OSError):
+                (self.resolved.job_dir / STATUS_RESERVE_FILENAME).unlink()
             self._echo_logs()
+            self._repeat_the_cause()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -180,7 +218,7 @@ class LocalRun:
         log = self.record.log_path("trainer", 0)
         text = log.read_text(errors="replace") if log.exists() else ""
         stopped = [line for line in text.splitlines() if "stopped after step" in line]
-        resume = f"python3 -m launcher {self.record.recipe_source} --local --resume {self.record.job_dir}"
+        resume = self.resume_command()
         if kept and stopped:
             where = stopped[-1].split("[trainer] ", 1)[-1]
             return f"[local] STOPPED: {where}; resume with `{resume}`"
@@ -189,13 +227,67 @@ class LocalRun:
             f"job.stop_grace_s = {self.stop_grace_s:.0f} s); `{resume}` continues from the last one there is"
         )
 
+    def resume_command(self) -> str:
+        """The command that continues this job from its newest checkpoint."""
+        return resume_command(self.record.recipe_source, self.record.job_dir, local=True)
+
+    def _note_deaths(self, component: str | None = None) -> None:
+        """Record every task seen ended badly for the first time, with this poll round (a new one); with
+        ``component``, only its tasks, counted after the current round (about to be stopped)."""
+        if component is None:
+            self._round += 1
+        for task in self._component_tasks(component) if component else self.tasks:
+            code = task.process.poll()
+            key = (task.component, task.rank)
+            if code not in (None, 0) and key not in self.deaths:
+                seen = self._round if component is None else self._round + 1
+                self.deaths[key] = Death(task.component, task.rank, code, seen, last_words(task.log_path))
+
+    def _report_first_death(self) -> Death | None:
+        """Print the cause of the failure: the first task that died, with its exit and the resume command."""
+        self._note_deaths()  # one that died after this round's look, before the exit check that saw it
+        ordered = order_deaths(list(self.deaths.values()))
+        if not ordered:
+            return None
+        first = self.first_death = ordered[0]
+        resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
+        print(f"[local] FAILED: {first.describe()}{resume}", file=sys.stderr, flush=True)
+        return first
+
+    def _repeat_the_cause(self) -> None:
+        """The last line of a failed run names the cause again: the logs echoed after the first death are
+        mostly its peers' reactions (connection resets, aborts), which must not read as the cause."""
+        first = self.first_death
+        if first is None:
+            return
+        print(
+            f"[local] the cause, above: {first.component} rank {first.rank} {exit_text(first.code)} (what its peers "
+            f"logged after it are consequences); resume with `{self.resume_command()}`",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _report_consequences(self, first: Death | None) -> None:
+        """After the stop: the other tasks that had died on their own, named as what followed the cause."""
+        rest = [d for d in order_deaths(list(self.deaths.values())) if d != first]
+        if first is None or not rest:
+            return
+        listed = "; ".join(d.describe() for d in rest)
+        print(
+            f"[local] after {first.component} rank {first.rank} (consequences, not the cause): {listed}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def _supervise(self) -> int:
         while True:
             self._echo_logs()
             if self._stop_requested:
                 return self._stop_keeping_the_work()
+            self._note_deaths()
             trainer_code = self._component_exit("trainer")
             if trainer_code is not None:
+                first = self._report_first_death() if trainer_code != 0 else None
                 self._finish("trainer", trainer_code)
                 capture_code = self._component_exit("capture")
                 if capture_code is None:
@@ -208,12 +300,15 @@ class LocalRun:
                     self._finish("capture", 0, state="COMPLETED" if clean else "STOPPED")
                 else:
                     self._finish("capture", capture_code)
+                self._report_consequences(first)
                 return trainer_code
             capture_code = self._component_exit("capture")
             if capture_code not in (None, 0) and self.status["capture"]["state"] == "RUNNING":
-                print(f"[local] capture failed with exit code {capture_code}; stopping the trainer", file=sys.stderr)
+                first = self._report_first_death()
+                print("[local] stopping the trainer", file=sys.stderr, flush=True)
                 self._finish("capture", capture_code)
                 self._finish("trainer", capture_code, state="CANCELLED")
+                self._report_consequences(first)
                 return capture_code
             if capture_code == 0 and self.status["capture"]["state"] == "RUNNING":
                 self._finish("capture", 0)

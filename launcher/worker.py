@@ -4,11 +4,18 @@ Loads the submitit payload, derives the task's environment from its own het grou
 variables, runs the component's runtime entry point as a child, and writes a submitit result file
 under a job-wide task id. On the time-out signal only task 0 (trainer rank 0) checkpoints the
 payload and requeues the job; every task stops its child cleanly on SIGTERM.
+
+Stop order (``scancel``, a requeue after the time-out signal, preemption: Slurm sends SIGTERM to every
+task at once): the trainer first, then the capture. A capture task keeps its component, and with it the
+Mooncake master, serving until trainer rank 0's task says the trainer has stopped (the stop file; its
+checkpoint is complete) or ``job.stop_grace_s`` has passed; only then does it stop the capture. Stopped
+the other way round, the trainer waits for samples that never come and is killed without a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import socket
 import sys
@@ -21,12 +28,14 @@ from submitit.core import job_environment, utils
 from submitit.slurm.slurm import SlurmJobEnvironment
 
 from launcher.component import STOP_GRACE_S, signal_group, start_component, stop_process
+from launcher.deaths import Death, claim_first_death
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 from runtime.shared import contracts
+from runtime.shared.contracts import resume_command_of
 
 STOP_POLL_S = 1.0
 """How often a capture task looks for the batch script's stop file."""
@@ -63,6 +72,12 @@ class ComponentSignalHandler(job_environment.SignalHandler):
 
     child: object = None
     stopped_by_signal = False
+    defer_stop = False
+    """A capture task: on SIGTERM keep the component up until the trainer has stopped (module docstring)."""
+    stop_requested_at: float | None = None
+    """When a deferred stop was asked for (monotonic seconds)."""
+    on_child_stopped: object = None
+    """Called after :meth:`_exit` stopped the child (trainer rank 0: tell the capture it may stop)."""
     grace_s: float = STOP_GRACE_S
     """The recipe's ``job.stop_grace_s``: how long the child gets between SIGTERM and SIGKILL."""
 
@@ -70,15 +85,34 @@ class ComponentSignalHandler(job_environment.SignalHandler):
         """SIGTERM from Slurm (cancel, preemption, requeue): pass it to the child's process group.
         The task then exits without a result file: sacct's state (CANCELLED, TIMEOUT, REQUEUED) is
         the truth, and an error result would outlive a requeue."""
-        self._logger.warning(f"caught {signal.Signals(signum).name}; stopping the component")
         self.stopped_by_signal = True
+        if self.defer_stop:
+            self._logger.warning(
+                f"caught {signal.Signals(signum).name}; the capture keeps serving until the trainer has stopped "
+                f"(up to job.stop_grace_s = {self.grace_s:.0f} s), then stops"
+            )
+            self.stop_requested_at = time.monotonic()
+            return
+        self._logger.warning(f"caught {signal.Signals(signum).name}; stopping the component")
         if self.child is not None:
             signal_group(self.child, signal.SIGTERM)  # type: ignore[arg-type]
 
     def _exit(self) -> None:
         if self.child is not None:
             stop_process(self.child, self.grace_s)  # type: ignore[arg-type]
+            if callable(self.on_child_stopped):
+                self.on_child_stopped()
         super()._exit()
+
+    def deferred_stop_due(self) -> bool:
+        """A deferred stop whose wait for the trainer has run out."""
+        return self.stop_requested_at is not None and time.monotonic() - self.stop_requested_at >= self.grace_s
+
+
+def tell_capture_to_stop(job_dir: Path) -> None:
+    """The trainer has stopped (trainer rank 0's task, after its child ended): the capture tasks may stop."""
+    with contextlib.suppress(OSError):
+        (job_dir / CAPTURE_STOP_FILENAME).touch()
 
 
 def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
@@ -91,6 +125,17 @@ def _wait_for_submission(path: Path) -> utils.DelayedSubmission:
             )
         time.sleep(1)
     return utils.DelayedSubmission.load(path)
+
+
+def _death_line(job_dir: Path, death: Death) -> str:
+    """The line a task whose child ended badly prints: the cause (the job's first death, recorded in the
+    shared job folder by whichever task saw its own first), with the resume command; a later death is
+    named a consequence of that cause."""
+    first = claim_first_death(job_dir, death)
+    resume = f"resume with `{resume_command_of(job_dir)}`"
+    if (first.component, first.rank) == (death.component, death.rank):
+        return f"FAILED (the first task to die): {death.describe()}; {resume}"
+    return f"{death.describe()}: a consequence of {first.describe()}, which died first (the cause); {resume}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         raise TypeError(f"{paths.submitted_pickle} holds {type(payload).__name__}, not a ComponentJob")
     handler = ComponentSignalHandler(HetTaskEnvironment.create(leader, task), paths, delayed)
     handler.grace_s = recipe.job.stop_grace_s
+    handler.defer_stop = args.component == "capture"
+    trainer_leader = args.component == "trainer" and placement.rank == 0
+    if trainer_leader:
+        handler.on_child_stopped = lambda: tell_capture_to_stop(job_dir)
     signal.signal(signal.SIGTERM, handler.forward_stop)
     signal.signal(SlurmJobEnvironment._usr_sig(), handler.checkpoint_and_try_requeue)
 
@@ -145,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{log} the trainer has ended ({stop_file.name}); stopping the capture component", flush=True)
                 stopped_on_request = True
                 stop_process(child, recipe.job.stop_grace_s)
+            elif handler.deferred_stop_due() and not stopped_on_request:
+                print(
+                    f"{log} the trainer has not stopped within job.stop_grace_s = {recipe.job.stop_grace_s} s; "
+                    "stopping the capture component",
+                    flush=True,
+                )
+                stopped_on_request = True
+                stop_process(child, recipe.job.stop_grace_s)
             time.sleep(STOP_POLL_S)
+        if trainer_leader and handler.stopped_by_signal:
+            tell_capture_to_stop(job_dir)  # its checkpoint is written: the capture and the master may go
         if stopped_on_request:
             code = 0
         if handler.stopped_by_signal:
@@ -159,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "requeue_count": payload.requeue_count,
         }
         if code != 0:
+            print(f"{log} {_death_line(job_dir, Death(args.component, placement.rank, code))}", flush=True)
             raise RuntimeError(f"{args.component} task {placement.rank} exited with code {code}")
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)

@@ -48,6 +48,8 @@ _OS_FIXES: dict[int, str] = {
 
 def describe_os_error(exc: OSError) -> str:
     """One line for an operating-system error: the path it concerns, what happened, the fix."""
+    if type(exc).__str__ is not OSError.__str__:
+        return str(exc)  # a subclass that words its own message (runtime.files.DiskFullError)
     # A rename's error names the temporary file first and the target second: the target is the one
     # an operator knows.
     where = exc.filename2 or exc.filename

@@ -118,6 +118,12 @@ def test_a_failed_component_leaves_an_error_result_with_its_trace(
     assert workers["capture"].returncode == 1 and workers["trainer"].returncode == 0, outputs
     status, trace = _result(job_dir, "capture")
     assert status == "error" and "capture task 0 exited with code 3" in str(trace)
+    # the first task to die names itself the cause, with the resume command
+    assert (
+        "FAILED (the first task to die): capture rank 0 exited with code 3; resume with `python3 -m launcher "
+        in (outputs["capture"])
+    ), outputs["capture"]
+    assert f"--resume {job_dir}`" in outputs["capture"]
 
 
 def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(
@@ -135,5 +141,53 @@ def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(
     assert requeues and requeues[0][:2] == ["requeue", JOB_ID], (requeues, output)
     with (job_dir / SUBMITIT_DIRNAME / f"{JOB_ID}_submitted.pkl").open("rb") as handle:
         assert pickle.load(handle).function.requeue_count == 1
+    # task 0 stopped its trainer child first, then told the capture it may stop (the stop order)
+    assert (job_dir / "capture.stop").exists(), output
     workers["capture"].terminate()
     workers["capture"].communicate(timeout=120)
+
+
+def test_on_sigterm_to_every_task_the_trainer_stops_first_and_the_capture_after_it(
+    tmp_path: Path, fake: FakeSlurm, started: list
+) -> None:
+    """``scancel`` (or the requeue after the time-out signal) sends SIGTERM to every task at once. The
+    capture task keeps its component, and the Mooncake master, serving until the trainer has stopped (it
+    takes 3 s here, as a checkpoint would), and stops it only then."""
+    job_dir = _job(tmp_path, "job.env.DSPARK_PROBE_HOLD_S=120", "job.env.DSPARK_PROBE_STOP_DELAY_S=3")
+    workers = {name: _worker(name, job_dir, fake, started) for name in ("capture", "trainer")}
+    deadline = time.monotonic() + 120
+    while not all((job_dir / "probe" / f"{name}_0.json").exists() for name in workers):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers.values())
+        time.sleep(0.5)
+    for worker in workers.values():
+        worker.send_signal(signal.SIGTERM)
+    outputs = {name: w.communicate(timeout=120)[0] for name, w in workers.items()}
+    stops = job_dir / "probe" / "stops"
+    trainer_left = float((stops / "trainer_0.exit").read_text())
+    capture_told = float((stops / "capture_0.term").read_text())
+    assert capture_told >= trainer_left, (capture_told - trainer_left, outputs)
+    assert "the capture keeps serving until the trainer has stopped" in outputs["capture"], outputs["capture"]
+    assert "the trainer has ended (capture.stop); stopping the capture component" in outputs["capture"]
+    assert all(w.returncode == 128 + signal.SIGTERM for w in workers.values()), outputs
+
+
+def test_a_capture_task_stops_after_the_grace_when_the_trainer_does_not(
+    tmp_path: Path, fake: FakeSlurm, started: list
+) -> None:
+    """Only the capture task gets SIGTERM and the trainer's never says it stopped (its node is gone):
+    the capture waits job.stop_grace_s, not forever."""
+    job_dir = _job(
+        tmp_path, "job.env.DSPARK_PROBE_HOLD_S=120", "job.env.DSPARK_PROBE_STOP_DELAY_S=0.5", "job.stop_grace_s=2"
+    )
+    workers = {name: _worker(name, job_dir, fake, started) for name in ("capture", "trainer")}
+    capture = workers["capture"]
+    deadline = time.monotonic() + 120
+    while not all((job_dir / "probe" / f"{name}_0.json").exists() for name in workers):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers.values())
+        time.sleep(0.5)
+    signalled = time.time()
+    capture.send_signal(signal.SIGTERM)
+    output = capture.communicate(timeout=60)[0]
+    waited_s = float((job_dir / "probe" / "stops" / "capture_0.term").read_text()) - signalled
+    assert 2 <= waited_s < 5, (waited_s, output)
+    assert "the trainer has not stopped within job.stop_grace_s = 2 s; stopping the capture component" in output

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.files import DiskFullError, atomic_path
+from runtime.shared.contracts import JOB_FOLDER_SETTING
 from runtime.user_errors import UserError, run_command
 
 IGNORED_KEYS = {"step", "time", "epoch"}
@@ -364,10 +366,11 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
             if several or len(present) > 1:
                 axis.legend(fontsize=8, ncol=2)
         target = out_dir / f"{name}.png"
-        tmp = target.with_name(f".{target.stem}.tmp.png")
-        figure.savefig(tmp, dpi=110, bbox_inches="tight")
-        plt.close(figure)
-        tmp.replace(target)
+        try:
+            with atomic_path(target, moved_by=JOB_FOLDER_SETTING) as tmp:  # a full disk leaves no temp file
+                figure.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+        finally:
+            plt.close(figure)
         written.append(target)
     return written
 
@@ -408,7 +411,11 @@ def _main(argv: list[str] | None) -> int:
         default = run_a.folder / "plots" if run_a.folder else Path("plots")
         if args.run_b and args.out is None:
             default = default / f"compare-{Path(args.run_b).resolve().name}"
-        written = write_plots(runs, args.out or default)
+        try:
+            written = write_plots(runs, args.out or default)
+        except DiskFullError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(f"plots: {', '.join(str(p) for p in written)}")
     return 0
 

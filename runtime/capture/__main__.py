@@ -7,9 +7,11 @@ import logging
 import os
 import sys
 
+from runtime.files import DiskFullError
 from runtime.native_log import route_native_output
 from runtime.recipe.loader import load_resolved
-from runtime.shared.contracts import ENV_RECIPE, ENV_TASK_RANK
+from runtime.shared.contracts import ENV_PARENT_PID, ENV_RECIPE, ENV_TASK_RANK
+from runtime.shared.lifecycle import exit_when_orphaned
 from runtime.shared.refusal import report_refusal
 
 
@@ -36,9 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.capture.producer import run_capture
 
     resolved = load_resolved(args.recipe)
+    exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
     try:
         return run_capture(resolved, moe_exchange=override)
+    except DiskFullError as exc:
+        # what, where, how much and the fix, in one line: no traceback around it
+        logging.getLogger("dspark.capture").error("the capture stops: %s", exc)
+        return 1
     except expected_refusals() as exc:
         # Its message names the file or port and the fix: one line for the operator; the traceback
         # goes to a file beside the logs.

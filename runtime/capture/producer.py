@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from runtime.capture.engine import CaptureEngine, CaptureRequest
 from runtime.capture.gate import CaptureGate, NanInjectingSink
+from runtime.capture.master_watch import MasterWatch, trainer_step_text
 from runtime.capture.progress import CaptureProgress
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.data_files import RowIndex, check_data_sha256
@@ -325,14 +326,23 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
                 log.info(
                     "capture share %d of %d: this node captures the g with g %% %d == %d", *share, share[1], share[0]
                 )
+            watch: MasterWatch | None = None
             if recipe.capture.owns_master and share[0] == 0:  # the first capture node hosts the master
                 master = MasterProcess(
                     transport.master(endpoints.master_host), resolved.job_dir / "logs" / "mooncake_master.log"
                 )
                 master.start()
                 stack.callback(master.stop)
+                watch = MasterWatch(
+                    {"mooncake_master": master.process, "the Mooncake metadata server": master.metadata_process},
+                    resolved.job_dir,
+                ).start()
+                stack.callback(watch.stop)  # before master.stop: a stop on purpose is no death
             producer = open_producer(resolved, endpoints=endpoints, share=share)
             stack.callback(producer.close)
+            if watch is not None:
+                g_per_step = recipe.trainer.global_batch_size
+                watch.where = lambda: trainer_step_text(producer.stats().get("cursor"), g_per_step)
         with gate.stage("data", f"{recipe.data.train_path}: SHA-256 and row count as the recipe says"):
             source = CaptureSource.from_recipe(resolved)
         if recipe.trainer.feature_cache.enabled:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from runtime.files import atomic_path
+
 OVER_STEPS_FILE = "acceptance_over_steps.png"
 SLOTS_FILE = "slot_accept_rate.png"
 CALIBRATION_FILE = "calibration.png"
@@ -116,6 +118,9 @@ def _save(plt: Any, figure: Any, axis: Any, target: Path) -> Path:
     """Legend, layout, PNG at ``target``, figure closed."""
     axis.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
+    try:
+        with atomic_path(target) as tmp:  # a full disk leaves no temp file and says so in one line
+            figure.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return target

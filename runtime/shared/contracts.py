@@ -30,6 +30,29 @@ if TYPE_CHECKING:
 # environment: launcher -> component
 # ----------------------------------------------------------------------------------------------
 
+JOB_FOLDER_SETTING = "job.runs_dir"
+"""The setting that moves every job folder (and all a run writes into it) to another file system: the
+fix a full disk's message names."""
+JOB_RECORD_FILENAME = "job.json"
+"""The launcher's record of a job in its folder (mode, recipe source, ...): ``launcher/jobs.py`` writes it."""
+
+
+def resume_command(recipe_source: str, job_dir: str | Path, local: bool) -> str:
+    """The one command line that resumes a job from its newest checkpoint (every message that tells the
+    operator how to go on prints this one)."""
+    return f"python3 -m launcher {recipe_source}{' --local' if local else ''} --resume {job_dir}"
+
+
+def resume_command_of(job_dir: Path) -> str:
+    """:func:`resume_command` for the job in ``job_dir``, from its ``job.json`` (a component knows only
+    its folder); a placeholder recipe when the record cannot be read."""
+    try:
+        record = json.loads((job_dir / JOB_RECORD_FILENAME).read_text())
+        return resume_command(str(record["recipe_source"]), job_dir, record.get("mode") == "local")
+    except (OSError, ValueError, KeyError, TypeError):
+        return resume_command("RECIPE", job_dir, local=False)
+
+
 TRAINER_EXIT_STOPPED = 143
 """A trainer rank's exit code after a stop request (SIGTERM): it finished its step, wrote a checkpoint
 and left (128 + SIGTERM, what a shell reports for a process SIGTERM ended). The supervisor reads it as
@@ -70,6 +93,9 @@ TRAINER_ENV_NAMES: tuple[str, ...] = (
 )
 """torch.distributed's rendezvous variables, which only trainer ranks receive (from their own het
 group's Slurm variables or the local launcher)."""
+ENV_PARENT_PID = "DSPARK_PARENT_PID"
+"""The pid of the process that started the component (the ``--local`` supervisor or the Slurm worker):
+the component ends itself when that parent is gone (runtime.shared.lifecycle.exit_when_orphaned)."""
 ENV_SLURM_JOB_ID = "DSPARK_SLURM_JOB_ID"
 """The het job's leader id, exported by the batch script (every srun task sees the same one)."""
 CONTRACT_ENV_NAMES: tuple[str, ...] = (
@@ -400,7 +426,7 @@ RecordT = TypeVar("RecordT", bound=BaseModel)
 def write_record(path: Path, record: BaseModel) -> Path:
     """Write a gate record atomically (NaN stays NaN, as JSON's extension writes it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record.model_dump(mode="python"), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(record.model_dump(mode="python"), indent=2) + "\n", JOB_FOLDER_SETTING)
     return path
 
 

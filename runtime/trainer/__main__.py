@@ -13,9 +13,12 @@ import logging
 import os
 import sys
 
+from runtime.files import DiskFullError
 from runtime.native_log import route_native_output
 from runtime.recipe import RecipeError, load_resolved
+from runtime.shared.contracts import ENV_PARENT_PID
 from runtime.shared.data_files import DataFileError
+from runtime.shared.lifecycle import exit_when_orphaned
 from runtime.shared.refusal import report_refusal
 from runtime.trainer.settings import TrainerSetupError, derive_settings
 
@@ -27,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     route_native_output()
     resolved = load_resolved(args.recipe)
+    exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     try:
         settings = derive_settings(resolved)
     except TrainerSetupError as exc:
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(resolved, settings)
     try:
         return trainer.run()
+    except DiskFullError as exc:
+        # One line (what, where, how much, the fix); no traceback file: there is no room for one.
+        print(f"[trainer rank {settings.rank}] error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except (
         CheckpointError,
         TargetTensorError,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import errno
 import hashlib
 import json
 import logging
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from runtime.files import atomic_write_text
+from runtime.files import atomic_write_text, is_disk_full
 from runtime.shared.checkpoint_folders import (
     LATEST,
     STATE_FILE,
@@ -310,9 +309,7 @@ def save_checkpoint(
 
 def _is_disk_full(exc: BaseException) -> bool:
     # DCP wraps each rank's failure in a CheckpointException (a BaseException) with the cause's text
-    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-        "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
-    )
+    return is_disk_full(exc) or ("No space left on device" in str(exc) or "Disk quota exceeded" in str(exc))
 
 
 def _size_of(paths: list[Path]) -> int:

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.files import atomic_write_text
+from runtime.files import append_text, atomic_write_text
 from runtime.recipe.schema import MetricsConfig
+from runtime.shared.contracts import JOB_FOLDER_SETTING
 
 
 class MetricsSetupError(RuntimeError):
@@ -140,7 +141,7 @@ class MetricsWriter:
             else:
                 dropped += 1
         if dropped:
-            atomic_write_text(self.path, "".join(kept))
+            atomic_write_text(self.path, "".join(kept), JOB_FOLDER_SETTING)
             self.say(f"[trainer] metrics.jsonl: dropped {dropped} row(s) after step {step} (trained again from there)")
         return dropped
 
@@ -149,9 +150,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         line = {**record, "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
-            handle.flush()
+        append_text(self.path, json.dumps(line) + "\n", JOB_FOLDER_SETTING)
         step = int(record["step"])
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
         if self._tensorboard is not None:

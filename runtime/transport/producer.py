@@ -34,6 +34,7 @@ import torch
 from runtime.files import atomic_write_text
 from runtime.shared.contracts import (
     CONTRACT_DTYPES,
+    JOB_FOLDER_SETTING,
     META_FIELD,
     TENSOR_FIELDS,
     cursor_key,
@@ -433,6 +434,7 @@ class Producer:
         atomic_write_text(
             self.state_path,
             json.dumps({"store_id": self.store_id, "cursor": cursor, "saved_at": time.time()}) + "\n",
+            JOB_FOLDER_SETTING,
         )
 
     # -- host staging -----------------------------------------------------------------------

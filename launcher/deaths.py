@@ -1,0 +1,100 @@
+"""Which task died first, and how to say it: the cause of a failed job is the first component task that
+ended badly; the failures of the others that follow it (connection resets, a rank's abort, an idle
+time-out) are its consequences and are reported as such, after it.
+
+The ``--local`` supervisor sees every task and orders their deaths by when it saw them; Slurm's
+workers each see one task, on different nodes, and agree through :func:`claim_first_death`: the
+first to record its death in the shared job folder is the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runtime.shared.lifecycle import exit_text
+
+FIRST_DEATH_FILENAME = "first_death.json"
+"""In the job folder: the first component task that died (written once, by whoever saw it first)."""
+LAST_WORDS_BYTES = 64 * 1024
+"""How much of a task's log end is searched for its last error line."""
+_LOG_PREFIX = re.compile(r"^(\[\w+\] )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ERROR \[[\w.]+\] ")
+"""A logged line's time, level and logger: dropped from the last words."""
+_ERROR_LINE = re.compile(r"( ERROR \[|^\w*(Error|Exception)\b|^\[\w+\] \w*(Error|Exception)\b|^\[[^\]]+\] error: )")
+
+
+@dataclass(frozen=True)
+class Death:
+    """One component task that ended badly."""
+
+    component: str
+    rank: int
+    code: int
+    seen_order: int = 0
+    """The supervisor's poll round in which it was first seen dead (smaller is earlier)."""
+    last_words: str = ""
+    """The last error line of its log, when there is one."""
+
+    def says_how_to_resume(self) -> bool:
+        """Its last words already give the resume command (the capture's master watch does)."""
+        return "resume with `" in self.last_words
+
+    def describe(self) -> str:
+        """``trainer rank 1 killed by SIGKILL (-9)`` with its last error line when it has one."""
+        said = f": {self.last_words}" if self.last_words else ""
+        return f"{self.component} rank {self.rank} {exit_text(self.code)}{said}"
+
+
+def _signal_rank(death: Death) -> int:
+    # Within one poll round a task killed by a signal is taken as the cause: the ones that exit with
+    # a code or abort (SIGABRT) in the same round are the usual reactions of its peers.
+    if death.code == -signal.SIGKILL:
+        return 0
+    if death.code < 0 and death.code != -signal.SIGABRT:
+        return 1
+    return 2
+
+
+def order_deaths(deaths: list[Death]) -> list[Death]:
+    """Deaths, cause first: by the round they were seen in, then a kill before an exit, then by name."""
+    return sorted(deaths, key=lambda d: (d.seen_order, _signal_rank(d), d.component != "capture", d.rank))
+
+
+def last_words(log_path: Path) -> str:
+    """The last error line in the end of a task's log (a logged ERROR or an exception's last line)."""
+    try:
+        with log_path.open("rb") as handle:
+            handle.seek(max(0, log_path.stat().st_size - LAST_WORDS_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    found = [line.strip() for line in text.splitlines() if _ERROR_LINE.search(line.strip())]
+    return _LOG_PREFIX.sub("", found[-1])[:400] if found else ""
+
+
+def claim_first_death(job_dir: Path, death: Death) -> Death:
+    """Record ``death`` as the job's first unless one is recorded already; returns the first (ours or
+    the earlier one). Creating the file is exclusive, so of several tasks only one can win."""
+    path = job_dir / FIRST_DEATH_FILENAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return read_first_death(job_dir) or death
+    except OSError:
+        return death  # a full or read-only job folder: this task cannot tell, it names itself
+    with os.fdopen(fd, "w") as handle, contextlib.suppress(OSError):
+        handle.write(json.dumps(asdict(death)) + "\n")
+    return death
+
+
+def read_first_death(job_dir: Path) -> Death | None:
+    """The recorded first death of a job, if any (None while the record is being written)."""
+    try:
+        return Death(**json.loads((job_dir / FIRST_DEATH_FILENAME).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,102 @@
+"""Issue 28, item 5: every child of the run dies with its parent, every time. A small parent process
+starts a child through the same code the run uses (the component tasks' spawn, the Mooncake master's
+spawn, the SGLang server's parent-death request), prints the child's pid and is killed with SIGKILL;
+the child must be gone within 2 s. A component that does not stop on its SIGTERM (a trainer rank
+waiting for a step boundary that never comes: before, one lived on for about 45 s) is ended by its
+orphan watch after its grace."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GONE_WITHIN_S = 2.0
+
+SLEEPER = "import time; time.sleep(60)"
+STUBBORN = (
+    # a component that takes its SIGTERM as "stop at the next step boundary" and never gets there
+    "import os, signal, time; from runtime.shared.lifecycle import exit_when_orphaned; "
+    "signal.signal(signal.SIGTERM, lambda *a: None); "
+    "exit_when_orphaned(int(os.environ['DSPARK_PARENT_PID']), grace_s=1.0, poll_s=0.1); time.sleep(60)"
+)
+
+PARENTS = {
+    "component": (
+        "import os, sys, time; from pathlib import Path; from launcher.component import spawn_component; "
+        "p = spawn_component([sys.executable, '-c', {child!r}], dict(os.environ), Path.cwd()); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    ),
+    "mooncake_master": (
+        "import sys, time; from runtime.transport.master import MasterProcess, MasterSettings; "
+        "m = MasterProcess(MasterSettings('127.0.0.1', 1, 2, 3, 60, 0.9)); "
+        "p = m._spawn([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); time.sleep(60)"
+    ),
+    "sglang_server": (  # engine_sglang starts its server with preexec_fn=die_with_parent
+        "import subprocess, sys, time; from runtime.shared.lifecycle import die_with_parent; "
+        "p = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True, preexec_fn=die_with_parent); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    ),
+}
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_parent_and_time_the_child(parent_code: str) -> tuple[int, float | None]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        child = int(parent.stdout.readline())  # type: ignore[union-attr]
+        time.sleep(0.3)  # the child is past its exec
+        assert _alive(child)
+        killed_at = time.monotonic()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = killed_at + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return child, (time.monotonic() - killed_at) if not _alive(child) else None
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("spawn", sorted(PARENTS))
+def test_a_child_dies_with_its_killed_parent(spawn: str) -> None:
+    child, took_s = _kill_parent_and_time_the_child(PARENTS[spawn].format(child=SLEEPER))
+    assert took_s is not None and took_s < GONE_WITHIN_S, (
+        f"{spawn} child {child} still there after kill -9 of its parent"
+    )
+
+
+def test_a_component_that_does_not_stop_is_ended_by_its_orphan_watch() -> None:
+    child, took_s = _kill_parent_and_time_the_child(PARENTS["component"].format(child=STUBBORN))
+    # grace 1 s + one poll: gone within 2 s, where the parent-death SIGTERM alone left it running
+    assert took_s is not None and took_s < GONE_WITHIN_S, f"the component {child} outlived its parent"
+
+
+def test_a_parent_that_died_before_the_request_is_noticed() -> None:
+    """The race: the parent dies between the fork and the child's prctl. The child compares its parent
+    with the pid the parent had, and signals itself."""
+    code = "import time; from runtime.shared.lifecycle import die_with_parent; die_with_parent(15, parent_pid=1); time.sleep(30)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=20
+    )
+    assert done.returncode == -signal.SIGTERM
