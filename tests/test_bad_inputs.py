@@ -60,8 +60,6 @@ class Case:
     setup: Callable[[Path], None] | None = None
     keep: tuple[str, ...] = ()
     """Files (relative to the case folder) that must be byte-identical after the command."""
-    needs_tiny: bool = False
-    """The case reads the tiny target/data (built by tools/make_tiny_target)."""
     not_root: bool = False
     """Permission cases: root reads everything, so they are skipped as root."""
     forbid: tuple[str, ...] = field(default=())
@@ -110,9 +108,8 @@ def build_world(world: Path) -> None:
     (world / "recipes").mkdir(parents=True)
     shutil.copy(TINY, world / "recipes" / "tiny.yaml")
     (world / "data").mkdir()
-    if TINY_DATA.exists():
-        for name in ("train.jsonl", "train.jsonl.manifest.json", "chat.jsonl"):
-            shutil.copy(TINY_DATA / name, world / "data" / name)
+    for name in ("train.jsonl", "train.jsonl.manifest.json", "chat.jsonl"):
+        shutil.copy(TINY_DATA / name, world / "data" / name)
     _job(world, "done", "local-1")
     _job(world, "smoke", "local-2", smoke=True)
     _job(world, "fresh", "local-3", metrics=False)
@@ -526,7 +523,6 @@ CASES += [
         "launcher",
         ("status", "latest", "--runs-dir", "{w}/data/train.jsonl"),
         ("train.jsonl",),
-        needs_tiny=True,
     ),
     Case(
         "gate-not-smoke",
@@ -700,7 +696,6 @@ CASES += [
         ("--input", "{w}/bin.jsonl", "--output", "{w}/o.jsonl", *PREP),
         ("bin.jsonl", "UTF-8"),
         write("bin.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00\xff"),
-        needs_tiny=True,
     ),
     Case(
         "prep-input-bad-json",
@@ -709,7 +704,6 @@ CASES += [
         ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
         ("c.jsonl", "line 2", "JSON"),
         write("c.jsonl", GOOD_CHAT + "{oops\n"),
-        needs_tiny=True,
     ),
     Case(
         "prep-input-no-conversations",
@@ -718,7 +712,6 @@ CASES += [
         ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
         ("c.jsonl", "conversations"),
         write("c.jsonl", json.dumps({"id": "a", "messages": []}) + "\n"),
-        needs_tiny=True,
     ),
     Case(
         "prep-input-empty",
@@ -727,7 +720,6 @@ CASES += [
         ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
         ("c.jsonl", "no rows"),
         write("c.jsonl", ""),
-        needs_tiny=True,
     ),
     Case(
         "prep-bad-role",
@@ -736,7 +728,6 @@ CASES += [
         ("--input", "{w}/c.jsonl", "--output", "{w}/o.jsonl", *PREP),
         ("c.jsonl", "robot"),
         write("c.jsonl", json.dumps({"id": "a", "conversations": [{"role": "robot", "content": "x"}]}) + "\n"),
-        needs_tiny=True,
     ),
     Case(
         "prep-output-is-folder",
@@ -745,7 +736,6 @@ CASES += [
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/data", *PREP),
         ("data", "folder"),
         keep=("data/chat.jsonl", "data/train.jsonl"),
-        needs_tiny=True,
     ),
     Case(
         "prep-output-under-a-file",
@@ -754,7 +744,6 @@ CASES += [
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/recipes/tiny.yaml/o.jsonl", *PREP),
         ("tiny.yaml", "is a file"),
         keep=("recipes/tiny.yaml",),
-        needs_tiny=True,
     ),
     Case(
         "prep-over-verified-file",
@@ -764,7 +753,6 @@ CASES += [
         ("train.jsonl", "pins", "another --output"),
         write("c.jsonl", GOOD_CHAT),
         keep=("data/train.jsonl", "data/train.jsonl.manifest.json"),
-        needs_tiny=True,
     ),
     Case(
         "prep-over-a-recipe",
@@ -773,7 +761,6 @@ CASES += [
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/recipes/tiny.yaml", *PREP),
         ("tiny.yaml", "no data tool wrote it", "another --output"),
         keep=("recipes/tiny.yaml",),
-        needs_tiny=True,
     ),
     Case(
         "prep-over-a-chat-file",
@@ -783,7 +770,6 @@ CASES += [
         ("chat.jsonl", "no data tool wrote it"),
         write("c.jsonl", GOOD_CHAT),
         keep=("data/chat.jsonl",),
-        needs_tiny=True,
     ),
     Case(
         "prep-output-equals-input",
@@ -792,7 +778,6 @@ CASES += [
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/data/chat.jsonl", *PREP),
         ("chat.jsonl", "--output"),
         keep=("data/chat.jsonl",),
-        needs_tiny=True,
     ),
     Case(
         "prep-tokenizer-missing",
@@ -800,7 +785,6 @@ CASES += [
         "prepare_data",
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", "--tokenizer", "{w}/tok", "--max-length", "64"),
         ("tok", "--tokenizer"),
-        needs_tiny=True,
     ),
     Case(
         "prep-max-length-zero",
@@ -817,7 +801,6 @@ CASES += [
             "0",
         ),
         ("--max-length",),
-        needs_tiny=True,
     ),
     Case("prep-max-length-text", "flag", "prepare_data", ("--max-length", "long"), ("--max-length", "long")),
     Case(
@@ -826,7 +809,6 @@ CASES += [
         "prepare_data",
         ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", *PREP, "--regenerate", "openai"),
         ("--server-url", "--server-model"),
-        needs_tiny=True,
     ),
     Case(
         "prep-api-key-env-unset",
@@ -848,7 +830,6 @@ CASES += [
             "DSPARK_TEST_NO_SUCH_KEY",
         ),
         ("DSPARK_TEST_NO_SUCH_KEY",),
-        needs_tiny=True,
     ),
     Case("prep-recipe-unknown", "message", "prepare_data", ("--recipe", "nosuch"), ("nosuch",)),
     Case(
@@ -867,7 +848,6 @@ CASES += [
             "-1",
         ),
         ("--temperature",),
-        needs_tiny=True,
     ),
 ]
 
@@ -893,7 +873,6 @@ CASES += [
         "verify_data",
         ("{w}/data/train.jsonl", "--expected-sha256", "abc"),
         ("abc", "64"),
-        needs_tiny=True,
     ),
     Case(
         "verify-sha-manifest-missing",
@@ -902,7 +881,6 @@ CASES += [
         ("{w}/t.jsonl", "--expected-sha256", "manifest"),
         ("manifest",),
         lambda w: shutil.copy(TINY_DATA / "train.jsonl", w / "t.jsonl"),
-        needs_tiny=True,
     ),
     Case(
         "verify-vocab-zero",
@@ -910,7 +888,6 @@ CASES += [
         "verify_data",
         ("{w}/data/train.jsonl", "--vocab-size", "0"),
         ("--vocab-size",),
-        needs_tiny=True,
     ),
     Case(
         "verify-vocab-text", "flag", "verify_data", ("{w}/data/train.jsonl", "--vocab-size", "big"), ("--vocab-size",)
@@ -921,7 +898,6 @@ CASES += [
         "verify_data",
         ("{w}/data/train.jsonl", "--rows", "-1"),
         ("--rows",),
-        needs_tiny=True,
     ),
     Case("verify-recipe-unknown", "message", "verify_data", ("--recipe", "nosuch"), ("nosuch",)),
     Case(
@@ -930,7 +906,6 @@ CASES += [
         "verify_data",
         ("{w}/data/train.jsonl", "--max-length", "0"),
         ("--max-length",),
-        needs_tiny=True,
     ),
     Case(
         "verify-unreadable",
@@ -940,7 +915,6 @@ CASES += [
         ("train.jsonl", "permission"),
         chmod("data/train.jsonl", 0),
         not_root=True,
-        needs_tiny=True,
     ),
 ]
 
@@ -1038,7 +1012,6 @@ CASES += [
             "{w}/s.jsonl",
         ),
         ("train.jsonl", "--expected-sha256"),
-        needs_tiny=True,
     ),
     Case(
         "smoke-data-output-over-input",
@@ -1056,7 +1029,6 @@ CASES += [
         ),
         ("train.jsonl", "--output"),
         keep=("data/train.jsonl", "data/train.jsonl.manifest.json"),
-        needs_tiny=True,
     ),
     Case(
         "smoke-data-over-a-chat-file",
@@ -1074,7 +1046,6 @@ CASES += [
         ),
         ("chat.jsonl", "no data tool wrote it"),
         keep=("data/chat.jsonl", "data/train.jsonl"),
-        needs_tiny=True,
     ),
     Case(
         "smoke-data-rows-zero",
@@ -1082,7 +1053,6 @@ CASES += [
         "derive_smoke_data",
         ("--input", "{w}/data/train.jsonl", "--expected-sha256", "manifest", "--rows", "0", "--output", "{w}/s.jsonl"),
         ("--rows",),
-        needs_tiny=True,
     ),
     Case("smoke-data-recipe-unknown", "message", "derive_smoke_data", ("--recipe", "nosuch"), ("nosuch",)),
 ]
@@ -1108,7 +1078,8 @@ def run_case(case: Case, world: Path, capfd: pytest.CaptureFixture[str]) -> tupl
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def template(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built once per module; the tiny target and data (``tiny_assets``) exist before it."""
     world = tmp_path_factory.mktemp("bad-inputs-template")
     build_world(world)
     return world
@@ -1131,8 +1102,6 @@ def world(template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, world: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    if case.needs_tiny and not TINY_DATA.exists():
-        pytest.skip("the tiny data is not built (tools/make_tiny_target, tools/prepare_data --recipe tiny)")
     if case.not_root and os.geteuid() == 0:
         pytest.skip("root reads files without read permission")
     if case.setup:

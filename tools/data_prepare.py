@@ -81,13 +81,18 @@ class PrepareResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
+def check_chat_path(path: Path) -> None:
+    """Refuse a chat file path that is a folder or names nothing."""
+    if path.is_dir():
+        raise DataFileError(f"--input {path} is a folder; it is a chat JSONL file. Fix: give the file inside it")
+    if not path.is_file():
+        raise DataFileError(f"--input {path}: chat file does not exist; fix: check the path (or set data.chat_path)")
+
+
 def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of a chat JSONL file, checked; errors name the file and the line."""
     rows: list[dict[str, Any]] = []
-    if path.is_dir():
-        raise DataFileError(f"{path} is a folder; --input is a chat JSONL file. Fix: give the file inside it")
-    if not path.is_file():
-        raise DataFileError(f"{path}: chat file does not exist; fix: pass --input (or set data.chat_path)")
+    check_chat_path(path)
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path}: line {number}"
@@ -276,6 +281,7 @@ def _check_option_values(
     input_path: Path, output_path: Path, tokenizer_path: Path, max_length: int, args: argparse.Namespace
 ) -> None:
     """Refuse values that cannot work before anything is read or written."""
+    check_chat_path(input_path)  # the first thing named: said first
     if output_path.resolve() == input_path.resolve():
         raise DataFileError(
             f"--output {output_path} is the --input file: it would be replaced by its own tokenized rows. Fix: give "
