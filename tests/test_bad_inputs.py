@@ -33,8 +33,6 @@ from tools import compare_runs, data_prepare, data_verify, smoke_data
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
-TINY_DATA = REPO / ".cache" / "tiny" / "data"
-TINY_TOKENIZER = REPO / ".cache" / "tiny" / "target"
 
 COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
     "launcher": launcher_cli.main,
@@ -103,13 +101,25 @@ def _job(world: Path, name: str, job_id: str, *, smoke: bool = False, metrics: b
 
 
 def build_world(world: Path) -> None:
-    """Recipes, data, a finished job (``runs/tiny/done``, id ``local-1``), a finished smoke job
-    (``local-2``) and a job that never stepped (``local-3``)."""
+    """Recipes; the tiny tokenizer (``tok/``) and its chat and prepared data (``data/``), the very
+    bytes the tiny recipe pins, made here in seconds (the tiny target's weights, which take minutes
+    to train, are not needed); a finished job (``runs/tiny/done``, id ``local-1``), a finished smoke
+    job (``local-2``) and a job that never stepped (``local-3``)."""
+    from tools.data_prepare import PrepareOptions, prepare
+    from tools.tiny_target import TinyTargetSpec, build_tokenizer, write_chat_corpus
+
     (world / "recipes").mkdir(parents=True)
     shutil.copy(TINY, world / "recipes" / "tiny.yaml")
     (world / "data").mkdir()
-    for name in ("train.jsonl", "train.jsonl.manifest.json", "chat.jsonl"):
-        shutil.copy(TINY_DATA / name, world / "data" / name)
+    spec = TinyTargetSpec()
+    build_tokenizer(spec).save_pretrained(world / "tok")
+    write_chat_corpus(spec, world / "data" / "chat.jsonl")
+    prepared = prepare(
+        PrepareOptions(world / "data" / "chat.jsonl", world / "data" / "train.jsonl", world / "tok", 256),
+        log=lambda *_: None,
+    )
+    # The damage cases over "a verified file" need the very data the tiny recipe pins.
+    assert prepared.sha256 == load_recipe(TINY).recipe.data.expected_sha256
     _job(world, "done", "local-1")
     _job(world, "smoke", "local-2", smoke=True)
     _job(world, "fresh", "local-3", metrics=False)
@@ -666,7 +676,7 @@ CASES += [
 ]
 
 # -- tools/prepare_data
-PREP = ("--tokenizer", str(TINY_TOKENIZER), "--max-length", "256")
+PREP = ("--tokenizer", "{w}/tok", "--max-length", "256")
 GOOD_CHAT = (
     json.dumps(
         {"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
@@ -783,8 +793,17 @@ CASES += [
         "prep-tokenizer-missing",
         "os",
         "prepare_data",
-        ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", "--tokenizer", "{w}/tok", "--max-length", "64"),
-        ("tok", "--tokenizer"),
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            "--tokenizer",
+            "{w}/no-tok",
+            "--max-length",
+            "64",
+        ),
+        ("no-tok", "--tokenizer"),
     ),
     Case(
         "prep-max-length-zero",
@@ -796,7 +815,7 @@ CASES += [
             "--output",
             "{w}/o.jsonl",
             "--tokenizer",
-            str(TINY_TOKENIZER),
+            "{w}/tok",
             "--max-length",
             "0",
         ),
@@ -880,7 +899,7 @@ CASES += [
         "verify_data",
         ("{w}/t.jsonl", "--expected-sha256", "manifest"),
         ("manifest",),
-        lambda w: shutil.copy(TINY_DATA / "train.jsonl", w / "t.jsonl"),
+        lambda w: shutil.copy(w / "data" / "train.jsonl", w / "t.jsonl"),
     ),
     Case(
         "verify-vocab-zero",
@@ -1078,8 +1097,8 @@ def run_case(case: Case, world: Path, capfd: pytest.CaptureFixture[str]) -> tupl
 
 
 @pytest.fixture(scope="module")
-def template(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Built once per module; the tiny target and data (``tiny_assets``) exist before it."""
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built once per module (see :func:`build_world`)."""
     world = tmp_path_factory.mktemp("bad-inputs-template")
     build_world(world)
     return world
