@@ -49,6 +49,24 @@ class Death:
         said = f": {self.last_words}" if self.last_words else ""
         return f"{self.component} rank {self.rank} {exit_text(self.code)}{said}"
 
+    def refused(self) -> bool:
+        """Its last words are its own one-line refusal (``[trainer rank 0] error: ... Fix: ...``), which the
+        console has shown already: the supervisor points at it instead of saying it again."""
+        return self.last_words.startswith(f"[{self.component} rank {self.rank}] error:")
+
+    def reason(self) -> str:
+        """Its last words without the task's own ``[component rank N]`` prefix (equal among peers that
+        refused for the same reason)."""
+        return self.last_words.removeprefix(f"[{self.component} rank {self.rank}] ")
+
+    def pointed(self) -> str:
+        """:meth:`describe` for a console that has shown a refusal already: the refusal is pointed at."""
+        if self.refused():
+            return (
+                f"{self.component} rank {self.rank} {exit_text(self.code)}; its error line above says why and the fix"
+            )
+        return self.describe()
+
 
 def _signal_rank(death: Death) -> int:
     # Within one poll round a task killed by a signal is taken as the cause: the ones that exit with

@@ -251,7 +251,7 @@ class LocalRun:
             return None
         first = self.first_death = ordered[0]
         resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
-        print(f"[local] FAILED: {first.describe()}{resume}", file=sys.stderr, flush=True)
+        print(f"[local] FAILED: {first.pointed()}{resume}", file=sys.stderr, flush=True)
         return first
 
     def _repeat_the_cause(self) -> None:
@@ -272,7 +272,18 @@ class LocalRun:
         rest = [d for d in order_deaths(list(self.deaths.values())) if d != first]
         if first is None or not rest:
             return
-        listed = "; ".join(d.describe() for d in rest)
+        # Peers that refused with the cause's own words are one item, not the same line again each.
+        same = [d for d in rest if d.refused() and d.reason() == first.reason()]
+        listed = "; ".join(d.describe() for d in rest if d not in same)
+        if same:
+            ranks = ", ".join(str(d.rank) for d in same)
+            codes = {exit_text(d.code) for d in same}
+            listed = "; ".join(
+                filter(
+                    None,
+                    [f"{same[0].component} rank(s) {ranks} {', '.join(sorted(codes))} with the same error", listed],
+                )
+            )
         print(
             f"[local] after {first.component} rank {first.rank} (consequences, not the cause): {listed}",
             file=sys.stderr,
