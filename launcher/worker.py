@@ -104,6 +104,29 @@ class ComponentSignalHandler(job_environment.SignalHandler):
                 self.on_child_stopped()
         super()._exit()
 
+    stop_trainer_before_requeue = False
+    """Trainer rank 0's task: on the time-out signal, stop the trainer (a checkpoint at its next step
+    boundary, every rank at the same one) while the capture and its Mooncake master still serve, and
+    only then requeue. The requeue's SIGTERM reaches every process of every step at once (the master
+    stops on it by itself), so a checkpoint left for then would find no data to finish its step with."""
+
+    def checkpoint_and_try_requeue(self, signum: int, frame: types.FrameType | None = None) -> None:
+        """The time-out signal (USR2): the trainer stops first when this task leads it, then submitit's
+        own handling (task 0 checkpoints the payload and requeues the job)."""
+        if self.stop_trainer_before_requeue and self.child is not None and self.child.poll() is None:  # type: ignore[attr-defined]
+            self._logger.warning(
+                f"caught {signal.Signals(signum).name}: stopping the trainer at its next step boundary (a checkpoint) "
+                f"before the requeue, up to job.stop_grace_s = {self.grace_s:.0f} s"
+            )
+            signal_group(self.child, signal.SIGTERM)  # type: ignore[arg-type]
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and self.child.poll() is None:  # type: ignore[attr-defined]
+                time.sleep(0.2)
+            self._logger.warning(f"the trainer has stopped (exit {self.child.poll()}); requeuing")  # type: ignore[attr-defined]
+            if callable(self.on_child_stopped):
+                self.on_child_stopped()
+        super().checkpoint_and_try_requeue(signum, frame)
+
     def deferred_stop_due(self) -> bool:
         """A deferred stop whose wait for the trainer has run out."""
         return self.stop_requested_at is not None and time.monotonic() - self.stop_requested_at >= self.grace_s
@@ -169,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer_leader = args.component == "trainer" and placement.rank == 0
     if trainer_leader:
         handler.on_child_stopped = lambda: tell_capture_to_stop(job_dir)
+        handler.stop_trainer_before_requeue = True
     signal.signal(signal.SIGTERM, handler.forward_stop)
     signal.signal(SlurmJobEnvironment._usr_sig(), handler.checkpoint_and_try_requeue)
 
@@ -210,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         if handler.stopped_by_signal:
             print(f"{log} stopped by a signal (exit {code}); no result file", flush=True)
             return 128 + signal.SIGTERM
+        if args.component == "trainer" and code == contracts.TRAINER_EXIT_STOPPED:
+            # Another rank asked (trainer rank 0's task, before a requeue): every rank stopped at the same
+            # step boundary with the checkpoint written. The requeue, not this task, decides what follows.
+            print(
+                f"{log} the trainer stopped at a step boundary with a checkpoint (exit {code}); no result file",
+                flush=True,
+            )
+            return code
         result = {
             "component": args.component,
             "rank": placement.rank,

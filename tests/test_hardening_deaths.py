@@ -154,7 +154,11 @@ def test_a_capture_that_failed_on_its_own_while_the_trainer_stopped_says_so(tmp_
     )
     _supervise(run)
     err = capsys.readouterr().err
-    assert f"[local] FAILED: trainer rank 0 exited with code 1: {disk_full}; resume with" in err, err
+    # Its own one-line refusal was echoed already: the FAILED line points at it rather than repeat it.
+    assert (
+        "[local] FAILED: trainer rank 0 exited with code 1; its error line above says why and the fix; resume with"
+        in err
+    ), err
     assert run.status["trainer"]["reason"] == f"trainer rank 0 exited with code 1: {disk_full}"
     assert run.status["capture"]["state"] == "FAILED"
     assert run.status["capture"]["reason"] == (

@@ -169,3 +169,39 @@ def test_manual_sbatch_of_the_checked_in_script(slurm_cluster, tiny_assets, tmp_
     steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert (tmp_path / f"slurm-tiny-{job_id}.out").exists(), "the batch log lands in the submit directory"
+
+
+def test_the_time_out_signal_stops_the_trainer_with_a_checkpoint_before_the_requeue(
+    slurm_cluster, tiny_assets, tmp_path: Path
+) -> None:
+    """A real tiny run on the local cluster gets the time-out signal (USR2, what Slurm sends
+    job.signal_delay_s before the limit) mid-run: trainer rank 0's task stops the trainer at its next
+    step boundary with a checkpoint while the capture and its master still serve, tells the capture to
+    stop, and only then requeues (whose SIGTERM reaches every process at once); the requeued run resumes
+    from that checkpoint and completes."""
+    runs = tmp_path / "runs"
+    done = launch(["tiny", *probe_overrides(runs), "--set", "trainer.checkpoint.every_steps=1000"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
+    record = find_record(job_id, runs)
+    metrics = Path(record.job_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "the trainer never reached step 3"
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=60)
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=420) == "COMPLETED"
+    trainer_log = record.log_path("trainer", 0).read_text(errors="replace")
+    capture_log = record.log_path("capture", 0).read_text(errors="replace")
+    assert "stopping the trainer at its next step boundary (a checkpoint) before the requeue" in trainer_log
+    stopped = [line for line in trainer_log.splitlines() if "on request; checkpoint" in line]
+    assert stopped, trainer_log[-3000:]
+    step = int(stopped[0].split("stopped after step ", 1)[1].split()[0])
+    # The master served until the trainer had stopped, and the requeue's SIGTERM, which reaches the master
+    # too, is the job's stop, not a capture failure.
+    assert "the capture fails now" not in capture_log, capture_log[-3000:]
+    assert "ERROR" not in capture_log, capture_log[-3000:]
+    # The stop's checkpoint (no periodic one before step 1000) is what the requeued run resumed from.
+    assert (Path(record.job_dir) / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == 32 and sorted(set(steps)) == list(range(1, 33)), steps

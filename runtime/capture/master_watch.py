@@ -38,8 +38,11 @@ class MasterWatch:
         job_dir: Path,
         poll_s: float = WATCH_POLL_S,
         exit: Callable[[int], object] = os._exit,
+        stop_requested: threading.Event | None = None,
     ) -> None:
         self.processes = {name: p for name, p in processes.items() if p is not None}
+        self.stop_requested = stop_requested
+        """The capture's own stop request: a master that ends after it is no death (below)."""
         self.job_dir = job_dir
         self.poll_s = poll_s
         self._exit = exit
@@ -66,6 +69,14 @@ class MasterWatch:
                 code = process.poll()
                 if code is None or self._stopping.is_set():
                     continue
+                if self.stop_requested is not None and self.stop_requested.is_set():
+                    # Under Slurm a stop (scancel, a requeue, preemption) signals every process of the step
+                    # at once, and the master stops on that signal by itself: the job's end, not a failure.
+                    log.info(
+                        "%s (pid %d) %s with the job's stop; the capture stops", name, process.pid, exit_text(code)
+                    )
+                    self._exit(0)
+                    return
                 try:
                     where = self.where()
                 except Exception:  # the line must come out whatever the producer's state

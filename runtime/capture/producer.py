@@ -336,6 +336,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
                 watch = MasterWatch(
                     {"mooncake_master": master.process, "the Mooncake metadata server": master.metadata_process},
                     resolved.job_dir,
+                    stop_requested=stop,
                 ).start()
                 stack.callback(watch.stop)  # before master.stop: a stop on purpose is no death
             producer = open_producer(resolved, endpoints=endpoints, share=share)
