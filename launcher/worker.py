@@ -5,11 +5,13 @@ variables, runs the component's runtime entry point as a child, and writes a sub
 under a job-wide task id. On the time-out signal only task 0 (trainer rank 0) checkpoints the
 payload and requeues the job; every task stops its child cleanly on SIGTERM.
 
-Stop order (``scancel``, a requeue after the time-out signal, preemption: Slurm sends SIGTERM to every
-task at once): the trainer first, then the capture. A capture task keeps its component, and with it the
-Mooncake master, serving until trainer rank 0's task says the trainer has stopped (the stop file; its
-checkpoint is complete) or ``job.stop_grace_s`` has passed; only then does it stop the capture. Stopped
-the other way round, the trainer waits for samples that never come and is killed without a checkpoint.
+Stop order: the trainer first, then the capture; stopped the other way round, the trainer waits for
+samples that never come and is killed without a checkpoint. On the time-out signal trainer rank 0's task
+stops the trainer (a checkpoint at its next step boundary) while the capture serves, writes the stop
+file, and only then requeues. On SIGTERM (``scancel``, the requeue, preemption) a capture task keeps its
+component serving until the stop file appears or ``job.stop_grace_s`` has passed. Slurm signals every
+process of a step, though, and the Mooncake master stops on SIGTERM by itself: after a plain ``scancel``
+the trainer keeps only its newest periodic checkpoint.
 """
 
 from __future__ import annotations
