@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tools.bench.moe import timed
 
 QK_HEAD_DIM = 192
 """K3's MLA query/key width per head in a prefill: qk_nope_head_dim 128 + qk_rope_head_dim 64."""
@@ -50,31 +50,11 @@ def causal_attention_flops(heads: int, tokens: int, qk_dim: int, v_dim: int) -> 
     return 2.0 * heads * (qk_dim + v_dim) * tokens * (tokens + 1) / 2
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
     """TFLOP/s of a ``size``^3 matmul: the baseline of this run."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = timed(lambda: a @ b, device, repeats)
+    seconds = timed(lambda: a @ b, device, repeats, warmup=2)
     return 2.0 * size**3 / seconds / 1e12
 
 
@@ -125,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         flops = causal_attention_flops(heads, tokens, QK_HEAD_DIM, V_HEAD_DIM)
         for variant, fn in attention_variants(heads, tokens, device, dtype).items():
             try:
-                seconds = timed(fn, device, repeats)
+                seconds = timed(fn, device, repeats, warmup=2)
             except (RuntimeError, NotImplementedError) as exc:  # a backend that refuses the shape
                 print(f"  T={tokens:>6} {variant:<12} failed: {str(exc).splitlines()[0]}")
                 continue
