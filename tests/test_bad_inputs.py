@@ -175,6 +175,11 @@ JOB = "{w}/runs/tiny/done"
 SMOKE_JOB = "{w}/runs/tiny/smoke"
 FRESH_JOB = "{w}/runs/tiny/fresh"
 RUNS = ("--runs-dir", "{w}/runs")
+# Made-up credentials, assembled here so that no credential-shaped literal sits in the file.
+FAKE_KEY = "fake" * 5
+FAKE_HF = "hf" + "_" + "fake" * 6
+FAKE_HF_2 = "hf" + "_" + "made" * 6
+FAKE_SK = "sk" + "-" + "fake" * 8
 SHA_OF_NOTHING = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
@@ -274,16 +279,16 @@ CASES += [
         "launcher",
         ("{w}/recipes/bad.yaml", *DRY),
         ("job.setup", "submitting shell", "has 1 problem"),  # not again for the smoke overlay
-        setup=tiny_with("  setup:\n", "  setup:\n    - export WANDB_API_KEY=abcd1234efgh5678ijkl\n"),
-        forbid=("abcd1234efgh5678ijkl",),
+        setup=tiny_with("  setup:\n", f"  setup:\n    - export WANDB_API_KEY={FAKE_KEY}\n"),
+        forbid=(FAKE_KEY,),
     ),
     Case(
         "secret-in-set-setup",
         "secret",
         "launcher",
-        ("tiny", *DRY, "--set", "job.setup=['export HF_TOKEN=hf_abcdefghijklmnopqrstuv']"),
+        ("tiny", *DRY, "--set", f"job.setup=['export HF_TOKEN={FAKE_HF}']"),
         ("job.setup",),
-        forbid=("hf_abcdefghijklmnopqrstuv",),
+        forbid=(FAKE_HF,),
     ),
     Case(
         "secret-in-env",
@@ -291,26 +296,24 @@ CASES += [
         "launcher",
         ("{w}/recipes/bad.yaml", *DRY),
         ("job.env", "submitting shell"),
-        setup=tiny_with(
-            "  master_port: 29511\n", "  master_port: 29511\n  env:\n    HF_TOKEN: hf_zyxwvutsrqponmlkjihgf\n"
-        ),
-        forbid=("hf_zyxwvutsrqponmlkjihgf",),
+        setup=tiny_with("  master_port: 29511\n", f"  master_port: 29511\n  env:\n    HF_TOKEN: {FAKE_HF_2}\n"),
+        forbid=(FAKE_HF_2,),
     ),
     Case(
         "secret-in-description",
         "secret",
         "launcher",
-        ("tiny", *DRY, "--set", "description=key sk-abcdefghijklmnopqrstuvwxyz123456"),
+        ("tiny", *DRY, "--set", f"description=key {FAKE_SK}"),
         ("description",),
-        forbid=("sk-abcdefghijklmnopqrstuvwxyz123456",),
+        forbid=(FAKE_SK,),
     ),
     Case(
         "secret-in-api-key-env-value",
         "secret",
         "launcher",
-        ("tiny", *DRY, "--set", "job.python=WANDB_API_KEY=0123456789abcdef0123456789abcdef python3"),
+        ("tiny", *DRY, "--set", f"job.python=WANDB_API_KEY={FAKE_KEY * 2} python3"),
         ("job.python",),
-        forbid=("0123456789abcdef0123456789abcdef",),
+        forbid=(FAKE_KEY * 2,),
     ),
 ]
 
