@@ -6,6 +6,7 @@ import datetime as dt
 import errno
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:
 
 
 _host_group: Any = None
-"""The gloo group of :func:`all_reduce_host_sum` (made by :func:`init_process_group` when world > 1)."""
+"""The gloo group of :func:`all_reduce_host_sums` (made by :func:`init_process_group` when world > 1)."""
 
 
 def init_process_group(settings: RunSettings, idle_timeout_s: float) -> None:
@@ -114,13 +115,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_host_sum(value: float) -> float:
-    """``value`` summed over all ranks, in float64, on the host (``value`` alone without a process group)."""
+def all_reduce_host_sums(values: Sequence[float]) -> list[float]:
+    """``values`` summed element-wise over all ranks, in float64, on the host, in one all-reduce
+    (``values`` alone without a process group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return float(value)
-    tensor = torch.tensor([value], dtype=torch.float64)
+        return [float(v) for v in values]
+    tensor = torch.tensor(list(values), dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_host_group)
-    return float(tensor[0])
+    return tensor.tolist()
 
 
 def barrier() -> None:

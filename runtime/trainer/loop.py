@@ -34,7 +34,7 @@ from runtime.shared.contracts import (
 )
 from runtime.trainer import checkpoints
 from runtime.trainer.distributed import (
-    all_reduce_host_sum,
+    all_reduce_host_sums,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -60,6 +60,8 @@ from runtime.trainer.sources import check_sample, open_sample_source
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
 EXIT_STOPPED = TRAINER_EXIT_STOPPED
 """Exit code after a SIGTERM was honoured at a step boundary (checkpoint written)."""
+FETCH_JOIN_S = 2.0
+"""How long a dropped step waits for its prefetch thread to leave a fetch before going on without it."""
 
 
 @dataclass
@@ -95,6 +97,9 @@ class Trainer:
             enabled=settings.smoke,
         )
         self._copy_stream: Any = None
+        self._fetch_left_running = False
+        """A dropped step left its prefetch thread inside a fetch (the store may be gone): the source is
+        not closed under it."""
         self._peers = PeerWatch(
             settings.rank,
             settings.world_size,
@@ -181,7 +186,13 @@ class Trainer:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
         finally:
             close = getattr(source, "close", None)
-            if close is not None:
+            if self._fetch_left_running:
+                print(
+                    f"[trainer rank {s.rank}] a sample fetch is still waiting on the data plane; "
+                    "leaving its connection open (the process ends now)",
+                    flush=True,
+                )
+            elif close is not None:
                 close()
 
     def _train(
@@ -213,7 +224,11 @@ class Trainer:
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr(step)
             self._peers.step = step
+            rng_at_step_start = checkpoints.rng_state()
             outcome = self._train_step(step, model, optimizer, source, guard)
+            if outcome is None:
+                checkpoints.restore_rng(rng_at_step_start)  # the dropped step is re-run exactly after a resume
+                return self._stop_mid_step(step, start_step, model, optimizer, schedule, guard, writer)
             source.commit_step(step)
             record = self._record(step, outcome, schedule.lr(step), guard)
             writer.write(record)
@@ -263,6 +278,33 @@ class Trainer:
             writer.say(f"[trainer] warm start: weights from {plan.path}; optimizer, schedule, counters and RNG fresh")
         return 0, guard
 
+    def _stop_mid_step(
+        self,
+        step: int,
+        start_step: int,
+        model: DSparkDraft,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any,
+        guard: FiniteGuard,
+        writer: MetricsWriter,
+    ) -> int:
+        """A stop request during step ``step`` whose samples stopped coming: every rank dropped the step
+        together (nothing of it was applied), so the model, optimizer and RNG are those after ``step``
+        steps; checkpoint them, unless this run has not finished a step (the checkpoint it started from
+        is that state)."""
+        if step == start_step:
+            writer.say(
+                f"[trainer] stopped on request during step {step + 1}, before this run finished a step; "
+                f"the samples of that step stopped coming; no new checkpoint (this run started at step {step})"
+            )
+            return EXIT_STOPPED
+        saved = self._save(step, model, optimizer, schedule.state(), guard, writer)
+        writer.say(
+            f"[trainer] stopped after step {step} on request; checkpoint {saved.path} (the samples of step "
+            f"{step + 1} stopped coming, so that step was dropped; a resume runs it again)"
+        )
+        return EXIT_STOPPED
+
     def _verified_state(self, path: Any) -> dict[str, Any]:
         """Rank 0 reads ``trainer_state.json`` and checks the checkpoint's files; every rank gets the
         verdict, so all fail together with the same message (or none does)."""
@@ -297,8 +339,11 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         source: SampleConsumer,
         guard: FiniteGuard,
-    ) -> StepOutcome:
-        """One optimizer step: fetch -> forward/backward (every micro-step) -> apply update -> report."""
+    ) -> StepOutcome | None:
+        """One optimizer step: fetch -> forward/backward (every micro-step) -> apply update -> report.
+
+        None when a stop was requested and some rank's samples did not come: every rank learns it from
+        the micro-step's all-reduce and drops the step together, before any update is applied."""
         s = self.settings
         cfg = self.trainer_cfg
         started = time.monotonic()
@@ -306,13 +351,27 @@ class Trainer:
         local = self._zero_sums()
         prefetch = StepPrefetcher(self._fetcher(source), gs)
         consumed: list[tuple[int, int | None]] = []
+        dropped = False
         try:
             for _m in range(cfg.gradient_accumulation_steps):
                 batch = self._fetch_micro_batch(prefetch)
+                layouts = [p.layout if p.layout is not None else self._layout(p.sample) for p in batch or []]
+                # One host all-reduce per micro-step: the global weight sum, and how many ranks are
+                # stopping without their samples (a rank that waits for data would block every other
+                # rank's next collective; all must leave the step at the same point).
+                global_weight, missing = all_reduce_host_sums(
+                    [sum(x.weight_sum for x in layouts), 0.0 if batch is not None else 1.0]
+                )
+                if missing or batch is None:
+                    dropped = True
+                    break
                 consumed += [(p.sample.g, p.sample.meta.get("row_index")) for p in batch]
-                self._forward_backward(model, batch, local)
+                self._forward_backward(model, batch, layouts, global_weight, local)
         finally:
-            prefetch.close()
+            self._fetch_left_running = not prefetch.close(FETCH_JOIN_S if dropped else None)
+        if dropped:
+            optimizer.zero_grad(set_to_none=True)  # the gradients of the micro-steps already run
+            return None
         grad_norm, rank_terms, applied = self._apply_update(step, model, optimizer, guard, local)
         sums, wait_s = self._reduce_sums(local, prefetch.wait_s)
         return StepOutcome(
@@ -379,9 +438,15 @@ class Trainer:
                     tensor.record_stream(current)  # freed memory must not be reused by the copy stream early
         return prepared
 
-    def _fetch_micro_batch(self, prefetch: StepPrefetcher) -> list[PreparedSample]:
-        """The next micro-batch's samples, received on the compute stream and checked."""
-        batch = [self._received(prefetch.next()) for _ in range(self.trainer_cfg.micro_batch_size)]
+    def _fetch_micro_batch(self, prefetch: StepPrefetcher) -> list[PreparedSample] | None:
+        """The next micro-batch's samples, received on the compute stream and checked; None when a stop
+        is requested and they are not there (:meth:`StepPrefetcher.next`)."""
+        batch = []
+        for _ in range(self.trainer_cfg.micro_batch_size):
+            prepared = prefetch.next(stopping=lambda: self.stop_requested)
+            if prepared is None:
+                return None
+            batch.append(self._received(prepared))
         for prepared in batch:
             self.gate.on_sample(prepared.sample)
             check_sample(
@@ -416,17 +481,20 @@ class Trainer:
         )
 
     def _forward_backward(
-        self, model: DSparkDraft, batch: list[PreparedSample], local: dict[str, torch.Tensor]
+        self,
+        model: DSparkDraft,
+        batch: list[PreparedSample],
+        layouts: list[BlockLayout],
+        global_weight: float,
+        local: dict[str, torch.Tensor],
     ) -> None:
-        """One micro-step: every term divided by the global sum of slot weights of this micro-step
-        (one all-reduce), then forward and backward sample by sample, sums into ``local``."""
+        """One micro-step: every term divided by ``global_weight``, the global sum of slot weights of
+        this micro-step (a host number all-reduced on the host: no GPU work waits for it, nor it for
+        the GPU), then forward and backward sample by sample, sums into ``local``."""
         s = self.settings
         cfg = self.trainer_cfg
         device = s.device
         accumulation = cfg.gradient_accumulation_steps
-        layouts = [p.layout if p.layout is not None else self._layout(p.sample) for p in batch]
-        # A host number all-reduced on the host: no GPU work waits for it, nor it for the GPU.
-        global_weight = all_reduce_host_sum(sum(x.weight_sum for x in layouts))
         coefficients = loss_coefficients(
             ce_weight=cfg.loss.ce_weight,
             l1_weight=cfg.loss.l1_weight,

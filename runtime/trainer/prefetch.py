@@ -18,6 +18,12 @@ from typing import Any
 from runtime.shared.contracts import CapturedSample
 from runtime.trainer.layout import BlockLayout
 
+POLL_S = 0.2
+"""How often the consumer looks at the stop request while it waits for a sample."""
+STOP_WAIT_S = 1.0
+"""How long a sample may still take once a stop is requested: one that is on its way finishes the
+step (nothing to redo after a resume); one that is not there by then is not waited for."""
+
 
 @dataclass
 class PreparedSample:
@@ -67,17 +73,37 @@ class StepPrefetcher:
             if isinstance(item, BaseException):
                 return
 
-    def next(self) -> PreparedSample:
-        """The next sample in order (re-raises the fetch's exception)."""
+    def next(self, stopping: Callable[[], bool] = lambda: False) -> PreparedSample | None:
+        """The next sample in order (re-raises the fetch's exception), or None once ``stopping()`` has
+        held for :data:`STOP_WAIT_S` while the sample was still not there, or when its fetch failed
+        during a stop: a stop must not wait for samples that may never come (on Slurm a cancel or a
+        preemption signals the capture and the Mooncake master at the same moment as the trainer)."""
         started = time.monotonic()
-        g, item = self._queue.get()
+        stop_seen_at: float | None = None
+        while True:
+            try:
+                g, item = self._queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not stopping():
+                    continue
+                now = time.monotonic()
+                stop_seen_at = stop_seen_at or now
+                if now - stop_seen_at >= STOP_WAIT_S:
+                    self.wait_s += now - started
+                    return None
         self.wait_s += time.monotonic() - started
         self._slots.release()
         if isinstance(item, BaseException):
+            if stopping():
+                return None
             raise item
         return item
 
-    def close(self) -> None:
-        """Stop and join the thread (called before the step commits)."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop and join the thread (called before the step commits); with ``timeout_s``, give up
+        joining after that long (a fetch that waits on a store that is gone). Returns whether the
+        thread has ended."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
