@@ -15,8 +15,9 @@ from pathlib import Path
 from submitit.core import utils
 
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
-from launcher.jobs import JobRecord, read_local_status
+from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
 from launcher.slurm_state import ComponentState, SlurmUnreachableError, fold_state, parse_sacct, query_sacct
+from runtime.shared.contracts import resume_command
 from runtime.user_errors import UserError
 
 TERMINAL_JOB_STATES = {
@@ -65,6 +66,9 @@ class JobReport:
     note: str = ""
     slurm_unreachable: bool = False
     """sacct could not be asked: the state is unknown, not merely pending."""
+    resume_hint: str = ""
+    """For a job that ended without completing: its newest complete checkpoint and the command that
+    continues from it."""
 
     @property
     def failed(self) -> bool:
@@ -87,6 +91,8 @@ class JobReport:
             )
         if self.note:
             lines.append(f"  note: {self.note}")
+        if self.resume_hint:
+            lines.append(f"  {self.resume_hint}")
         return "\n".join(lines)
 
 
@@ -144,7 +150,26 @@ def job_report(record: JobRecord) -> JobReport:
         state = "UNKNOWN"
     if any(r.state == "FAILED" for r in reports) and state not in TERMINAL_JOB_STATES:
         state = "FAILED"
-    return JobReport(record=record, state=state, components=reports, note=note, slurm_unreachable=unreachable)
+    return JobReport(
+        record=record,
+        state=state,
+        components=reports,
+        note=note,
+        slurm_unreachable=unreachable,
+        resume_hint=resume_hint(record) if state in TERMINAL_JOB_STATES - {"COMPLETED"} else "",
+    )
+
+
+def resume_hint(record: JobRecord) -> str:
+    """The newest complete checkpoint of an ended job and the command that continues from it."""
+    command = resume_command(record.recipe_source, record.job_dir, local=record.mode == "local")
+    try:
+        newest = newest_checkpoint(record)
+    except (OSError, ValueError, UserError) as exc:  # a damaged or missing resolved recipe: say so, keep the status
+        return f"checkpoints: cannot be listed ({exc}); `{command}` continues from the newest one there is"
+    if newest is None:
+        return f"checkpoints: none complete; `{command}` starts the run again from step 0"
+    return f"checkpoint: newest complete {newest}; resume with `{command}`"
 
 
 def _local_report(record: JobRecord) -> JobReport:
@@ -184,8 +209,10 @@ def _local_report(record: JobRecord) -> JobReport:
         state = "ORPHANED"
     elif "CANCELLED" in states and "FAILED" not in states and not supervisor_alive:
         state = "CANCELLED"
+    elif all(r.state == "COMPLETED" or (r.state == "STOPPED" and r.name != "trainer") for r in reports) and reports:
+        state = "COMPLETED"  # the capture stops when the trainer is done
     elif all(r.state in {"COMPLETED", "STOPPED"} for r in reports) and reports:
-        state = "COMPLETED"
+        state = "STOPPED"  # the trainer was stopped (Ctrl-C, SIGTERM) with its checkpoint
     elif "RUNNING" in states:
         state = "RUNNING"
     else:
@@ -197,7 +224,13 @@ def _local_report(record: JobRecord) -> JobReport:
             f"the local supervisor (pid {record.supervisor_pid}) died before recording the end"
             + (f"; the trainer log says: {trainer_finished}" if trainer_finished else "")
         )
-    return JobReport(record=record, state=state, components=reports, note="; ".join(notes))
+    return JobReport(
+        record=record,
+        state=state,
+        components=reports,
+        note="; ".join(notes),
+        resume_hint=resume_hint(record) if state in TERMINAL_JOB_STATES - {"COMPLETED"} else "",
+    )
 
 
 def _elapsed(entry: dict, state: str) -> str:

@@ -11,7 +11,8 @@ stops the trainer (a checkpoint at its next step boundary) while the capture ser
 file, and only then requeues. On SIGTERM (``scancel``, the requeue, preemption) a capture task keeps its
 component serving until the stop file appears or ``job.stop_grace_s`` has passed. Slurm signals every
 process of a step, though, and the Mooncake master stops on SIGTERM by itself: after a plain ``scancel``
-the trainer keeps only its newest periodic checkpoint.
+or a preemption the trainer drops the step whose samples stop coming and checkpoints the last one it
+finished (runtime/trainer/loop.py), within the cluster's KillWait when the checkpoint is quick enough.
 """
 
 from __future__ import annotations

@@ -110,4 +110,7 @@ def test_sigterm_to_the_local_supervisor_keeps_the_work(tmp_path: Path, tiny_ass
     assert re.search(r"^  trainer +1 STOPPED ", status, re.M) and re.search(r"^  capture +0 STOPPED ", status, re.M), (
         status
     )
+    assert (
+        "'tiny': STOPPED" in status and f"newest complete {job_dir / 'checkpoints' / f'step_{step:08d}'}" in status
+    ), status
     print(f"stopped at step {step}; {took_s:.1f} s from SIGTERM to the supervisor's exit")

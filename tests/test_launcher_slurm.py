@@ -205,3 +205,35 @@ def test_the_time_out_signal_stops_the_trainer_with_a_checkpoint_before_the_requ
     assert (Path(record.job_dir) / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").is_file()
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == 32 and sorted(set(steps)) == list(range(1, 33)), steps
+
+
+def test_a_plain_scancel_keeps_the_last_finished_step(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
+    """A plain `scancel JOB` (a preemption acts the same) signals every process of the job at once: the
+    capture and its Mooncake master stop with the trainer, so the samples of the step in progress stop
+    coming. The trainer drops that step on every rank and checkpoints the last finished one within
+    Slurm's KillWait; `status` names that checkpoint and the command that resumes from it."""
+    runs = tmp_path / "runs"
+    done = launch(["tiny", *probe_overrides(runs), "--set", "trainer.checkpoint.every_steps=1000"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
+    record = find_record(job_id, runs)
+    metrics = Path(record.job_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "the trainer never reached step 3"
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], check=True, timeout=60)
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}) == "CANCELLED"
+    # sacct says CANCELLED at once; the ranks are still stopping (Slurm kills them KillWait s later).
+    wait_for_text(record.log_path("trainer", 0), "on request; checkpoint", timeout_s=60)
+    trainer_log = record.log_path("trainer", 0).read_text(errors="replace")
+    stopped = [line for line in trainer_log.splitlines() if "on request; checkpoint" in line]
+    step = int(stopped[0].split("stopped after step ", 1)[1].split()[0])
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == step < 32, (steps, step)
+    # No periodic checkpoint before step 1000: this one is the stop's, and it is complete.
+    checkpoint = Path(record.job_dir) / "checkpoints" / f"step_{step:08d}"
+    assert (checkpoint / "trainer_state.json").is_file()
+    status = launch(["status", job_id, "--runs-dir", str(runs)])
+    assert f"newest complete {checkpoint}; resume with `" in status.stdout, status.stdout
+    assert f"--resume {record.job_dir}" in status.stdout, status.stdout

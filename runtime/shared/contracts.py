@@ -14,7 +14,7 @@ Torch is imported only for type checking, so this module is cheap to import anyw
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
@@ -230,6 +230,9 @@ class SampleConsumer(Protocol):
 
     def publish_cursor(self, cursor: int) -> None:
         """Publish the cursor explicitly (a restarted trainer republishes its checkpoint's cursor)."""
+
+    stopping: Callable[[], bool]
+    """Set by the trainer: true once it has a stop request (waits on the data plane then give up)."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ is captured once per node and cache.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,15 @@ class CachedSource:
             )
         self.cache.store(slot.row_index, sample)
         return sample
+
+    @property
+    def stopping(self) -> Callable[[], bool]:
+        """The consumer's stop check (:attr:`Consumer.stopping`)."""
+        return self.inner.stopping
+
+    @stopping.setter
+    def stopping(self, check: Callable[[], bool]) -> None:
+        self.inner.stopping = check
 
     def commit_step(self, step: int) -> None:
         """Commit as the consumer does, then ask for what the next steps' cache lacks."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ class FileSampleSource:
         self.global_batch_size = global_batch_size
         self.idle_timeout_s = idle_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.stopping: Callable[[], bool] = lambda: False
+        """The trainer's stop check (a file source has no store to stop waiting on)."""
 
     def fetch(self, g: int, device: torch.device | str | None = None) -> CapturedSample:
         """Sample ``g`` (on ``device`` when given); waits up to ``idle_timeout_s`` for its file."""

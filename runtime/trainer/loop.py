@@ -60,8 +60,9 @@ from runtime.trainer.sources import check_sample, open_sample_source
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
 EXIT_STOPPED = TRAINER_EXIT_STOPPED
 """Exit code after a SIGTERM was honoured at a step boundary (checkpoint written)."""
-FETCH_JOIN_S = 2.0
-"""How long a dropped step waits for its prefetch thread to leave a fetch before going on without it."""
+FETCH_JOIN_S = 0.6
+"""How long a dropped step waits for its prefetch thread (between fetches it looks at its stop flag every
+0.5 s; inside a fetch from a store that is gone it does not come back) before going on without it."""
 
 
 @dataclass
@@ -182,6 +183,7 @@ class Trainer:
         start_step, guard = self._start(plan, model, optimizer, writer)
         writer.resume_at(start_step)
         source = open_sample_source(self.resolved, s.rank, s.world_size, s.data_digest)
+        source.stopping = lambda: self.stop_requested
         try:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
         finally:
@@ -229,13 +231,16 @@ class Trainer:
             if outcome is None:
                 checkpoints.restore_rng(rng_at_step_start)  # the dropped step is re-run exactly after a resume
                 return self._stop_mid_step(step, start_step, model, optimizer, schedule, guard, writer)
-            source.commit_step(step)
             record = self._record(step, outcome, schedule.lr(step), guard)
             writer.write(record)
             done = step + 1
             if done % cfg.log_every_steps == 0 or done == s.total_steps or s.smoke:
                 writer.say(progress_line(record, s.total_steps, time.monotonic() - run_started, done - start_step))
             stop = self._any_rank_stopping()
+            if not stop:
+                # On a stop the store may be gone already (Slurm signals the master with the trainer):
+                # the checkpoint comes first, and the resumed run republishes its cursor.
+                source.commit_step(step)
             if done % cfg.checkpoint.every_steps == 0 or done == s.total_steps or s.smoke or stop:
                 last_saved = self._save(done, model, optimizer, schedule.state(), guard, writer)
             if s.smoke:
@@ -298,11 +303,12 @@ class Trainer:
                 f"the samples of that step stopped coming; no new checkpoint (this run started at step {step})"
             )
             return EXIT_STOPPED
-        saved = self._save(step, model, optimizer, schedule.state(), guard, writer)
         writer.say(
-            f"[trainer] stopped after step {step} on request; checkpoint {saved.path} (the samples of step "
-            f"{step + 1} stopped coming, so that step was dropped; a resume runs it again)"
+            f"[trainer] the samples of step {step + 1} stopped coming after the stop request; every rank "
+            "dropped that step (a resume runs it again)"
         )
+        saved = self._save(step, model, optimizer, schedule.state(), guard, writer)
+        writer.say(f"[trainer] stopped after step {step} on request; checkpoint {saved.path}")
         return EXIT_STOPPED
 
     def _verified_state(self, path: Any) -> dict[str, Any]:

@@ -48,6 +48,13 @@ MIN_LOOK_S = 0.25
 """A store call given less time than this (the deadline is near) that does not return says nothing
 about the store."""
 NOT_LOOKED_UP = "not looked up yet"
+COMMIT_CALL_TIMEOUT_S = 10.0
+"""Longest wait for one store call of a step's commit (the cursor, the deletes); a healthy store
+answers in milliseconds. A master that stopped (on Slurm a cancel signals it with the trainer) must
+not hold the trainer's main thread in a native call, where it cannot act on its own stop request."""
+STOP_CLOSE_TIMEOUT_S = 1.0
+"""Longest wait for the store client's teardown during a stop: the checkpoint is written, and Slurm
+kills what still runs KillWait seconds after its SIGTERM."""
 
 
 @dataclass
@@ -122,6 +129,9 @@ class Consumer:
             name=f"rank {rank}",
         )
         """What the producers' heartbeats say while this rank waits."""
+        self.stopping: Callable[[], bool] = lambda: False
+        """Set by the trainer: true once it has a stop request. A commit then stops retrying a store
+        that does not answer (the resumed run republishes its cursor) and :meth:`close` deletes nothing."""
 
     # -- the g this rank reads --------------------------------------------------------------
 
@@ -249,9 +259,14 @@ class Consumer:
         if self.rank == 0:
 
             def publish() -> None:
-                current = self.read_cursor()
+                current = self._calls.call(self.read_cursor, COMMIT_CALL_TIMEOUT_S, "read the cursor", self.stopping)
                 if current is None or current.value < cursor:
-                    self._write_cursor(cursor, step + 1)
+                    self._calls.call(
+                        lambda: self._write_cursor(cursor, step + 1),
+                        COMMIT_CALL_TIMEOUT_S,
+                        f"write cursor {cursor}",
+                        self.stopping,
+                    )
 
             self._until_store_answers(f"publishing cursor {cursor} after step {step}", publish)
         self._delete_below = max(self._delete_below or 0, cursor)
@@ -264,7 +279,7 @@ class Consumer:
         limit = self._delete_below
         if self.rank != 0:
             try:
-                current = self.read_cursor()
+                current = self._calls.call(self.read_cursor, COMMIT_CALL_TIMEOUT_S, "read the cursor", self.stopping)
             except TransportError:
                 return  # next time
             if current is None or current.value < limit:
@@ -273,11 +288,17 @@ class Consumer:
         asked = sorted(g for g in self._asked if g < limit)
         if asked:
             with contextlib.suppress(TransportError):  # the producer removes stale asks below the cursor too
-                self.client.remove([want_key(self.store_id, g) for g in asked])
+                keys = [want_key(self.store_id, g) for g in asked]
+                self._calls.call(
+                    lambda: self.client.remove(keys), COMMIT_CALL_TIMEOUT_S, "remove the asks", self.stopping
+                )
             self._asked.difference_update(asked)
         if done:
             try:
-                self.client.remove([k for g in done for k in sample_keys(self.store_id, g)])
+                keys = [k for g in done for k in sample_keys(self.store_id, g)]
+                self._calls.call(
+                    lambda: self.client.remove(keys), COMMIT_CALL_TIMEOUT_S, "remove consumed samples", self.stopping
+                )
             except TransportError as exc:
                 # Not fatal: the producer removes what it finds below the cursor.
                 log.warning(
@@ -294,6 +315,11 @@ class Consumer:
                 return
             except TransportError as exc:
                 waited = time.monotonic() - start
+                if self.stopping():
+                    log.info(
+                        "rank %d: %s failed (%s) during a stop; the resumed run republishes it", self.rank, what, exc
+                    )
+                    return
                 if waited >= self.settings.idle_timeout_s:
                     raise TransportError(
                         f"rank {self.rank}: {what} failed for {waited:.0f} s (transport.idle_timeout_s): {exc}"
@@ -311,7 +337,13 @@ class Consumer:
         if self.rank != 0:
             return
         self._until_store_answers(
-            f"publishing cursor {cursor}", lambda: self._write_cursor(cursor, cursor // self.settings.global_batch_size)
+            f"publishing cursor {cursor}",
+            lambda: self._calls.call(
+                lambda: self._write_cursor(cursor, cursor // self.settings.global_batch_size),
+                COMMIT_CALL_TIMEOUT_S,
+                f"write cursor {cursor}",
+                self.stopping,
+            ),
         )
 
     def ask_for(self, gs: list[int]) -> None:
@@ -434,11 +466,19 @@ class Consumer:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Delete what is still due (when the cursor allows it) and release the client."""
+        """Delete what is still due (when the cursor allows it; not during a stop: the producer removes
+        what it finds below the cursor) and release the client."""
         try:
-            self._delete_consumed_if_published()
+            if not self.stopping():
+                self._delete_consumed_if_published()
         finally:
-            self.client.close()
+            try:
+                # Bounded: with the master gone (a Slurm cancel signals it with the trainer) the
+                # client's teardown waits on it, and the rank would be killed instead of exiting.
+                timeout_s = STOP_CLOSE_TIMEOUT_S if self.stopping() else COMMIT_CALL_TIMEOUT_S
+                self._calls.call(self.client.close, timeout_s, "close the store client")
+            except StoreUnresponsiveError as exc:
+                log.warning("rank %d: leaving the store client open: %s", self.rank, exc)
 
     def __enter__(self) -> Consumer:
         return self

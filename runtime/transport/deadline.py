@@ -23,6 +23,10 @@ STATUS_TIMEOUT_S = 2.0
 """Longest wait for the heartbeat or cursor read that only feeds a progress or error message."""
 
 
+GIVE_UP_POLL_S = 0.1
+"""How often a wait on a store call looks at its caller's stop request."""
+
+
 class StoreUnresponsiveError(TransportError):
     """A store call did not return within its deadline (master stopped, overloaded or unreachable)."""
 
@@ -36,11 +40,12 @@ class DeadlineCaller:
         self._pending_what = ""
         self._pending_since = 0.0
 
-    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
-        """``fn()``, or :class:`StoreUnresponsiveError` when it has not returned after ``timeout_s``."""
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str, give_up: Callable[[], bool] | None = None) -> T:
+        """``fn()``, or :class:`StoreUnresponsiveError` when it has not returned after ``timeout_s``, or
+        as soon as ``give_up()`` is true (a stop request: nothing is worth waiting for then)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         if self._pending is not None:
-            self._pending.join(max(0.0, deadline - time.monotonic()))
+            self._join(self._pending, deadline, give_up)
             if self._pending.is_alive():
                 raise StoreUnresponsiveError(self._stuck_message())
             self._pending = None
@@ -54,13 +59,21 @@ class DeadlineCaller:
 
         thread = threading.Thread(target=run, name=f"{self.name}: {what}", daemon=True)
         thread.start()
-        thread.join(max(0.0, deadline - time.monotonic()))
+        self._join(thread, deadline, give_up)
         if thread.is_alive():
             self._pending, self._pending_what, self._pending_since = thread, what, time.monotonic() - timeout_s
             raise StoreUnresponsiveError(self._stuck_message())
         if "error" in box:
             raise box["error"]
         return box["value"]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _join(thread: threading.Thread, deadline: float, give_up: Callable[[], bool] | None) -> None:
+        """Wait for ``thread`` until ``deadline``, looking at ``give_up`` every :data:`GIVE_UP_POLL_S`."""
+        while thread.is_alive() and (left_s := deadline - time.monotonic()) > 0:
+            if give_up is not None and give_up():
+                return
+            thread.join(left_s if give_up is None else min(left_s, GIVE_UP_POLL_S))
 
     def _stuck_message(self) -> str:
         return (

@@ -83,7 +83,7 @@ def render_slurm_conf(settings: ClusterSettings, first_job_id: int) -> str:
         "JobAcctGatherFrequency=30",
         "JobCompType=jobcomp/none",
         "MinJobAge=300",
-        "KillWait=5",
+        "KillWait=15",
         "InactiveLimit=0",
         "Waittime=0",
         "SlurmctldTimeout=30",
