@@ -23,7 +23,7 @@ from runtime.recipe.fit.trainer_memory import trainer_memory_fit
 from runtime.recipe.site_facts import PLAN_FIELD_OF_FACT, SITE_FIELDS, SiteFacts
 from runtime.recipe.units import format_bytes
 
-SITE_FACT_NAMES = {**{name: target for name, (target, _) in PLAN_FIELD_OF_FACT.items()}, "link_gbps": "plan.link_gbps"}
+SITE_FACT_NAMES = {name: target for name, (target, _) in PLAN_FIELD_OF_FACT.items()}
 """Probe fact (or skipped-measurement) name -> the plan field it stands for."""
 TIME_LIMIT_MARGIN = 1.5
 """The suggested time limit: the planned run (every sample at max_length, an upper bound) plus the

@@ -11,7 +11,9 @@ contract for real:
   and writes them to ``{job_dir}/site_facts/facts_{component}.json``, saying what it skipped and why:
   the capture node's host memory, its aggregate pinned host-to-device rate with all GPUs copying
   at once, and a Mooncake put/get over loopback (before it listens: the trainer's end stops it);
-  the trainer node's host memory and the feature-cache disk's cold read rate (after its dial).
+  the trainer node's host memory, the feature-cache disk's cold read rate and the link: after the
+  route check the capture serves a few objects from a master at the recipe's ports, and trainer rank
+  0 reads them across the two nodes (``runtime/probe_link.py``).
   ``python3 -m launcher RECIPE --plan --site-facts {job_dir}/site_facts`` puts them in place of the
   recipe's assumptions. ``DSPARK_PROBE_MEASURE_BYTES`` sets the bytes copied, read and put;
   ``DSPARK_PROBE_MEASURE=0`` skips the measurements (the test suite does, but for the tests of them).
@@ -37,13 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime import probe_measure
+from runtime import probe_link, probe_measure
 from runtime.files import atomic_write_text
 from runtime.native_log import route_native_output
 from runtime.recipe import load_resolved
 from runtime.recipe.fit.store_budget import largest_sample
 from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
 from runtime.shared import contracts
+from runtime.transport.settings import TransportSettings
 
 CONTRACT_VARIABLES = (
     *contracts.CONTRACT_ENV_NAMES,
@@ -91,8 +94,12 @@ def _capture_listen(bind_address: str, port: int, timeout_s: float) -> str:
         print(f"[probe capture] listening on {bind_address}:{port} for trainer rank 0", flush=True)
         connection, peer = server.accept()
         with connection:
+            connection.settimeout(timeout_s)
             message = connection.recv(1024).decode()
             connection.sendall(b"capture-ok")
+            # Trainer rank 0 closes first, so the port is free at once for the link measurement's
+            # master (the side that closes first holds the connection in TIME_WAIT).
+            connection.recv(1)
         print(f"[probe capture] trainer rank 0 reached us from {peer[0]}: {message!r}", flush=True)
         return message
 
@@ -126,9 +133,7 @@ def _trainer_all_reduce() -> dict[str, Any]:
 
 def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
     """Measure this node's site facts and write ``site_facts/facts_{component}.json``; returns its path."""
-    low, high = MEASURE_BYTES_RANGE
-    sample = largest_sample(resolved.recipe).total_bytes
-    size = int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", min(high, max(low, sample))))
+    size = _measure_bytes(resolved)
     measured: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
 
@@ -154,8 +159,11 @@ def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
         else:
             skipped["cache_read_gbps"] = "trainer.feature_cache is off: measured the job folder's disk instead"
             attempt("job_dir_read_gbps", lambda: probe_measure.cold_read_gbps(job_dir / SITE_FACTS_DIRNAME, size))
-        skipped["link_gbps"] = (
-            "a Mooncake transfer between the two nodes is not measured yet (the probe only proves the route)"
+        attempt(
+            "link_get_gbps",
+            lambda: probe_link.link_get_gbps(
+                TransportSettings.from_recipe(recipe), os.environ, size, CONNECT_TIMEOUT_S
+            ),
         )
     payload = {
         "component": component,
@@ -172,6 +180,29 @@ def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
     for name, why in skipped.items():
         print(f"[probe {component}/0] skipped {name}: {why}", flush=True)
     return target
+
+
+def _serve_link(resolved: Any, bind_address: str, job_dir: Path) -> str:
+    """Capture rank 0's side of the link measurement (trainer rank 0 reads); never fails the probe."""
+    try:
+        served = probe_link.serve_link_objects(
+            TransportSettings.from_recipe(resolved.recipe),
+            bind_address,
+            _measure_bytes(resolved),
+            job_dir / "logs",
+            CONNECT_TIMEOUT_S,
+        )
+    except Exception as exc:  # the trainer's facts then say the link measurement failed
+        served = f"failed: {type(exc).__name__}: {exc}"
+    print(f"[probe capture/0] link measurement: {served}", flush=True)
+    return served
+
+
+def _measure_bytes(resolved: Any) -> int:
+    """Bytes each measurement moves (:data:`MEASURE_BYTES_RANGE`)."""
+    low, high = MEASURE_BYTES_RANGE
+    sample = largest_sample(resolved.recipe).total_bytes
+    return int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", min(high, max(low, sample))))
 
 
 def _put_rate(size: int, log_dir: Path) -> tuple[float, str]:
@@ -208,11 +239,15 @@ def main(argv: list[str] | None = None) -> int:
             facts = _measure_site_facts("trainer", resolved, job_dir) if measure else None
     elif rank == 0:
         facts = _measure_site_facts("capture", resolved, job_dir) if measure else None
+        bind_address = os.environ[contracts.ENV_BIND_ADDRESS]
         extra["trainer_message"] = _capture_listen(
-            os.environ[contracts.ENV_BIND_ADDRESS], resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
+            bind_address, resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
         )
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
+    if args.component == "capture" and rank == 0 and measure:
+        # Recorded first: the job stops the capture once the trainer, which reads last, is done.
+        _serve_link(resolved, bind_address, job_dir)
     if facts is not None:
         print(
             f"[probe {args.component}/{rank}] site facts in {facts}; the plan with them: python3 -m launcher "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,13 @@ def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
     assert trainer_facts["measured"]["job_dir_read_gbps"]["value"] > 0
     assert "trainer.feature_cache is off" in trainer_facts["skipped"]["cache_read_gbps"]
     assert "[probe capture/0] measured store_put_gbps" in done.stdout
+    # the link: trainer rank 0 read the capture's objects through a master at the recipe's ports
+    link = trainer_facts["measured"]["link_get_gbps"]
+    assert link["value"] > 0 and "read by trainer rank 0 from the capture node's segment" in link["how"], link
     plan = launch(["tiny", "--plan", "--site-facts", str(job_dir / "site_facts")])
     assert plan.returncode == 0, plan.stdout + plan.stderr
-    assert "plan.store_put_gbps" in plan.stdout and "measured on" in plan.stdout
+    assert re.search(r"plan\.store_put_gbps +\S+ GB/s  measured on", plan.stdout), plan.stdout
+    assert re.search(r"plan\.link_gbps +\S+ Gbit/s  measured on", plan.stdout), plan.stdout
 
     record = json.loads((job_dir / "job.json").read_text())
     status = launch(["status", record["job_id"], "--runs-dir", str(runs)])

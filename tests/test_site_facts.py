@@ -53,8 +53,11 @@ def _facts(folder: Path) -> Path:
         "component": "trainer",
         "host": "gpu-node-8",
         "time": "2026-12-03T15:00:01Z",
-        "measured": {"cache_read_gbps": {"value": 5.0, "how": "1 GiB read back by 8 threads"}},
-        "skipped": {"link_gbps": "not measured yet"},
+        "measured": {
+            "cache_read_gbps": {"value": 5.0, "how": "1 GiB read back by 8 threads"},
+            "link_get_gbps": {"value": 2.5, "how": "3 objects of 1,024 MiB read by trainer rank 0"},
+        },
+        "skipped": {},
     }
     (folder / "facts_capture.json").write_text(json.dumps(capture))
     (folder / "facts_trainer.json").write_text(json.dumps(trainer))
@@ -66,7 +69,9 @@ def test_the_plan_uses_measured_facts_and_says_which_are_assumed(tmp_path: Path)
     assert facts.overrides() == [
         "plan.pcie_h2d_bytes_per_s=30000000000",
         "plan.cache_read_gbps=5.0",
+        "plan.link_gbps=20.0",
         "plan.capture_host_memory_bytes=2199023255552",
+        "plan.link_efficiency=1",  # the measured rate is a Mooncake transfer's: no efficiency on top
     ]
     assumed = make_plan(load_recipe(K3).recipe)
     measured = make_plan(load_recipe(K3, facts.overrides()).recipe, facts)
@@ -77,7 +82,8 @@ def test_the_plan_uses_measured_facts_and_says_which_are_assumed(tmp_path: Path)
     assert "plan.pcie_h2d_bytes_per_s       30.0 GB/s per GPU  measured on gpu-node-7 2026-12-03T15:00:00Z" in text
     assert "plan.cache_read_gbps            5 GB/s  measured on gpu-node-8" in text
     assert "plan.store_put_gbps             5.2 GB/s  assumed (the probe skipped it: failed: MasterStartError" in text
-    assert "plan.link_gbps                  100 Gbit/s  assumed (the probe skipped it: not measured yet)" in text
+    assert "plan.link_gbps                  20 Gbit/s  measured on gpu-node-8" in text
+    assert "over 20 Gbit/s at 100%)" in text
     assert "plan.trainer_local_disk_bytes   25.47 TiB  assumed (the recipe's value)" in text
     # without facts every site figure says it is assumed
     assert (

@@ -29,6 +29,7 @@ PLAN_FIELD_OF_FACT: dict[str, tuple[str, float]] = {
     "h2d_gbps_per_gpu": ("plan.pcie_h2d_bytes_per_s", 1e9),
     "cache_read_gbps": ("plan.cache_read_gbps", 1.0),
     "store_put_gbps": ("plan.store_put_gbps", 1.0),
+    "link_get_gbps": ("plan.link_gbps", 8.0),
     "capture_host_memory_available_bytes": ("plan.capture_host_memory_bytes", 1.0),
     "trainer_host_memory_available_bytes": ("plan.trainer_host_memory_bytes", 1.0),
 }
@@ -60,8 +61,11 @@ class SiteFacts:
 
     def overrides(self) -> list[str]:
         """``--set`` lines that put the measured facts in place of the recipe's assumptions."""
-        return [f"{plan_field}={self.plan_value(name)}" for name, (plan_field, _) in PLAN_FIELD_OF_FACT.items()
-                if name in self.measured]  # fmt: skip
+        lines = [f"{plan_field}={self.plan_value(name)}" for name, (plan_field, _) in PLAN_FIELD_OF_FACT.items()
+                 if name in self.measured]  # fmt: skip
+        if "link_get_gbps" in self.measured:
+            lines.append("plan.link_efficiency=1")  # the measured rate is a Mooncake transfer's already
+        return lines
 
     def plan_value(self, name: str) -> float | int:
         """The measured fact ``name`` in its plan field's unit (bytes as an integer)."""
