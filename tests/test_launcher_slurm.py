@@ -14,7 +14,7 @@ from submitit.core import utils
 
 from launcher.control import job_report
 from launcher.hetjob import HetJob
-from launcher.jobs import find_record
+from launcher.jobs import JobRecord, find_record
 from tests.support.launcher_cli import CONTRACT, TRAINER_CONTRACT, launch, probe_overrides, read_probes
 
 pytestmark = pytest.mark.slurm
@@ -52,6 +52,21 @@ def wait_for_text(path: Path, text: str, timeout_s: float = JOB_TIMEOUT_S) -> No
             return
         time.sleep(1)
     raise AssertionError(f"{path} never contained {text!r}")
+
+
+def tiny_run_past_step_3(runs: Path) -> tuple[str, JobRecord, Path]:
+    """Submit a real tiny run (no periodic checkpoint before step 1000, so a checkpoint found later is a
+    stop's) and wait until it has finished 3 steps; returns its job id, record and metrics file."""
+    done = launch(["tiny", *probe_overrides(runs), "--set", "trainer.checkpoint.every_steps=1000"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
+    record = find_record(job_id, runs)
+    metrics = Path(record.job_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "the trainer never reached step 3"
+        time.sleep(0.5)
+    return job_id, record, metrics
 
 
 def test_hetjob_runs_both_components_with_the_contract(slurm_cluster, tmp_path: Path) -> None:
@@ -180,15 +195,7 @@ def test_the_time_out_signal_stops_the_trainer_with_a_checkpoint_before_the_requ
     stop, and only then requeues (whose SIGTERM reaches every process at once); the requeued run resumes
     from that checkpoint and completes."""
     runs = tmp_path / "runs"
-    done = launch(["tiny", *probe_overrides(runs), "--set", "trainer.checkpoint.every_steps=1000"])
-    assert done.returncode == 0, done.stdout + done.stderr
-    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
-    record = find_record(job_id, runs)
-    metrics = Path(record.job_dir) / "metrics.jsonl"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline, "the trainer never reached step 3"
-        time.sleep(1)
+    job_id, record, metrics = tiny_run_past_step_3(runs)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=60)
     assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=420) == "COMPLETED"
     trainer_log = record.log_path("trainer", 0).read_text(errors="replace")
@@ -213,15 +220,7 @@ def test_a_plain_scancel_keeps_the_last_finished_step(slurm_cluster, tiny_assets
     coming. The trainer drops that step on every rank and checkpoints the last finished one within
     Slurm's KillWait; `status` names that checkpoint and the command that resumes from it."""
     runs = tmp_path / "runs"
-    done = launch(["tiny", *probe_overrides(runs), "--set", "trainer.checkpoint.every_steps=1000"])
-    assert done.returncode == 0, done.stdout + done.stderr
-    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
-    record = find_record(job_id, runs)
-    metrics = Path(record.job_dir) / "metrics.jsonl"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline, "the trainer never reached step 3"
-        time.sleep(0.5)
+    job_id, record, metrics = tiny_run_past_step_3(runs)
     subprocess.run(["scancel", job_id], check=True, timeout=60)
     assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}) == "CANCELLED"
     # sacct says CANCELLED at once; the ranks are still stopping (Slurm kills them KillWait s later).
