@@ -200,7 +200,8 @@ class LocalRun:
         capture. Stopped the other way round, the trainer waits for samples that never come and is
         killed after the grace period without a checkpoint."""
         print(
-            "[local] stop requested: the trainer finishes its step and writes a checkpoint (up to "
+            "[local] stop requested: the trainer finishes its step (or drops it when its samples do not come "
+            "within a second) and writes a checkpoint (up to "
             f"job.stop_grace_s = {self.stop_grace_s:.0f} s), then the capture and the Mooncake master stop",
             file=sys.stderr,
             flush=True,
