@@ -14,8 +14,11 @@ import pytest
 
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
-from runtime.transport.errors import TRANSIENT_CODES, IdleTimeoutError, code_name
+from runtime.transport.endpoints import Endpoints
+from runtime.transport.errors import OBJECT_NOT_FOUND, TRANSIENT_CODES, IdleTimeoutError, TransportError, code_name
 from runtime.transport.loopback import loopback_endpoints, loopback_master, loopback_recipe
+from runtime.transport.settings import ClientSettings
+from runtime.transport.store import StoreClient
 from tests.conftest import free_port
 
 IDLE_TIMEOUT_S = 8
@@ -44,6 +47,51 @@ def test_deadline_caller_gives_up_and_does_not_pile_up_threads() -> None:
     assert caller.call(lambda: 42, 1.0, "after") == 42
     with pytest.raises(KeyError):
         caller.call(lambda: {}["missing"], 1.0, "raises")
+
+
+class _BlockingNativeStore:
+    """Stands in for Mooncake's native client at its boundary: ``get_size`` blocks until released,
+    and ``close`` records when it ran (Mooncake frees the client there)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.closed_while_in_call = False
+        self.in_call = False
+        self.closes = 0
+
+    def get_size(self, key: str) -> int:
+        self.in_call = True
+        self.entered.set()
+        self.release.wait(10)
+        self.in_call = False
+        return OBJECT_NOT_FOUND
+
+    def close(self) -> None:
+        self.closed_while_in_call |= self.in_call
+        self.closes += 1
+
+
+def test_closing_a_client_with_a_call_in_flight_closes_it_after_the_call() -> None:
+    """CI crashed (segfault) when a consumer's close ran beside a heartbeat read stuck on a stopped
+    master: the close must wait for the call, and a call after the close must be refused."""
+    endpoints = Endpoints("127.0.0.1:1", "http://127.0.0.1:2/metadata", "127.0.0.1")  # never dialled
+    client = StoreClient(ClientSettings(endpoints=endpoints, max_retries=0), name="test client")
+    native = _BlockingNativeStore()
+    client._store = native
+    reader = threading.Thread(target=lambda: client.get_bytes("heartbeat"), daemon=True)
+    reader.start()
+    assert native.entered.wait(5)
+    client.close()  # returns at once: the read is still in flight
+    assert native.closes == 0
+    with pytest.raises(TransportError, match="after close"):
+        client.get_bytes("cursor")
+    native.release.set()
+    reader.join(5)
+    assert not reader.is_alive()
+    assert native.closes == 1 and not native.closed_while_in_call
+    client.close()  # a second close is a no-op
+    assert native.closes == 1
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,12 @@ class StoreClient:
         self.settings = settings
         self.name = name
         self._store: Any = None
+        # Native calls run on several threads (sample reads, heartbeat reads, the deadline threads of
+        # a stop). Mooncake's close frees what a call on another thread still uses (a segfault seen in
+        # CI), so close waits for the last call in flight (see _native and close).
+        self._native_lock = threading.Lock()
+        self._calls_in_flight = 0
+        self._close_deferred: Any = None
         self._scratch: torch.Tensor | None = None
         self._scratch_lock = threading.Lock()
         self._write_config: Any = None  # ReplicateConfig naming the segment writes go to
@@ -200,10 +206,49 @@ class StoreClient:
         return self._store
 
     def close(self) -> None:
-        """Release the client (its segment leaves the store)."""
-        if self._store is not None:
+        """Release the client (its segment leaves the store).
+
+        With calls still in flight on other threads (a read stuck on a stopped master, given up by its
+        caller) the client is closed by the last of them when it returns, never under it; a call made
+        after close raises.
+        """
+        with self._native_lock:
             store, self._store = self._store, None
+            if store is not None and self._calls_in_flight:
+                self._close_deferred = store
+                log.info(
+                    "%s: %d store call(s) still in flight; the client closes when they return",
+                    self.name,
+                    self._calls_in_flight,
+                )
+                return
+        if store is not None:
             store.close()
+
+    @contextlib.contextmanager
+    def _native(self) -> Iterator[Any]:
+        """The native store for one call, counted in flight so that :meth:`close` never frees it under
+        the call."""
+        with self._native_lock:
+            if self._store is None:
+                raise TransportError(f"{self.name}: store client used before connect() or after close()")
+            self._calls_in_flight += 1
+            store = self._store
+        try:
+            yield store
+        finally:
+            with self._native_lock:
+                self._calls_in_flight -= 1
+                deferred = self._close_deferred if self._calls_in_flight == 0 else None
+                if deferred is not None:
+                    self._close_deferred = None
+            if deferred is not None:
+                deferred.close()
+
+    def _invoke(self, method: str, *args: Any) -> Any:
+        """One native call, ``store.<method>(*args)``, counted in flight (see :meth:`_native`)."""
+        with self._native() as store:
+            return getattr(store, method)(*args)
 
     def __enter__(self) -> StoreClient:
         return self
@@ -216,7 +261,6 @@ class StoreClient:
     @contextlib.contextmanager
     def registered(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         """Register the tensors' memory for the duration of a transfer (RDMA only; TCP needs none)."""
-        store = self.raw
         done: list[int] = []
         if self.settings.protocol != "rdma":
             yield
@@ -226,14 +270,14 @@ class StoreClient:
                 ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
                 if size == 0 or ptr in done:
                     continue
-                rc = store.register_buffer(ptr, size)
+                rc = self._invoke("register_buffer", ptr, size)
                 if rc != 0:
                     raise TransportError(f"{self.name}: register_buffer of {size} bytes failed: {code_name(rc)}")
                 done.append(ptr)
             yield
         finally:
             for ptr in done:
-                store.unregister_buffer(ptr)
+                self._invoke("unregister_buffer", ptr)
 
     def put_tensors(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], what: str = "") -> None:
         """Upsert contiguous host tensors under ``keys`` in one batch call, with retries."""
@@ -324,7 +368,7 @@ class StoreClient:
         config = self._config_for(segment) if segment else self._write_config
         retries = self.settings.max_retries if max_retries is None else max_retries
         for attempt in range(retries + 1):
-            rc = self.raw.upsert(key, data, config) if config is not None else self.raw.upsert(key, data)
+            rc = self._invoke("upsert", key, data, config) if config is not None else self._invoke("upsert", key, data)
             if rc == 0:
                 return
             self._raise_if_permanent("put", [(key, rc)], key)
@@ -354,7 +398,7 @@ class StoreClient:
         which is the owning client's segment name (``get_hostname()``). The producer checks with it
         that its heartbeat landed in trainer rank 0's segment.
         """
-        replicas = self.raw.get_replica_desc(key)
+        replicas = self._invoke("get_replica_desc", key)
         if not replicas:
             return ""
         return str(replicas[0].get_memory_descriptor().buffer_descriptor.transport_endpoint)
@@ -363,12 +407,12 @@ class StoreClient:
         """A small object's bytes, or None when the key is absent."""
         with self._scratch_lock:
             for attempt in range(self.settings.max_retries + 1):
-                size = self.raw.get_size(key)
+                size = self._invoke("get_size", key)
                 if size == OBJECT_NOT_FOUND:
                     return None
                 if size >= 0:
                     scratch = self._scratch_of(size)
-                    rc = self.raw.get_into(key, scratch.data_ptr(), scratch.numel())
+                    rc = self._invoke("get_into", key, scratch.data_ptr(), scratch.numel())
                     if rc == OBJECT_NOT_FOUND:
                         return None
                     if rc >= 0:
@@ -385,9 +429,9 @@ class StoreClient:
     def _scratch_of(self, size: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < size:
             if self._scratch is not None:
-                self.raw.unregister_buffer(self._scratch.data_ptr())
+                self._invoke("unregister_buffer", self._scratch.data_ptr())
             self._scratch = torch.empty(max(SCRATCH_MIN_BYTES, 2 * size), dtype=torch.uint8)
-            self.raw.register_buffer(self._scratch.data_ptr(), self._scratch.numel())
+            self._invoke("register_buffer", self._scratch.data_ptr(), self._scratch.numel())
         return self._scratch
 
     # -- keys -------------------------------------------------------------------------------
@@ -397,7 +441,7 @@ class StoreClient:
         if not keys:
             return []
         for attempt in range(self.settings.max_retries + 1):
-            codes = self.raw.batch_is_exist(list(keys))
+            codes = self._invoke("batch_is_exist", list(keys))
             if all(c in (0, 1) for c in codes):
                 return [c == 1 for c in codes]
             if attempt < self.settings.max_retries:
@@ -406,7 +450,7 @@ class StoreClient:
 
     def exist_once(self, keys: Sequence[str]) -> list[bool] | None:
         """Like :meth:`exist` without retries: None when the store cannot answer right now."""
-        codes = self.raw.batch_is_exist(list(keys))
+        codes = self._invoke("batch_is_exist", list(keys))
         if all(c in (0, 1) for c in codes):
             return [c == 1 for c in codes]
         return None
@@ -418,7 +462,7 @@ class StoreClient:
         removed = 0
         pending = list(keys)
         for attempt in range(self.settings.max_retries + 1):
-            codes = self.raw.batch_remove(pending, True)
+            codes = self._invoke("batch_remove", pending, True)
             failed = []
             for key, code in zip(pending, codes, strict=True):
                 if code == 0:
@@ -437,10 +481,9 @@ class StoreClient:
     # -- helpers ----------------------------------------------------------------------------
 
     def _call_batch(self, method: str, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        fn: Callable[..., list[int]] = getattr(self.raw, method)
         if method == "batch_upsert_from" and self._write_config is not None:
-            return list(fn(keys, ptrs, sizes, self._write_config))
-        return list(fn(keys, ptrs, sizes))
+            return list(self._invoke(method, keys, ptrs, sizes, self._write_config))
+        return list(self._invoke(method, keys, ptrs, sizes))
 
     def _raise_if_permanent(self, op: str, failures: list[tuple[str, int]], what: str) -> None:
         permanent = [(k, c) for k, c in failures if c not in TRANSIENT_CODES]
