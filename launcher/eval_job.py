@@ -2,7 +2,8 @@
 
 ``--local`` runs ``python3 -m runtime.evaluate`` here (the target and draft on this machine's GPU or
 CPU). Without it, a one-node Slurm job on a capture-class node (the recipe's ``job.capture``
-resources, ``eval.time_limit_min``) runs the same command; its batch script is rendered from the
+resources, ``eval.time_limit_min``, ``--mem`` from the plan's host memory of the served target) runs
+the same command; its batch script is rendered from the
 recipe like the training job's, and checked in as ``sbatch/NAME.eval.sbatch`` for manual
 submission. Results land in ``<job>/eval/<draft>/`` either way.
 """
@@ -21,6 +22,7 @@ from launcher.render import container_args, resource_flags, sbatch_lines
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
+from runtime.recipe.fit.slurm_request import eval_memory_request
 from runtime.recipe.loader import RESOLVED_FILENAME
 from runtime.shared.checkpoint_folders import resolve_draft_source
 from runtime.user_errors import UserError
@@ -49,7 +51,7 @@ def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
         time_limit_min=recipe.eval.time_limit_min,
         nodes=1,
         tasks_per_node=1,
-        mem_gib=resources.mem_gib,
+        mem_gib=eval_memory_request(recipe).requested_gib,
     )
     flags += [("output", "slurm-%x-%j.out"), *sorted(resources.extra_sbatch.items())]
     python = job.python

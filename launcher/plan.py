@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from runtime.recipe import Recipe
 from runtime.recipe.fit.capture_node import capture_node_fit
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.slurm_request import memory_request
+from runtime.recipe.fit.slurm_request import eval_memory_request, memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import throughput_model
 from runtime.recipe.fit.trainer_memory import trainer_memory_fit
@@ -142,6 +142,16 @@ def _components(recipe: Recipe, numbers: dict[str, float]) -> FitReport:
                     f"cores and memory beyond these stay idle for the job (job.{name}.exclusive: false shares the node)",
                 )
             )
+    if recipe.eval is not None:
+        eval_request = eval_memory_request(recipe)
+        report.numbers["eval_mem_request_gib"] = eval_request.requested_gib
+        report.rows.append(
+            (
+                "eval job (launcher eval)",
+                f"1 capture-kind node, {recipe.eval.time_limit_min} min (eval.time_limit_min), "
+                f"{eval_request.describe()}",
+            )
+        )
     cap = recipe.plan.slurm_max_mem_per_node_gib
     report.rows.append(
         (

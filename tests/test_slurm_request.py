@@ -89,3 +89,36 @@ def test_the_plan_explains_the_time_limit_and_warns_when_the_run_would_not_fit()
     assert warning.level == "warn" and "requeues (up to 3)" in warning.message
     assert warning.options == (f"--set job.time_limit_min={suggested} (the plan x 1.5)",)
     assert not [f for f in plan.findings if "job.time_limit_min" in f.message]
+
+
+def test_the_eval_job_asks_for_the_served_targets_memory_not_the_site_default() -> None:
+    """The eval job serves K3 as capture does (experts streamed from host memory, 8 TP processes) with
+    no Mooncake: its --mem is the streamed experts plus the allowances, below the capture node's."""
+    from launcher.eval_job import render_eval_script
+    from runtime.recipe.fit.slurm_request import eval_memory_request
+    from runtime.recipe.schema import EvalSection, EvalSet
+
+    k3 = load_recipe(K3).recipe
+    eval_section = EvalSection(sets=[EvalSet(name="gsm8k", path="data/gsm8k.jsonl", sha256="0" * 64)])
+    recipe = k3.model_copy(update={"eval": eval_section})
+    request = eval_memory_request(recipe)
+    capture = memory_request(recipe, "capture")
+    assert request.plan_parts == {"streamed experts": capture.plan_parts["streamed experts"]}
+    assert request.requested_gib == math.ceil(
+        (capture.plan_parts["streamed experts"] + 8 * PROCESS_ALLOWANCE_BYTES) / GIB
+    )
+    assert request.requested_gib < capture.requested_gib
+    script = render_eval_script(recipe, "recipes/k3.yaml")
+    assert f"#SBATCH --mem={request.requested_gib}G" in script
+    text = make_plan(recipe).render()
+    assert (
+        f"eval job (launcher eval)   1 capture-kind node, 60 min (eval.time_limit_min), --mem={request.requested_gib}G"
+        in text
+    )
+    # the operator's figure for a capture-kind node wins, as for the training job's capture component
+    pinned = recipe.model_copy(
+        update={
+            "job": recipe.job.model_copy(update={"capture": recipe.job.capture.model_copy(update={"mem_gib": 2000})})
+        }
+    )
+    assert "#SBATCH --mem=2000G" in render_eval_script(pinned, "recipes/k3.yaml")

@@ -15,6 +15,11 @@ of the Mooncake segment, the streamed experts of every GPU) plus a stated margin
 ``job.<component>.mem_gib`` set in the recipe wins (below the figure it is refused); the site's
 cap ``plan.slurm_max_mem_per_node_gib`` (MaxMemPerNode, or what the nodes really have) refuses a
 request above it, naming both numbers.
+
+The eval job (``launcher eval``) runs on one node of the capture kind and serves the target the way
+capture does, without the Mooncake segment, its client or the commit staging: its request is the
+streamed experts plus the process allowances (:func:`eval_memory_request`), never more than the
+capture node's, so the capture node's checks cover it.
 """
 
 from __future__ import annotations
@@ -99,3 +104,17 @@ def memory_request(recipe: Recipe, component: str) -> MemoryRequest:
         slots = commit_staging_slots(recipe)
         margin[f"commit staging ({slots} slot(s))"] = slots * sample.feature_bytes
     return MemoryRequest(component, plan_parts, margin, getattr(recipe.job, component).mem_gib)
+
+
+def eval_memory_request(recipe: Recipe) -> MemoryRequest:
+    """The ``--mem`` of the eval job's one node: the target served as capture serves it (one process
+    per GPU, the streamed experts of every GPU in host memory) with the draft, and no Mooncake.
+    ``job.capture.mem_gib`` wins when set: it is the operator's figure for that kind of node."""
+    streamed = streamed_expert_host_bytes(recipe)
+    processes = component_processes(recipe, "capture")
+    margin = {
+        f"for {processes} process(es) x {format_bytes(PROCESS_ALLOWANCE_BYTES)} allowance": processes
+        * PROCESS_ALLOWANCE_BYTES
+    }
+    plan_parts = {"streamed experts": streamed} if streamed else {}
+    return MemoryRequest("capture", plan_parts, margin, recipe.job.capture.mem_gib)
