@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -252,15 +253,16 @@ def synthetic_sample(
     return ids, mask, out[0], out[1]
 
 
-def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: int, use_fsdp: bool) -> None:
-    backend = "flex" if device.type == "cuda" else "sdpa"
+def build_draft(shapes: Shapes, device: torch.device, use_fsdp: bool) -> DSparkDraft:
+    """The draft at ``shapes`` with its frozen vocabulary, under single-rank FSDP2 (fp32 master weights,
+    compute in ``shapes.dtype``) or as a plain module in the compute dtype."""
     torch.manual_seed(0)
     with torch.device(device):
         model = DSparkDraft(
             shapes.draft,
             vocab_size=shapes.vocab,
             num_aux_layers=shapes.num_aux,
-            attention_backend=backend,
+            attention_backend="flex" if device.type == "cuda" else "sdpa",
             max_length=shapes.tokens,
         )
     embed = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
@@ -278,6 +280,12 @@ def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: 
         fully_shard(model, mesh=mesh, mp_policy=policy)
     else:
         model = model.to(shapes.dtype)
+    return model
+
+
+def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: int, use_fsdp: bool) -> None:
+    model = build_draft(shapes, device, use_fsdp)
+    backend = "flex" if device.type == "cuda" else "sdpa"
     params = sum(p.numel() for p in model.parameters())
     ids, mask, hs_host, lhs_host = synthetic_sample(shapes, device)
     layout_started = time.perf_counter()
@@ -434,15 +442,107 @@ def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
     print(f"[loss] chunked / unchunked: peak memory {ratio} (target <= 0.15), time {t_chunk / t_base:.2f}x")
 
 
+def _write_plain(path: Path, total_bytes: int, chunk_bytes: int = 256 << 20) -> float:
+    """Seconds to write ``total_bytes`` into ``path`` from host memory in one sequential stream (the
+    disk's and page cache's rate for one process: the baseline of the checkpoint write)."""
+    chunk = torch.ones(min(chunk_bytes, total_bytes), dtype=torch.uint8).numpy()
+    started = time.perf_counter()
+    with path.open("wb") as handle:
+        left = total_bytes
+        while left > 0:
+            handle.write(chunk[: min(left, chunk.size)])
+            left -= chunk.size
+    return time.perf_counter() - started
+
+
+def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_size: int) -> None:
+    """The trainer's checkpoint save (``save_checkpoint``) of the draft with AdamW moments on one rank,
+    against a plain write of the same bytes, with the time of each part; what a stop must fit in
+    (Slurm's KillWait after a plain scancel, GraceTime on preemption)."""
+    from runtime.trainer.checkpoints import DCP_DIR, file_digests, flat_tensors, rng_state, save_checkpoint
+    from runtime.trainer.checkpoints import state_dict_sha256 as tensors_sha256
+
+    model = build_draft(shapes, device, use_fsdp=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # the moments exist from the first step on
+    optimizer.zero_grad(set_to_none=True)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = {**flat_tensors(model_state), **flat_tensors(optim_state)}
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(
+        f"[bench] checkpoint: {len(tensors)} tensors, {state_bytes / GIB:.2f} GiB (fp32 weights + AdamW moments)"
+    )
+    scratch.mkdir(parents=True, exist_ok=True)
+    plain = scratch / "plain.bin"
+    plain_s = _write_plain(plain, state_bytes)
+    plain.unlink()
+    started = time.perf_counter()
+    saved = save_checkpoint(
+        scratch / "checkpoints",
+        step=1,
+        model=model,
+        optimizer=optimizer,
+        state={"step": 1},
+        rng_states=[rng_state()],
+        keep_last=1,
+        is_main=True,
+    )
+    sync(device)
+    save_s = time.perf_counter() - started
+    parts = {}
+    for name, fn in (
+        ("weights hash (gathered to rank 0, SHA-256)", lambda: tensors_sha256(model_state)),
+        ("optimizer hash (gathered to rank 0, SHA-256)", lambda: tensors_sha256(flat_tensors(optim_state))),
+        ("file digests (rank 0 reads back every file)", lambda: file_digests(saved.path / DCP_DIR)),
+    ):
+        started = time.perf_counter()
+        fn()
+        parts[name] = time.perf_counter() - started
+    written = sum(p.stat().st_size for p in saved.path.rglob("*") if p.is_file())
+    write_s = save_s - sum(parts.values())
+    shutil.rmtree(scratch / "checkpoints", ignore_errors=True)
+    print(
+        f"[bench] baseline: plain write of the same {state_bytes / GIB:.2f} GiB: {plain_s:.2f} s ({state_bytes / plain_s / 1e9:.2f} GB/s)"
+    )
+    print(
+        f"[bench] save_checkpoint: {save_s:.2f} s for {written / GIB:.2f} GiB on disk; ratio to the plain write {save_s / plain_s:.2f}"
+    )
+    print(
+        f"[bench]   state dict + DCP write (the rest): {write_s:.2f} s ({written / max(write_s, 1e-9) / 1e9:.2f} GB/s)"
+    )
+    for name, seconds in parts.items():
+        print(f"[bench]   {name}: {seconds:.2f} s")
+    # At N ranks each writes 1/N of the files at once (a shared disk may not scale); the hashes and the
+    # file digests stay on rank 0 at full size.
+    rank0_s = write_s / world_size + sum(parts.values())
+    print(
+        f"[bench] at {world_size} ranks, rank 0's save: about {rank0_s:.1f} s if the disk takes {world_size} writers at "
+        f"this rate, {save_s:.1f} s if it takes them one at a time; Slurm's default KillWait is 30 s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m tools.bench.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, to prove the tool runs")
     parser.add_argument(
-        "--section", action="append", choices=["microstep", "loss"], help="run only these (default: both)"
+        "--section",
+        action="append",
+        choices=["microstep", "loss", "checkpoint"],
+        help="run only these (default: microstep and loss)",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 2)")
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=REPO_ROOT / ".cache" / "bench_checkpoint",
+        help="where the checkpoint section writes (removed after; needs about 3x the draft's fp32 bytes free)",
+    )
     parser.add_argument(
         "--no-fsdp", action="store_true", help="plain module in the compute dtype instead of single-rank FSDP2"
     )
@@ -476,6 +576,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()  # the model is gone with run_microstep's frame
     if "loss" in sections:
         run_loss(shapes, device, repeats)
+    if "checkpoint" in sections:
+        run_checkpoint(
+            shapes,
+            device,
+            args.scratch,
+            load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml").recipe.job.trainer.tasks_per_node,
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
