@@ -252,3 +252,23 @@ def test_streaming_quick_streams_most_experts_and_matches_resident(tmp_path: Pat
 def test_streaming_gpu_preset_refuses_cleanly_without_cuda() -> None:  # run_cmd hides any GPU
     done = run_cmd([sys.executable, "-m", "tools.bench.streaming"])
     assert done.returncode == 2 and "needs a CUDA GPU (use --quick on a CPU)" in done.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_bench_saves_with_the_trainers_code_and_accounts_for_its_parts(tmp_path: Path) -> None:
+    """``tools.bench.trainer --section checkpoint --quick``: the save the bench times is the trainer's
+    (a complete checkpoint with its state file), its parts add up to less than the whole, and the
+    scratch folder is emptied afterwards."""
+    scratch = tmp_path / "scratch"
+    done = run_cmd(
+        [sys.executable, "-m", "tools.bench.trainer", "--quick", "--section", "checkpoint", "--scratch", str(scratch)]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    state_gib = float(re.search(r"checkpoint: \d+ tensors, ([0-9.]+) GiB", out).group(1))  # type: ignore[union-attr]
+    save_s, written_gib = map(float, re.search(r"save_checkpoint: ([0-9.]+) s for ([0-9.]+) GiB", out).groups())  # type: ignore[union-attr]
+    parts_s = [float(s) for s in re.findall(r"\[bench\]   (?:weights|optimizer|file)[^:]*: ([0-9.]+) s", out)]
+    assert len(parts_s) == 3 and sum(parts_s) < save_s
+    assert written_gib >= state_gib > 0  # what is on disk holds at least the tensors
+    assert "ratio to the plain write" in out and "at 4 ranks, rank 0's save" in out
+    assert not any(scratch.rglob("*.distcp")) and not (scratch / "plain.bin").exists()

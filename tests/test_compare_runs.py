@@ -12,7 +12,9 @@ from tools.compare_runs import deviations, load_run, smooth, verdict, write_plot
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_run(folder: Path, losses: list[float], sha: str, skip_step: int | None = None) -> Path:
+def make_run(
+    folder: Path, losses: list[float], sha: str, skip_step: int | None = None, hash_scheme: str | None = None
+) -> Path:
     folder.mkdir(parents=True)
     lines = []
     for step, loss in enumerate(losses, start=1):
@@ -36,7 +38,8 @@ def make_run(folder: Path, losses: list[float], sha: str, skip_step: int | None 
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     state_dir = folder / "checkpoints" / "step_00000004"
     state_dir.mkdir(parents=True)
-    (state_dir / "trainer_state.json").write_text(json.dumps({"step": 4, "weights_sha256": sha}))
+    state = {"step": 4, "weights_sha256": sha, **({"hash_scheme": hash_scheme} if hash_scheme else {})}
+    (state_dir / "trainer_state.json").write_text(json.dumps(state))
     return folder
 
 
@@ -81,6 +84,20 @@ def test_differing_checkpoints_are_flagged_and_bad_lines_named(tmp_path: Path) -
         [str(REPO / "tools" / "compare_runs"), str(run_a), str(run_b), "--no-plots"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "metrics.jsonl:2" in done.stderr
+
+
+def test_hashes_of_two_schemes_are_not_compared(tmp_path: Path) -> None:
+    """A run saved before checkpoints hashed their tensors in parallel records no hash_scheme: its
+    weights hash is not comparable with a newer run's, and the table says so instead of DIFFERS."""
+    from tools.compare_runs import render_checkpoints
+
+    a = load_run(make_run(tmp_path / "a", [1.0] * 4, "old"))
+    b = load_run(make_run(tmp_path / "b", [1.0] * 4, "new", hash_scheme="sha256-per-tensor/1"))
+    lines = "\n".join(render_checkpoints([a, b]))
+    assert "DIFFERS" not in lines
+    assert "old  (not comparable: hashed as sha256-sequential, the other run as sha256-per-tensor/1)" in lines
+    c = load_run(make_run(tmp_path / "c", [1.0] * 4, "new", hash_scheme="sha256-per-tensor/1"))
+    assert "new  (same as the other run)" in "\n".join(render_checkpoints([b, c]))
 
 
 def test_single_run_plots(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ def test_smoke_gate_on_gpu_ranks(tmp_path: Path, port_factory) -> None:
         samples=samples,
         overrides=[
             "trainer.device=cuda",
+            f"job.trainer.gpus_per_node={world}",
             "trainer.param_dtype=bfloat16",
             "trainer.attention_backend=flex",
             f"trainer.global_batch_size={world}",

@@ -3,6 +3,7 @@ files (atomic, latest, keep-K), sample checks, settings and metrics errors."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -151,6 +152,52 @@ def test_checkpoint_files_latest_keep_last_and_stale_tmp(tmp_path: Path, caplog:
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").symlink_to("step_00000004")
     assert checkpoints.find_latest(tmp_path).name == "step_00000006"
+
+
+def _reference_hashes(tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
+    """The two hash schemes written out plainly: (sequential, per tensor)."""
+    sequential, per_tensor = hashlib.sha256(), hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        header = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        sequential.update(header + data)
+        per_tensor.update(header + hashlib.sha256(data).digest())
+    return sequential.hexdigest(), per_tensor.hexdigest()
+
+
+def test_weight_hashes_follow_their_scheme_and_old_checkpoints_still_load(tmp_path: Path) -> None:
+    """Checkpoints hash tensors in parallel now (a K3 save took 53 s hashing on one thread); those that
+    recorded no hash_scheme were hashed sequentially and must still load, and be checked that way."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(3 + i, 5, generator=g) for i in range(12)}
+    tensors["b"] = torch.randn(7, generator=g).to(torch.bfloat16)
+    tensors["empty"] = torch.zeros(0)
+    sequential, per_tensor = _reference_hashes(tensors)
+    assert checkpoints.state_dict_sha256(tensors) == per_tensor
+    assert checkpoints.state_dict_sha256(tensors, checkpoints.SEQUENTIAL_SCHEME) == sequential
+    with pytest.raises(checkpoints.CheckpointError, match="unknown hash_scheme 'md5'"):
+        checkpoints.state_dict_sha256(tensors, "md5")
+
+    model = torch.nn.Linear(3, 2)
+    saved = save(tmp_path, 1, model, "d")
+    state = checkpoints.read_state(saved.path)
+    assert state["hash_scheme"] == checkpoints.HASH_SCHEME
+    assert len(state["files"]) > 2  # the ranks' data files are written on several threads, each hashed
+    # an older checkpoint: no hash_scheme, its hashes sequential
+    model_state = {k: v.detach() for k, v in model.state_dict().items()}
+    old = {**state, "weights_sha256": _reference_hashes(model_state)[0]}
+    old.pop("hash_scheme"), old.pop("optimizer_sha256")
+    state_file = saved.path / "trainer_state.json"
+    state_file.write_text(json.dumps(old))
+    fresh = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    checkpoints.load_full(saved.path, fresh, optimizer, old)
+    assert torch.equal(fresh.weight, model.weight)
+    assert checkpoints.loaded_weights_sha256(saved.path, fresh) == old["weights_sha256"]
+    # the same file claiming the new scheme does not match: the scheme decides how a load is checked
+    with pytest.raises(checkpoints.CheckpointError, match="the loaded weights hash to sha256"):
+        checkpoints.load_full(saved.path, fresh, optimizer, {**old, "hash_scheme": checkpoints.HASH_SCHEME})
 
 
 def test_start_plans(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.files import DiskFullError, atomic_path
+from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
 from runtime.shared.contracts import JOB_FOLDER_SETTING
 from runtime.user_errors import UserError, run_command
 
@@ -89,7 +90,8 @@ class Run:
     label: str
     folder: Path | None
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
-    checkpoints: list[tuple[int, str, str]] = field(default_factory=list)
+    checkpoints: list[tuple[int, str, str, str]] = field(default_factory=list)
+    """(step, folder name, weights SHA-256, how it was hashed) of each checkpoint."""
     """(step, folder name, weights SHA-256)."""
 
 
@@ -156,11 +158,12 @@ def load_run(path: Path, label: str | None = None) -> Run:
     return run
 
 
-def _checkpoints(checkpoint_dir: Path) -> list[tuple[int, str, str]]:
+def _checkpoints(checkpoint_dir: Path) -> list[tuple[int, str, str, str]]:
     found = []
     for state_file in sorted(checkpoint_dir.glob("step_*/trainer_state.json")):
         state = json.loads(state_file.read_text())
-        found.append((int(state.get("step", 0)), state_file.parent.name, str(state.get("weights_sha256", "?"))))
+        sha, scheme = str(state.get("weights_sha256", "?")), str(state.get("hash_scheme", SEQUENTIAL_HASH_SCHEME))
+        found.append((int(state.get("step", 0)), state_file.parent.name, sha, scheme))
     return found
 
 
@@ -267,15 +270,18 @@ def render_acceptance(runs: list[Run]) -> list[str]:
 def render_checkpoints(runs: list[Run]) -> list[str]:
     """Checkpoint hashes per run, with equal hashes at equal steps marked."""
     lines = ["checkpoints (weights SHA-256):"]
-    by_step = [{step: sha for step, _, sha in run.checkpoints} for run in runs]
+    by_step = [{step: (sha, scheme) for step, _, sha, scheme in run.checkpoints} for run in runs]
     for run, hashes in zip(runs, by_step, strict=True):
         if not run.checkpoints:
             lines.append(f"  {run.label}: none")
-        for step, name, sha in run.checkpoints:
+        for step, name, sha, scheme in run.checkpoints:
             others = [h.get(step) for h in by_step if h is not hashes]
             mark = ""
             if len(runs) > 1 and others and others[0] is not None:
-                mark = "  (same as the other run)" if others[0] == sha else "  (DIFFERS from the other run)"
+                if others[0][1] != scheme:
+                    mark = f"  (not comparable: hashed as {scheme}, the other run as {others[0][1]})"
+                else:
+                    mark = "  (same as the other run)" if others[0][0] == sha else "  (DIFFERS from the other run)"
             lines.append(f"  {run.label}: {name} step {step} {sha}{mark}")
     return lines
 

@@ -19,6 +19,10 @@ STATE_FILE = "trainer_state.json"
 LATEST = "latest"
 STEP_PREFIX = "step_"
 UNTRAINED = "untrained"
+SEQUENTIAL_HASH_SCHEME = "sha256-sequential"
+"""The ``hash_scheme`` of a checkpoint whose ``trainer_state.json`` records none (written before
+checkpoints hashed their tensors in parallel): one SHA-256 over every tensor's name, dtype, shape and
+bytes, in name order."""
 EXPORT_CONFIG_FILE = "config.json"
 """The config file of an exported draft folder (with its ``*.safetensors``)."""
 

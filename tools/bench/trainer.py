@@ -14,6 +14,11 @@ Sections (each prints a ratio against a baseline measured in the same run):
   shapes, chunked (this trainer) vs unchunked (plain autograd over [3584, 163840]): peak memory
   above the inputs and time; the ratio chunked / unchunked peak (target <= 0.15).
 
+- ``checkpoint`` (only when asked for): the trainer's ``save_checkpoint`` of the draft with its AdamW
+  moments on one rank, against a plain write (with fsync) of the same bytes, with its parts (DCP write,
+  the weights and optimizer hashes, rank 0's file digests) and what rank 0 of the recipe's trainer
+  ranks would need; a stop must fit in it before SIGKILL (``job.stop_grace_s``, Slurm's KillWait).
+
 ``--quick`` runs everything at tiny shapes on CPU (fp32, SDPA, gloo) to prove the tool works; CUDA
 memory statistics are reported on GPU only.
 
@@ -22,6 +27,7 @@ Examples::
     python3 -m tools.bench.trainer --quick
     python3 -m tools.bench.trainer                      # H200; about 2-4 minutes
     python3 -m tools.bench.trainer --section loss
+    python3 -m tools.bench.trainer --section checkpoint   # H200; about 2 minutes, 25 GiB of disk
 """
 
 from __future__ import annotations
@@ -443,8 +449,9 @@ def run_loss(shapes: Shapes, device: torch.device, repeats: int) -> None:
 
 
 def _write_plain(path: Path, total_bytes: int, chunk_bytes: int = 256 << 20) -> float:
-    """Seconds to write ``total_bytes`` into ``path`` from host memory in one sequential stream (the
-    disk's and page cache's rate for one process: the baseline of the checkpoint write)."""
+    """Seconds to write ``total_bytes`` into ``path`` from host memory in one sequential stream and
+    fsync it, as DCP's writer does (the disk's rate for one process: the baseline of the checkpoint
+    write)."""
     chunk = torch.ones(min(chunk_bytes, total_bytes), dtype=torch.uint8).numpy()
     started = time.perf_counter()
     with path.open("wb") as handle:
@@ -452,6 +459,8 @@ def _write_plain(path: Path, total_bytes: int, chunk_bytes: int = 256 << 20) -> 
         while left > 0:
             handle.write(chunk[: min(left, chunk.size)])
             left -= chunk.size
+        handle.flush()
+        os.fsync(handle.fileno())
     return time.perf_counter() - started
 
 
@@ -473,9 +482,7 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {**flat_tensors(model_state), **flat_tensors(optim_state)}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(
-        f"[bench] checkpoint: {len(tensors)} tensors, {state_bytes / GIB:.2f} GiB (fp32 weights + AdamW moments)"
-    )
+    print(f"[bench] checkpoint: {len(tensors)} tensors, {state_bytes / GIB:.2f} GiB (fp32 weights + AdamW moments)")
     scratch.mkdir(parents=True, exist_ok=True)
     plain = scratch / "plain.bin"
     plain_s = _write_plain(plain, state_bytes)
