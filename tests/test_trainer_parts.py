@@ -13,7 +13,8 @@ import torch
 
 from runtime.recipe import load_recipe, write_resolved
 from runtime.recipe.schema import ScheduleConfig
-from runtime.trainer import checkpoints
+from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
+from runtime.trainer import checkpoints, state_hash
 from runtime.trainer.file_source import FileSampleSource
 from runtime.trainer.frozen_vocab import TargetTensorError, load_frozen_vocab, read_target_tensor
 from runtime.trainer.guard import FiniteGuard, NonFiniteUpdate, inspect_update
@@ -174,15 +175,15 @@ def test_weight_hashes_follow_their_scheme_and_old_checkpoints_still_load(tmp_pa
     tensors["b"] = torch.randn(7, generator=g).to(torch.bfloat16)
     tensors["empty"] = torch.zeros(0)
     sequential, per_tensor = _reference_hashes(tensors)
-    assert checkpoints.state_dict_sha256(tensors) == per_tensor
-    assert checkpoints.state_dict_sha256(tensors, checkpoints.SEQUENTIAL_SCHEME) == sequential
-    with pytest.raises(checkpoints.CheckpointError, match="unknown hash_scheme 'md5'"):
-        checkpoints.state_dict_sha256(tensors, "md5")
+    assert state_hash.state_dict_sha256(tensors) == per_tensor
+    assert state_hash.state_dict_sha256(tensors, SEQUENTIAL_HASH_SCHEME) == sequential
+    with pytest.raises(state_hash.UnknownHashSchemeError, match="unknown hash_scheme 'md5'"):
+        state_hash.state_dict_sha256(tensors, "md5")
 
     model = torch.nn.Linear(3, 2)
     saved = save(tmp_path, 1, model, "d")
     state = checkpoints.read_state(saved.path)
-    assert state["hash_scheme"] == checkpoints.HASH_SCHEME
+    assert state["hash_scheme"] == state_hash.HASH_SCHEME
     assert len(state["files"]) > 2  # the ranks' data files are written on several threads, each hashed
     # an older checkpoint: no hash_scheme, its hashes sequential
     model_state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -197,7 +198,9 @@ def test_weight_hashes_follow_their_scheme_and_old_checkpoints_still_load(tmp_pa
     assert checkpoints.loaded_weights_sha256(saved.path, fresh) == old["weights_sha256"]
     # the same file claiming the new scheme does not match: the scheme decides how a load is checked
     with pytest.raises(checkpoints.CheckpointError, match="the loaded weights hash to sha256"):
-        checkpoints.load_full(saved.path, fresh, optimizer, {**old, "hash_scheme": checkpoints.HASH_SCHEME})
+        checkpoints.load_full(saved.path, fresh, optimizer, {**old, "hash_scheme": state_hash.HASH_SCHEME})
+    with pytest.raises(checkpoints.CheckpointError, match="hash_scheme 'sha512-tree/9' is not one this trainer knows"):
+        checkpoints.load_full(saved.path, fresh, optimizer, {**old, "hash_scheme": "sha512-tree/9"})
 
 
 def test_start_plans(tmp_path: Path) -> None:

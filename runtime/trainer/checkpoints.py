@@ -29,15 +29,12 @@ import logging
 import os
 import shutil
 import sys
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from runtime.files import atomic_write_text, is_disk_full
 from runtime.shared.checkpoint_folders import (
@@ -62,18 +58,10 @@ from runtime.shared.checkpoint_folders import (
     step_dir_name,
 )
 from runtime.trainer.distributed import barrier
+from runtime.trainer.state_hash import HASH_SCHEME, HASH_THREADS, KNOWN_HASH_SCHEMES, state_dict_sha256
 from runtime.user_errors import UserError
 
 STATE_FORMAT = "dspark-trainer-state/1"
-HASH_THREADS = 8
-"""Tensors, or checkpoint files, hashed at once."""
-HASH_SCHEME = "sha256-per-tensor/1"
-"""How ``weights_sha256`` and ``optimizer_sha256`` are computed (recorded as ``hash_scheme``): one
-SHA-256 over each tensor's name, dtype, shape and the SHA-256 of its bytes, in name order, the tensors
-hashed on :data:`HASH_THREADS` threads. One sequential SHA-256 over every byte took 19 s for the K3
-draft's weights and 34 s for its AdamW moments (H200 host, one thread at 1.6 GB/s): a checkpoint must
-fit in Slurm's KillWait when a run is cancelled."""
-SEQUENTIAL_SCHEME = SEQUENTIAL_HASH_SCHEME
 WRITE_THREADS = 4
 """Files each rank writes at once (DCP's ``thread_count``): one writer thread wrote the K3 draft's
 25 GiB at 0.49 GB/s on the H200 host, a plain write of the same bytes ran at 1.85 GB/s."""
@@ -206,73 +194,6 @@ def restore_rng(state: dict[str, str | None]) -> None:
 # ----------------------------------------------------------------------------------------------
 # hashing
 # ----------------------------------------------------------------------------------------------
-
-
-def state_dict_sha256(state_dict: dict[str, Any], scheme: str = HASH_SCHEME) -> str:
-    """SHA-256 of full tensors in name order, by ``scheme`` (:data:`HASH_SCHEME`, or
-    :data:`SEQUENTIAL_SCHEME` for checkpoints that recorded none). Collective when the tensors are
-    DTensors (every rank must call it): rank 0 hashes, every rank returns its digest.
-
-    This thread gathers and copies tensor i + 1 to the host while hashing threads work on tensor i and
-    before, with at most :data:`HASH_THREADS` tensors waiting (host memory holds that many at a time).
-    """
-    if scheme not in (HASH_SCHEME, SEQUENTIAL_SCHEME):
-        raise CheckpointError(f"unknown hash_scheme {scheme!r} (this trainer knows {HASH_SCHEME!r})")
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    hashing = not distributed or dist.get_rank() == 0
-    digest = hashlib.sha256()
-    sequential = scheme == SEQUENTIAL_SCHEME
-    with ThreadPoolExecutor(max_workers=1 if sequential else HASH_THREADS) as pool:
-        waiting: deque[Future[bytes | None]] = deque()
-        for name in sorted(state_dict):
-            tensor = state_dict[name]
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()  # every rank takes part in the gather
-            if not hashing:
-                continue
-            host = tensor.detach().contiguous().cpu()
-            if len(waiting) >= (1 if sequential else HASH_THREADS):
-                _fold(digest, waiting.popleft())
-            # the sequential scheme's one thread feeds the shared digest in order; the per-tensor one's
-            # threads return each tensor's record, folded in here in name order
-            task = (
-                (lambda n=name, h=host: _hash_into(digest, n, h)) if sequential else partial(_tensor_record, name, host)
-            )
-            waiting.append(pool.submit(task))
-        while waiting:
-            _fold(digest, waiting.popleft())
-    result = [digest.hexdigest() if hashing else ""]
-    if distributed:
-        dist.broadcast_object_list(result, src=0)
-    return str(result[0])
-
-
-def _fold(digest: Any, done: Future[bytes | None]) -> None:
-    record = done.result()
-    if record is not None:
-        digest.update(record)
-
-
-def _header(name: str, tensor: torch.Tensor) -> bytes:
-    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode()
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> Any:
-    """The host tensor's own buffer, as bytes for hashlib (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def _hash_into(digest: Any, name: str, tensor: torch.Tensor) -> None:
-    """The sequential scheme: feed ``digest`` the tensor's name, dtype, shape and bytes."""
-    digest.update(_header(name, tensor))
-    if tensor.numel():
-        digest.update(_tensor_bytes(tensor))
-
-
-def _tensor_record(name: str, tensor: torch.Tensor) -> bytes:
-    """The per-tensor scheme: the tensor's name, dtype and shape, then the SHA-256 of its bytes."""
-    own = hashlib.sha256(_tensor_bytes(tensor)) if tensor.numel() else hashlib.sha256()
-    return _header(name, tensor) + own.digest()
 
 
 def flat_tensors(nested: Any, prefix: str = "") -> dict[str, Any]:
@@ -429,7 +350,13 @@ def load_full(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     bundle = {"model": model_state, "optim": optim_state}
     _dcp_load(bundle, path)
     set_state_dict(model, optimizer, model_state_dict=bundle["model"], optim_state_dict=bundle["optim"])
-    scheme = state.get("hash_scheme", SEQUENTIAL_SCHEME)
+    scheme = state.get("hash_scheme", SEQUENTIAL_HASH_SCHEME)
+    if scheme not in KNOWN_HASH_SCHEMES:
+        raise CheckpointError(
+            f"{path / STATE_FILE}: hash_scheme {scheme!r} is not one this trainer knows "
+            f"({', '.join(KNOWN_HASH_SCHEMES)}): a newer checkout wrote it. Fix: resume with that checkout, or "
+            f"from an older checkpoint ({_older_hint(path)})"
+        )
     checks = [("weights", model_sha256(model, scheme), state.get("weights_sha256"))]
     if state.get("optimizer_sha256"):
         checks.append(("optimizer state", optimizer_sha256(model, optimizer, scheme), state["optimizer_sha256"]))
@@ -474,4 +401,4 @@ def loaded_weights_sha256(path: Path, model: torch.nn.Module) -> str:
     fresh = {name: torch.zeros_like(tensor) for name, tensor in template.items()}
     bundle = {"model": fresh}
     dcp.load(bundle, checkpoint_id=str(path / DCP_DIR))
-    return state_dict_sha256(bundle["model"], read_state(path).get("hash_scheme", SEQUENTIAL_SCHEME))
+    return state_dict_sha256(bundle["model"], read_state(path).get("hash_scheme", SEQUENTIAL_HASH_SCHEME))

@@ -469,7 +469,7 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
     against a plain write of the same bytes, with the time of each part; what a stop must fit in
     (Slurm's KillWait after a plain scancel, GraceTime on preemption)."""
     from runtime.trainer.checkpoints import DCP_DIR, file_digests, flat_tensors, rng_state, save_checkpoint
-    from runtime.trainer.checkpoints import state_dict_sha256 as tensors_sha256
+    from runtime.trainer.state_hash import state_dict_sha256 as tensors_sha256
 
     model = build_draft(shapes, device, use_fsdp=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -509,6 +509,11 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
         started = time.perf_counter()
         fn()
         parts[name] = time.perf_counter() - started
+    # The CUDA tensors hash through pinned staging buffers: the digest must be their host copies' digest.
+    on_host = tensors_sha256({name: tensor.cpu() for name, tensor in model_state.items()})
+    if tensors_sha256(model_state) != on_host:
+        raise SystemExit(f"[bench] the weights hash of the {device.type} tensors differs from that of their host copies")
+    print(f"[bench] the weights hash of the {device.type} tensors equals that of their host copies")
     written = sum(p.stat().st_size for p in saved.path.rglob("*") if p.is_file())
     write_s = save_s - sum(parts.values())
     shutil.rmtree(scratch / "checkpoints", ignore_errors=True)
