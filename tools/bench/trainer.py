@@ -512,7 +512,9 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
     # The CUDA tensors hash through pinned staging buffers: the digest must be their host copies' digest.
     on_host = tensors_sha256({name: tensor.cpu() for name, tensor in model_state.items()})
     if tensors_sha256(model_state) != on_host:
-        raise SystemExit(f"[bench] the weights hash of the {device.type} tensors differs from that of their host copies")
+        raise SystemExit(
+            f"[bench] the weights hash of the {device.type} tensors differs from that of their host copies"
+        )
     print(f"[bench] the weights hash of the {device.type} tensors equals that of their host copies")
     written = sum(p.stat().st_size for p in saved.path.rglob("*") if p.is_file())
     write_s = save_s - sum(parts.values())
