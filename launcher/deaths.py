@@ -83,6 +83,18 @@ def order_deaths(deaths: list[Death]) -> list[Death]:
     return sorted(deaths, key=lambda d: (d.seen_order, _signal_rank(d), d.component != "capture", d.rank))
 
 
+def first_cause(ordered: list[Death]) -> Death:
+    """The cause to name, from deaths ordered by :func:`order_deaths`: the first, or, when other ranks of
+    its component refused with its very words (every rank refuses a corrupt checkpoint together, and
+    which exit is seen first is a race), the lowest of them: rank 0's refusal is the one the console
+    shows."""
+    first = ordered[0]
+    if not first.refused():
+        return first
+    same = [d for d in ordered if d.component == first.component and d.refused() and d.reason() == first.reason()]
+    return min(same, key=lambda d: d.rank)
+
+
 def last_words(log_path: Path) -> str:
     """The last error line in the end of a task's log (a logged ERROR or an exception's last line)."""
     try:

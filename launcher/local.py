@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from launcher.component import start_component, stop_processes
-from launcher.deaths import Death, last_words, order_deaths
+from launcher.deaths import Death, first_cause, last_words, order_deaths
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.files import DiskFullError
@@ -250,7 +250,7 @@ class LocalRun:
         ordered = order_deaths(list(self.deaths.values()))
         if not ordered:
             return None
-        first = self.first_death = ordered[0]
+        first = self.first_death = first_cause(ordered)
         resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
         print(f"[local] FAILED: {first.pointed()}{resume}", file=sys.stderr, flush=True)
         return first

@@ -121,6 +121,7 @@ def test_a_corrupt_checkpoint_is_refused_in_one_console_line(tmp_path: Path, tin
     refusals = [line for line in said if not line.strip().startswith("note:")]
     assert len(refusals) == 1, console[-3000:]
     assert refusals[0].startswith("[trainer rank 0] error: checkpoint file ") and "Fix:" in refusals[0], refusals
-    assert "[local] FAILED: trainer rank 0 exited with code 1; its error line above says why and the fix" in console
+    failed = "[local] FAILED: trainer rank 0 exited with code 1; its error line above says why and the fix"
+    assert failed in console, console[-3000:]
     (job_dir,) = (runs / "tiny").iterdir()
     assert "CheckpointError" in (job_dir / "logs" / "trainer_0.traceback.txt").read_text()

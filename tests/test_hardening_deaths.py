@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.deaths import Death, claim_first_death, last_words, order_deaths
+from launcher.deaths import Death, claim_first_death, first_cause, last_words, order_deaths
 from launcher.jobs import JobRecord
 from launcher.local import LocalRun, LocalTask
 from runtime.capture.master_watch import EXIT_MASTER_DIED, MasterWatch, trainer_step_text
@@ -38,6 +38,20 @@ def test_a_kill_seen_in_the_same_round_is_the_cause_and_an_earlier_round_beats_i
     earlier = Death("capture", 0, 3, seen_order=1)
     assert order_deaths([reset, killed, earlier])[0] == earlier
     assert killed.describe() == "trainer rank 1 killed by SIGKILL (-9)"
+
+
+def test_ranks_that_refused_together_are_named_by_the_lowest_whose_line_the_console_shows() -> None:
+    """Every trainer rank refuses a corrupt checkpoint with the same words; which exit the supervisor
+    sees first is a race (CI once named rank 2, whose line the console does not echo)."""
+    words = "checkpoint file x/__0_0.distcp is corrupt: sha256 ab, cd when written. Fix: resume from an older one"
+    rank2 = Death("trainer", 2, 1, seen_order=1, last_words=f"[trainer rank 2] error: {words}")
+    rank0 = Death("trainer", 0, 1, seen_order=2, last_words=f"[trainer rank 0] error: {words}")
+    other = Death("trainer", 1, 1, seen_order=2, last_words="[trainer rank 1] error: something else")
+    ordered = order_deaths([rank0, other, rank2])
+    assert ordered[0] == rank2 and first_cause(ordered) == rank0
+    assert first_cause(order_deaths([rank2, other])) == rank2  # no peer with the same words: the first stays
+    killed = Death("trainer", 3, -signal.SIGKILL, seen_order=1)
+    assert first_cause(order_deaths([rank0, killed, rank2])) == killed  # a kill is not a refusal
 
 
 def test_the_first_claim_in_the_job_folder_wins(tmp_path: Path) -> None:
