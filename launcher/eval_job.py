@@ -3,9 +3,8 @@
 ``--local`` runs ``python3 -m runtime.evaluate`` here (the target and draft on this machine's GPU or
 CPU). Without it, a one-node Slurm job on a capture-class node (the recipe's ``job.capture``
 resources, ``eval.time_limit_min``, ``--mem`` from the plan's host memory of the served target) runs
-the same command; its batch script is rendered from the
-recipe like the training job's, and checked in as ``sbatch/NAME.eval.sbatch`` for manual
-submission. Results land in ``<job>/eval/<draft>/`` either way.
+the same command; its batch script is rendered from the recipe like the training job's, and checked
+in as ``sbatch/NAME.eval.sbatch`` for manual submission. Results land in ``<job>/eval/<draft>/`` either way.
 """
 
 from __future__ import annotations

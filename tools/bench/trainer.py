@@ -259,6 +259,11 @@ def synthetic_sample(
     return ids, mask, out[0], out[1]
 
 
+def attention_backend(device: torch.device) -> str:
+    """The draft's attention on ``device``: compiled flex_attention on a GPU, SDPA on the CPU."""
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
 def build_draft(shapes: Shapes, device: torch.device, use_fsdp: bool) -> DSparkDraft:
     """The draft at ``shapes`` with its frozen vocabulary, under single-rank FSDP2 (fp32 master weights,
     compute in ``shapes.dtype``) or as a plain module in the compute dtype."""
@@ -268,7 +273,7 @@ def build_draft(shapes: Shapes, device: torch.device, use_fsdp: bool) -> DSparkD
             shapes.draft,
             vocab_size=shapes.vocab,
             num_aux_layers=shapes.num_aux,
-            attention_backend="flex" if device.type == "cuda" else "sdpa",
+            attention_backend=attention_backend(device),
             max_length=shapes.tokens,
         )
     embed = (torch.randn(shapes.vocab, shapes.draft.hidden_size, device=device) * 0.02).to(shapes.dtype)
@@ -291,7 +296,7 @@ def build_draft(shapes: Shapes, device: torch.device, use_fsdp: bool) -> DSparkD
 
 def run_microstep(shapes: Shapes, device: torch.device, matmul: float, repeats: int, use_fsdp: bool) -> None:
     model = build_draft(shapes, device, use_fsdp)
-    backend = "flex" if device.type == "cuda" else "sdpa"
+    backend = attention_backend(device)
     params = sum(p.numel() for p in model.parameters())
     ids, mask, hs_host, lhs_host = synthetic_sample(shapes, device)
     layout_started = time.perf_counter()
@@ -468,6 +473,8 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
     """The trainer's checkpoint save (``save_checkpoint``) of the draft with AdamW moments on one rank,
     against a plain write of the same bytes, with the time of each part; what a stop must fit in
     (Slurm's KillWait after a plain scancel, GraceTime on preemption)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from runtime.trainer.checkpoints import DCP_DIR, file_digests, flat_tensors, rng_state, save_checkpoint
     from runtime.trainer.state_hash import state_dict_sha256 as tensors_sha256
 
@@ -477,8 +484,6 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
         param.grad = torch.zeros_like(param)
     optimizer.step()  # the moments exist from the first step on
     optimizer.zero_grad(set_to_none=True)
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {**flat_tensors(model_state), **flat_tensors(optim_state)}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -509,7 +514,7 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
         started = time.perf_counter()
         fn()
         parts[name] = time.perf_counter() - started
-    # The CUDA tensors hash through pinned staging buffers: the digest must be their host copies' digest.
+    # Device tensors hash through pinned staging buffers: the digest must be their host copies' digest.
     on_host = tensors_sha256({name: tensor.cpu() for name, tensor in model_state.items()})
     if tensors_sha256(model_state) != on_host:
         raise SystemExit(
