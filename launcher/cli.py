@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import control, eval_job, gate, jobs
+from launcher import after_training, control, eval_job, gate, jobs
 from launcher.environment import COMPONENTS
 from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
@@ -204,6 +204,14 @@ def submit(args: argparse.Namespace) -> int:
         )
         print(render_script(loaded.recipe, options), end="")
         print(f"# command: sbatch {planned}/submission.sh   (dry run: nothing was submitted)")
+        settings = loaded.recipe.eval
+        if settings is not None and settings.after_training and not args.probe and not loaded.smoke:
+            print(f"# ---- eval.after_training: the eval job, submitted with the training job ({planned}/eval/) ----")
+            print(eval_job.render_eval_script(loaded.recipe, loaded.source), end="")
+            print(
+                f"# command: sbatch --dependency=afterok:<training job id> --export=ALL,DSPARK_JOB_DIR={planned} "
+                f"{planned}/eval/{loaded.recipe.job.name}{eval_job.EVAL_SCRIPT_SUFFIX}   (dry run: nothing was submitted)"
+            )
         for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
         return 0
@@ -345,11 +353,37 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
             raise
         jobs.write_record(record, _runs_dir(loaded))
     print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
-    code = LocalRun(load_resolved(resolved_path), record, probe).run()
-    print(control.job_report(record).render())
+    resolved = load_resolved(resolved_path)
+    settings = None if probe else resolved.recipe.eval
+    watch = after_training.start_checkpoint_watch(resolved, job_dir, REPO_ROOT) if settings else None
+    try:
+        code = LocalRun(resolved, record, probe).run()
+    finally:
+        after_training.finish_checkpoint_watch(watch, job_dir / "logs" / after_training.WATCH_LOG)
+    report = control.job_report(record)
+    print(report.render())
     _plot_metrics(job_dir)
     _print_outputs(job_dir)
+    if code == 0 and report.state == "COMPLETED" and settings is not None and settings.after_training:
+        code = _evaluate_after_training(loaded, job_dir)
     return code
+
+
+def _evaluate_after_training(loaded: LoadedRecipe, job_dir: Path) -> int:
+    """``eval.after_training`` of a completed ``--local`` run: evaluate the final draft, end with its table."""
+    code = after_training.evaluate_after_training(job_dir, loaded.source, REPO_ROOT)
+    results_path = after_training.newest_results(job_dir)
+    results = after_training.read_results(results_path) if results_path and code == 0 else None
+    if results is None:
+        print(
+            f"[local] the evaluation after training failed (exit {code}); the run itself completed. Log: "
+            f"{_display_path(job_dir / 'logs' / after_training.AFTER_TRAINING_LOG)}; again: python3 -m launcher eval "
+            f"{_display_path(job_dir)} --local"
+        )
+        return code or 1
+    assert results_path is not None
+    print("\n".join(after_training.headline(results, results_path, _display_path)))
+    return 0
 
 
 def _plot_metrics(job_dir: Path) -> None:
@@ -394,6 +428,16 @@ def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRe
     record = _record_for(loaded, job_dir, str(job.job_id), "slurm", probe)
     jobs.write_record(record, _runs_dir(loaded))
     print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer hetjob")
+    settings = loaded.recipe.eval
+    if settings is not None and settings.after_training and not probe and not loaded.smoke:
+        record.eval_job_id = eval_job.submit_eval_job(
+            loaded.recipe, loaded.source, job_dir, REPO_ROOT, after_job=str(job.job_id)
+        )
+        jobs.write_record(record, _runs_dir(loaded))
+        print(
+            f"submitted eval job {record.eval_job_id} (eval.after_training): it evaluates the final draft once job "
+            f"{job.job_id} has completed (--dependency=afterok; Slurm cancels it if the training job fails)"
+        )
     print(f"  folder  {_display_path(job_dir)}")
     print(f"  status  python3 -m launcher status {job.job_id}")
     print(f"  logs    python3 -m launcher logs {job.job_id} --follow")

@@ -16,7 +16,14 @@ from submitit.core import utils
 
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
-from launcher.slurm_state import ComponentState, SlurmUnreachableError, fold_state, parse_sacct, query_sacct
+from launcher.slurm_state import (
+    ComponentState,
+    SlurmUnreachableError,
+    base_state,
+    fold_state,
+    parse_sacct,
+    query_sacct,
+)
 from runtime.shared.contracts import resume_command
 from runtime.user_errors import UserError
 
@@ -69,6 +76,8 @@ class JobReport:
     resume_hint: str = ""
     """For a job that ended without completing: its newest complete checkpoint and the command that
     continues from it."""
+    eval_line: str = ""
+    """The evaluation that goes with the run: the Slurm eval job's state, or where a local run's results are."""
 
     @property
     def failed(self) -> bool:
@@ -93,6 +102,8 @@ class JobReport:
             lines.append(f"  note: {self.note}")
         if self.resume_hint:
             lines.append(f"  {self.resume_hint}")
+        if self.eval_line:
+            lines.append(f"  {self.eval_line}")
         return "\n".join(lines)
 
 
@@ -157,7 +168,23 @@ def job_report(record: JobRecord) -> JobReport:
         note=note,
         slurm_unreachable=unreachable,
         resume_hint=resume_hint(record) if state in TERMINAL_JOB_STATES - {"COMPLETED"} else "",
+        eval_line=_eval_job_line(record) if not unreachable else "",
     )
+
+
+def _eval_job_line(record: JobRecord) -> str:
+    """The state of the eval job submitted with a Slurm training job (``eval.after_training``)."""
+    if not record.eval_job_id:
+        return ""
+    try:
+        found = parse_sacct(query_sacct(record.eval_job_id), record.eval_job_id).get(0)
+    except SlurmUnreachableError as exc:
+        return f"eval job {record.eval_job_id} (after training): state unknown ({exc})"
+    if found is None:
+        return f"eval job {record.eval_job_id} (after training): PENDING (waits for this job to complete)"
+    reason = f" ({found.reason})" if found.reason else ""
+    where = f"; results in {Path(record.job_dir) / 'eval'}" if base_state(found.state) == "COMPLETED" else ""
+    return f"eval job {record.eval_job_id} (after training): {base_state(found.state)}{reason}{where}"
 
 
 def resume_hint(record: JobRecord) -> str:

@@ -169,14 +169,35 @@ def main(argv: list[str], repo_root: Path) -> int:
 
 
 def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Namespace, repo_root: Path) -> int:
+    extra = eval_arguments(args)
+    slurm_id = submit_eval_job(recipe, recipe_file, job_dir, repo_root, args.checkpoint, extra)
+    eval_dir = job_dir / "eval"
+    print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
+    print(f"  follow: tail -f {eval_dir}/slurm-{slurm_id}.out")
+    print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
+    return 0
+
+
+def submit_eval_job(
+    recipe: Recipe,
+    recipe_file: str,
+    job_dir: Path,
+    repo_root: Path,
+    checkpoint: str = "latest",
+    extra_args: list[str] | None = None,
+    after_job: str | None = None,
+) -> str:
+    """Submit the eval job of ``job_dir`` (its script written into ``<job>/eval/``); with ``after_job``
+    it starts only once that job has completed (``--dependency=afterok``: a failed or cancelled
+    training job cancels it). Returns its Slurm job id."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise EvalLaunchError(
             "sbatch is not on PATH, so no Slurm job can be submitted from here; fix: run this on a Slurm login node, "
             "or evaluate on this machine with --local"
         )
-    extra = " ".join(eval_arguments(args))
-    if "," in extra or "," in args.checkpoint:
+    extra = " ".join(extra_args or [])
+    if "," in extra or "," in checkpoint:
         raise EvalLaunchError(
             f"eval arguments {extra!r} contain a comma, which sbatch --export cannot carry; fix: drop it"
         )
@@ -189,19 +210,17 @@ def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Name
     eval_dir.mkdir(parents=True, exist_ok=True)
     script = eval_dir / f"{recipe.job.name}{EVAL_SCRIPT_SUFFIX}"
     atomic_write_text(script, render_eval_script(recipe, recipe_file))
-    exports = f"ALL,DSPARK_REPO={repo_root},DSPARK_JOB_DIR={job_dir},DSPARK_EVAL_CHECKPOINT={args.checkpoint}"
+    exports = f"ALL,DSPARK_REPO={repo_root},DSPARK_JOB_DIR={job_dir},DSPARK_EVAL_CHECKPOINT={checkpoint}"
     command = [
         sbatch,
         "--parsable",
         f"--export={exports},DSPARK_EVAL_ARGS={extra}",
         f"--output={eval_dir}/slurm-%j.out",
-        str(script),
     ]
+    if after_job is not None:
+        command.append(f"--dependency=afterok:{after_job}")
+    command.append(str(script))
     done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise EvalLaunchError(f"sbatch refused the eval job: {done.stderr.strip() or done.stdout.strip()}")
-    slurm_id = done.stdout.strip().split(";")[0]
-    print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
-    print(f"  follow: tail -f {eval_dir}/slurm-{slurm_id}.out")
-    print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
-    return 0
+    return done.stdout.strip().split(";")[0]

@@ -55,6 +55,8 @@ class JobRecord:
     submitted_at: str = ""
     supervisor_pid: int | None = None
     """The ``--local`` supervisor process."""
+    eval_job_id: str | None = None
+    """The Slurm eval job submitted with the training job (``eval.after_training``), if any."""
 
     @property
     def trainer_world_size(self) -> int:

@@ -73,7 +73,7 @@ class TinyTargetSpec:
     init_seed: int = 1234
     train_corpus_seed: int = 1001
     train_conversations: int = 2500
-    train_steps: int = 80
+    train_steps: int = 100
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 8
@@ -319,12 +319,40 @@ def write_chat_corpus(spec: TinyTargetSpec, chat_path: Path) -> str:
     return hashlib.sha256(chat_path.read_bytes()).hexdigest()
 
 
-def write_eval_set(spec: TinyTargetSpec, eval_path: Path) -> str:
-    """Write the held-out eval conversations (deterministic, from :data:`EVAL_SEED`); returns the
-    file's SHA-256. Each keeps its last assistant turn as the reference answer; the eval drops it."""
+def eval_prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The turns an eval decode starts from: the conversation without its last assistant turn."""
+    turns = list(row["conversations"])
+    return turns[:-1] if turns and turns[-1]["role"] == "assistant" else turns
+
+
+def held_out_eval_rows(spec: TinyTargetSpec) -> list[dict[str, Any]]:
+    """:data:`EVAL_ROWS` conversations from :data:`EVAL_SEED` whose prompt (every turn before the last
+    answer) opens no conversation the draft trains on (the chat rows) nor the target's training corpus:
+    the same tasks and world, other draws, and never a prompt either model has seen."""
     vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
-    rows = tiny_corpus.generate_conversations(vocabulary, EVAL_ROWS, EVAL_SEED, id_prefix="eval")
-    write_rows(eval_path, rows)
+    seen = [
+        row["conversations"]
+        for rows in (
+            tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, "tiny"),
+            tiny_corpus.generate_conversations(vocabulary, spec.train_conversations, spec.train_corpus_seed, "train"),
+        )
+        for row in rows
+    ]
+    candidates = tiny_corpus.generate_conversations(vocabulary, 4 * EVAL_ROWS, EVAL_SEED, id_prefix="eval")
+    held_out = []
+    for row in candidates:
+        prompt = eval_prompt_turns(row)
+        if not any(turns[: len(prompt)] == prompt for turns in seen):
+            held_out.append(row)
+    if len(held_out) < EVAL_ROWS:
+        raise RuntimeError(f"only {len(held_out)} of {len(candidates)} eval candidates are held out; draw more")
+    return held_out[:EVAL_ROWS]
+
+
+def write_eval_set(spec: TinyTargetSpec, eval_path: Path) -> str:
+    """Write the held-out eval conversations (:func:`held_out_eval_rows`); returns the file's SHA-256.
+    Each keeps its last assistant turn as the reference answer; the eval drops it."""
+    write_rows(eval_path, held_out_eval_rows(spec))
     return hashlib.sha256(eval_path.read_bytes()).hexdigest()
 
 

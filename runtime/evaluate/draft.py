@@ -140,6 +140,10 @@ def build_draft(source: DraftSource, recipe: Recipe, *, seed: int, device: str, 
     return model.to(device=device, dtype=dtype).eval()
 
 
+MARKOV_TABLE_MAX_BYTES = 64 * 2**20
+"""Largest vanilla Markov bias table a proposer precomputes (a vocabulary of up to 4096 tokens)."""
+
+
 @dataclass
 class Proposal:
     """One drafted block."""
@@ -162,6 +166,19 @@ class DraftProposer:
         self.dtype = model.fc.weight.dtype
         self.device = model.fc.weight.device
         self.context = torch.empty(0, model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self._markov_table = self._vanilla_markov_table(model)
+
+    @staticmethod
+    @torch.no_grad()
+    def _vanilla_markov_table(model: DSparkDraft) -> torch.Tensor | None:
+        """``W1 @ W2^T`` [V, V] fp32: the vanilla Markov head's bias for every previous token, so that each
+        drafted slot costs a row lookup instead of a [r] x [r, V] product. Only where it is small (a small
+        vocabulary); otherwise (and for the gated and rnn heads) the bias is computed slot by slot."""
+        head = model.markov_head
+        vocab = head.markov_w1.weight.shape[0]
+        if head.kind != "vanilla" or vocab * vocab * 4 > MARKOV_TABLE_MAX_BYTES:
+            return None
+        return head.markov_w1.weight.to(torch.float32) @ head.markov_w2.weight.to(torch.float32).t()
 
     @torch.no_grad()
     def reset(self, aux: torch.Tensor) -> None:
@@ -203,17 +220,19 @@ class DraftProposer:
         hidden = model.slot_hidden(self.context, self._layout(anchor_token))  # [1, S, H]
         base = hidden[0].to(torch.float32) @ model.lm_head_weight.to(torch.float32).t()  # [S, V]
         w2 = model.markov_head.markov_w2.weight.to(torch.float32)
+        vanilla = model.markov_head.kind == "vanilla"
         prev = [anchor_token]
         probs: list[torch.Tensor] = []
-        confidence: list[float] = []
         for k in range(self.block_size):
-            prev_tokens = torch.tensor([prev], dtype=torch.int64, device=self.device)
-            # Recomputed over the slots so far: the rnn head's state runs over them (S is small).
-            latent, embedded = model.markov_head(prev_tokens, hidden[:, : k + 1])
-            logits = base[k] + latent[0, k].to(torch.float32) @ w2.t()
-            if model.confidence_head is not None:
-                score = model.confidence_head(hidden[:, k : k + 1], embedded[:, k : k + 1])
-                confidence.append(float(torch.sigmoid(score.to(torch.float32)).reshape(())))
+            if self._markov_table is not None:
+                bias = self._markov_table[prev[-1]]
+            elif vanilla:  # the latent is the previous token's row: one lookup, not a pass over the slots
+                bias = model.markov_head.markov_w1.weight[prev[-1]].to(torch.float32) @ w2.t()
+            else:  # recomputed over the slots so far: the gated and rnn heads read the slots (S is small)
+                prev_tokens = torch.tensor([prev], dtype=torch.int64, device=self.device)
+                latent = model.markov_head(prev_tokens, hidden[:, : k + 1])[0][0, k]
+                bias = latent.to(torch.float32) @ w2.t()
+            logits = base[k] + bias
             if temperature == 0.0:
                 token = int(logits.argmax())
             else:
@@ -221,8 +240,14 @@ class DraftProposer:
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             prev.append(token)
+        confidence = None
+        if model.confidence_head is not None:
+            # Every slot at once, from its hidden state and the Markov embedding of its previous token.
+            embedded = model.markov_head.markov_w1(torch.tensor([prev[:-1]], dtype=torch.int64, device=self.device))
+            scores = torch.sigmoid(model.confidence_head(hidden, embedded).to(torch.float32))[0]
+            confidence = [float(score) for score in scores]
         return Proposal(
             tokens=torch.tensor(prev[1:], dtype=torch.int64),
             probs=torch.stack(probs) if probs else None,
-            confidence=confidence if model.confidence_head is not None else None,
+            confidence=confidence,
         )

@@ -1,6 +1,9 @@
-"""Plots of eval results: acceptance length over training steps (every evaluated checkpoint of
-the job), and for one evaluation the per-slot accept rates and the confidence head's calibration.
-Drawn with matplotlib when it is installed; without it, a line says so and nothing else changes."""
+"""Plots of eval results: acceptance length over training steps (every evaluated checkpoint of the job,
+the per-checkpoint greedy decodes of ``eval.checkpoint_prompts``, the untrained floors and the trainer's
+teacher-forced tau), and for one evaluation the per-slot accept rates and the confidence head's
+calibration. Each plot's title names the run, the draft and the prompts; each point says how many
+verify steps stand behind it. Drawn with matplotlib when it is installed; without it, a line says so
+and nothing else changes."""
 
 from __future__ import annotations
 
@@ -11,8 +14,41 @@ from typing import Any
 from runtime.files import atomic_path
 
 OVER_STEPS_FILE = "acceptance_over_steps.png"
+DURING_TRAINING_FILE = "during_training.jsonl"
+"""Written by :mod:`runtime.evaluate.during_training` in the job's ``eval/`` folder."""
+METRICS_FILE = "metrics.jsonl"
+"""The trainer's metrics, in the job folder (``eval/``'s parent)."""
+COLORS = {0.0: "tab:blue", 1.0: "tab:orange"}
 SLOTS_FILE = "slot_accept_rate.png"
 CALIBRATION_FILE = "calibration.png"
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file; damaged lines (a line being written) are skipped."""
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _color(temperature: float) -> str:
+    return COLORS.get(temperature, "tab:green")
+
+
+def _title(results: dict[str, Any], what: str) -> str:
+    """``what``, the run, the draft and the prompts of one results document."""
+    run = Path(results["job_dir"]).name
+    prompts = sum(results["sets"].values())
+    return f"{what}: run {run}, draft {results['draft']['label']}\n{prompts} prompts ({', '.join(results['sets'])})"
 
 
 def _results(eval_root: Path) -> list[dict[str, Any]]:
@@ -41,24 +77,37 @@ def draw_eval_plots(out_dir: Path, eval_root: Path) -> list[str]:
     calibration = _calibration(plt, results, out_dir / CALIBRATION_FILE)
     if calibration:
         written.append(calibration)
-    written.append(_over_steps(plt, _results(eval_root), eval_root / OVER_STEPS_FILE))
+    written.append(_over_steps(plt, _results(eval_root), eval_root, eval_root / OVER_STEPS_FILE))
     return [f"plots: {', '.join(str(p) for p in written)}"]
 
 
 def _slots(plt: Any, results: dict[str, Any], target: Path) -> Path:
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = plt.subplots(figsize=(6.5, 4.5))
     for entry in results["passes"]:
+        temperature = entry["temperature"]
         for label, figures in entry["drafts"].items():
             slots = figures["overall"]["slots"]
+            xs = [s["slot"] for s in slots]
+            ys = [s["accept_rate"] if s["accept_rate"] is not None else float("nan") for s in slots]
+            trained = label == results["draft"]["label"]
             axis.plot(
-                [s["slot"] for s in slots],
-                [s["accept_rate"] if s["accept_rate"] is not None else float("nan") for s in slots],
-                marker="o",
-                label=f"{label} T={entry['temperature']:g}",
+                xs,
+                ys,
+                marker="o" if trained else "x",
+                linestyle="-" if trained else ":",
+                color=_color(temperature),
+                label=f"{label}, T={temperature:g}",
             )
-    axis.set_xlabel("slot")
+            if trained:  # how many verify steps reached each slot: a rate from 3 is not one from 300
+                for x, y, slot in zip(xs, ys, slots, strict=True):
+                    if slot["reached"]:
+                        axis.annotate(
+                            f"n={slot['reached']}", (x, y), textcoords="offset points", xytext=(3, 5), fontsize=6
+                        )
+    axis.set_xlabel("slot (drafted token k of the block)")
     axis.set_ylabel("accept rate (given the earlier slots accepted)")
-    axis.set_ylim(0, 1)
+    axis.set_ylim(0, 1.05)
+    axis.set_title(_title(results, "per-slot accept rate"), fontsize=8)
     return _save(plt, figure, axis, target)
 
 
@@ -83,34 +132,80 @@ def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None
     axis.plot([0, 1], [0, 1], linestyle="--", color="grey", label="calibrated")
     axis.set_xlabel("confidence head: predicted acceptance")
     axis.set_ylabel("observed acceptance")
+    axis.set_title(_title(results, "confidence calibration (slot numbers beside the points)"), fontsize=8)
     axis.set_xlim(0, 1)
     axis.set_ylim(0, 1)
     return _save(plt, figure, axis, target)
 
 
-def _over_steps(plt: Any, documents: list[dict[str, Any]], target: Path) -> Path:
-    series: dict[float, list[tuple[int, float]]] = {}
-    floor: dict[float, float] = {}
+def _over_steps(plt: Any, documents: list[dict[str, Any]], eval_root: Path, target: Path) -> Path:
+    """Acceptance length against training step: each full evaluation of a checkpoint (per temperature),
+    the greedy decodes of every checkpoint during training, the untrained floors (one line per
+    temperature, in its color) and the trainer's teacher-forced tau from its metrics."""
+    series: dict[float, list[tuple[int, float, int]]] = {}
+    floor: dict[float, tuple[float, int]] = {}
+    prompts: set[str] = set()
     for document in documents:
         step = document["draft"]["step"]
+        prompts.add(f"{sum(document['sets'].values())} prompts ({', '.join(document['sets'])})")
         for entry in document["passes"]:
             temperature = entry["temperature"]
             for label, figures in entry["drafts"].items():
-                value = figures["overall"]["mean_acceptance_length"]
+                overall = figures["overall"]
+                value = overall["mean_acceptance_length"]
                 if value is None:
                     continue
                 if label == "untrained":
-                    floor[temperature] = value
+                    floor[temperature] = (value, overall["verify_steps"])
                 elif label == document["draft"]["label"] and step is not None:
-                    series.setdefault(temperature, []).append((step, value))
-    figure, axis = plt.subplots(figsize=(6, 4))
+                    series.setdefault(temperature, []).append((step, value, overall["verify_steps"]))
+    figure, axis = plt.subplots(figsize=(7, 4.5))
     for temperature, points in sorted(series.items()):
         points.sort()
-        axis.plot(*zip(*points, strict=True), marker="o", label=f"trained, T={temperature:g}")
-    for temperature, value in sorted(floor.items()):
-        axis.axhline(value, linestyle="--", linewidth=1, label=f"untrained, T={temperature:g}")
+        xs, ys, counts = zip(*points, strict=True)
+        axis.plot(xs, ys, marker="o", color=_color(temperature), label=f"trained, T={temperature:g} (full eval)")
+        for x, y, n in zip(xs, ys, counts, strict=True):
+            axis.annotate(f"n={n}", (x, y), textcoords="offset points", xytext=(3, 5), fontsize=6)
+    for temperature, (value, steps) in sorted(floor.items()):
+        axis.axhline(
+            value,
+            linestyle="--" if temperature == 0 else ":",
+            linewidth=1.2,
+            color=_color(temperature),
+            label=f"untrained floor, T={temperature:g} ({value:.2f}, n={steps})",
+        )
+    during = [r for r in _jsonl(eval_root / DURING_TRAINING_FILE) if r.get("mean_acceptance_length") is not None]
+    if during:
+        during.sort(key=lambda r: r["step"])
+        first = during[0]
+        axis.plot(
+            [r["step"] for r in during],
+            [r["mean_acceptance_length"] for r in during],
+            marker="s",
+            markersize=4,
+            color="tab:purple",
+            label=f"each checkpoint, T=0, {first['prompts']} prompts of {first['set']} (during training)",
+        )
+        for r in during:
+            axis.annotate(
+                f"n={r['verify_steps']}",
+                (r["step"], r["mean_acceptance_length"]),
+                textcoords="offset points",
+                xytext=(3, -10),
+                fontsize=6,
+                color="tab:purple",
+            )
+    tau = [(m["step"], m["tau"]) for m in _jsonl(eval_root.parent / METRICS_FILE) if "tau" in m and "step" in m]
+    if tau:
+        axis.plot(*zip(*sorted(tau), strict=True), color="grey", linewidth=0.8, alpha=0.7,
+                  label="trainer's teacher-forced tau (training batches)")  # fmt: skip
     axis.set_xlabel("training step")
-    axis.set_ylabel("mean acceptance length")
+    axis.set_ylabel("mean acceptance length (tokens per verify step)")
+    axis.set_title(
+        f"acceptance over training: run {eval_root.parent.name}\n{'; '.join(sorted(prompts)) or 'no full eval yet'}"
+        " (n: verify steps behind a point)",
+        fontsize=8,
+    )
     return _save(plt, figure, axis, target)
 
 

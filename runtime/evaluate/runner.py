@@ -78,7 +78,7 @@ def pick_device(setting: str) -> str:
     return setting
 
 
-def _load_tokenizer(target_path: Path) -> Any:
+def load_tokenizer(target_path: Path) -> Any:
     """The target's tokenizer, or None when the folder has none (``input_ids`` rows need none)."""
     from transformers import AutoTokenizer
 
@@ -91,7 +91,7 @@ def _load_tokenizer(target_path: Path) -> Any:
 
 def _prompts(inputs: EvalInputs, target_path: Path) -> dict[str, list[Prompt]]:
     """The chosen eval sets' prompts, by set name."""
-    tokenizer = _load_tokenizer(target_path)
+    tokenizer = load_tokenizer(target_path)
     return {
         s.name: load_prompts(s, i, inputs.resolved.resolve_path, tokenizer, inputs.resolved.recipe.capture.vocab_size)
         for i, s in enumerate(inputs.eval.sets)

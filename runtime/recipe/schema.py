@@ -793,6 +793,14 @@ class EvalSection(Section):
     blocks and ignores it."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Longest wait for one prompt's answer on the SGLang route."""
+    after_training: bool = False
+    """Evaluate the final draft when training ends. A ``--local`` run evaluates it on this machine and
+    ends with the table (trained against untrained acceptance, speed against the target alone); a
+    Slurm submission also submits the eval job with ``--dependency=afterok`` on the training job."""
+    checkpoint_prompts: int = Field(0, ge=0)
+    """During a ``--local`` run, decode this many prompts of the first eval set greedily with every
+    checkpoint as the trainer writes it (in a low-priority process beside the run, off the trainer's
+    path), for the acceptance-over-steps plot beside the trainer's tau; 0: off."""
 
     @field_validator("temperatures")
     @classmethod

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,7 +332,12 @@ def _prune(checkpoint_dir: Path, keep_last: int) -> None:
 
 def _dcp_load(bundle: dict[str, Any], path: Path) -> None:
     try:
-        dcp.load(bundle, checkpoint_id=str(path / DCP_DIR))
+        # One process without a process group (the evaluation) loads the checkpoint whole, as meant:
+        # DCP warns that it assumes so even when told (no_dist), so that one warning is filtered here.
+        single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is .*single process", category=UserWarning)
+            dcp.load(bundle, checkpoint_id=str(path / DCP_DIR), no_dist=single)
     except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures (a BaseException)
         cause = str(exc).strip().splitlines()
         detail = next((line for line in cause if "size" in line or "shape" in line or "Missing" in line), "")

@@ -26,9 +26,17 @@ def read_probes(job_dir: Path) -> dict[tuple[str, int], dict]:
     return records
 
 
-def probe_overrides(runs_dir: Path) -> list[str]:
-    """Fresh ports and a private runs folder, so tests never collide with each other."""
+TEST_RUN_OVERRIDES = ("trainer.epochs=2", "eval.after_training=false", "eval.checkpoint_prompts=0")
+"""The tests' tiny run: 32 steps (the recipe's 96 make the default run show a trained draft; the tests
+need the pipeline, not the quality) without the evaluation around it (tests that check it ask for it)."""
+
+
+def probe_overrides(runs_dir: Path, short_run: bool = True) -> list[str]:
+    """Fresh ports and a private runs folder, so tests never collide with each other; with ``short_run``
+    the tests' tiny run (:data:`TEST_RUN_OVERRIDES`)."""
+    short = [arg for item in TEST_RUN_OVERRIDES for arg in ("--set", item)] if short_run else []
     return [
+        *short,
         "--set",
         f"job.runs_dir={runs_dir}",
         "--set",
