@@ -223,4 +223,5 @@ def submit_eval_job(
     done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise EvalLaunchError(f"sbatch refused the eval job: {done.stderr.strip() or done.stdout.strip()}")
-    return done.stdout.strip().split(";")[0]
+    # `--parsable` prints `ID` or `ID;CLUSTER`; some sites wrap sbatch and print "Submitted batch job ID".
+    return done.stdout.strip().split(";")[0].split()[-1]

@@ -20,11 +20,13 @@ def test_one_command_builds_what_is_missing_and_runs(tmp_path: Path) -> None:
     clone = copy_repository(tmp_path / "clone", share_cache=False)
     assert not (clone / ".cache").exists()
     runs = tmp_path / "runs"
-    command = [sys.executable, "-m", "launcher", "tiny", "--local", *probe_overrides(runs)]
+    # The recipe's own evaluation stays on (eval.after_training, eval.checkpoint_prompts): a new user sees it.
+    command = [sys.executable, "-m", "launcher", "tiny", "--local", *probe_overrides(runs, short_run=False)]
     command += ["--set", "trainer.max_steps=4"]
     done = subprocess.run(command, cwd=clone, capture_output=True, text=True, timeout=3600)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-6000:]
+    assert "Warning" not in console and "WARNING" not in console, console[-6000:]
     assert "[prepare] .cache/tiny/target, .cache/tiny/data/train.jsonl missing" in console
     assert "[make_tiny_target] training: step" in console and "[make_tiny_target] done in" in console
     assert "prepare_data: wrote 128 rows" in console
@@ -33,6 +35,21 @@ def test_one_command_builds_what_is_missing_and_runs(tmp_path: Path) -> None:
     steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (job_dir / "plots" / "loss.png").exists()
+    # The run ends with the evaluation of its final draft against the untrained floor, from results.json.
+    results = json.loads((job_dir / "eval" / "step_00000004" / "results.json").read_text())
+    table = console[console.index("draft step_00000004 against an untrained draft of the same shape") :]
+    for entry in results["passes"]:
+        figures = entry["drafts"]["step_00000004"]["overall"]
+        row = f"{entry['temperature']:>4g} {figures['mean_acceptance_length']:>10.2f}"
+        assert row in table, (row, table)
+    greedy = results["passes"][0]["drafts"]["step_00000004"]["greedy_agreement"]
+    assert greedy["identical"] == greedy["prompts"] == 32, greedy  # lossless: the target's own greedy output
+    assert "results.json" in table and "acceptance_over_steps.png" in table
+    # ... and the checkpoints were decoded as the run wrote them: the untrained floor first, then step 4.
+    during = [json.loads(line) for line in (job_dir / "eval" / "during_training.jsonl").read_text().splitlines()]
+    assert [(row["draft"], row["prompts"]) for row in during] == [("untrained", 8), ("step_00000004", 8)]
+    assert all(row["verify_steps"] > 0 and row["mean_acceptance_length"] >= 1 for row in during)
     # A second command finds everything in place and builds nothing.
+    command += ["--set", "eval.after_training=false", "--set", "eval.checkpoint_prompts=0"]
     again = subprocess.run(command, cwd=clone, capture_output=True, text=True, timeout=1800)
     assert again.returncode == 0 and "[prepare]" not in again.stdout + again.stderr

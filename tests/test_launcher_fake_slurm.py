@@ -204,3 +204,73 @@ def test_eval_without_slurm_says_to_use_local(tmp_path: Path) -> None:
     done = launch(["eval", record.job_dir], env={"PATH": "/nonexistent"})
     assert done.returncode == 2
     assert "sbatch is not on PATH" in done.stderr and "--local" in done.stderr
+
+
+def test_after_training_submits_the_eval_job_afterok_the_training_job(fake: FakeSlurm, tmp_path: Path) -> None:
+    """eval.after_training on Slurm: the eval job goes in with the training job, held by
+    --dependency=afterok on it; job.json keeps its id and status shows its state; --dry-run shows both
+    scripts."""
+    from launcher.eval_job import render_eval_script
+    from runtime.recipe import load_resolved
+
+    runs = tmp_path / "runs"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    args = ["tiny", *probe_overrides(runs, short_run=False), *small_data(tmp_path)]
+    args += ["--set", f"capture.target_path={target}", "--set", "eval.after_training=true"]
+
+    dry = launch([*args, "--dry-run"], env=fake.environ())
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "# ---- eval.after_training: the eval job" in dry.stdout
+    assert "sbatch --dependency=afterok:<training job id>" in dry.stdout and not fake.calls("sbatch")
+
+    fake.answer("sbatch", stdout="Submitted batch job 4242\n")
+    done = launch(args, env=fake.environ())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "submitted eval job 4242 (eval.after_training)" in done.stdout
+    hetjob, evaluation = fake.calls("sbatch")
+    assert "#SBATCH hetjob" in str(hetjob["script"])
+    assert "--dependency=afterok:4242" in evaluation["argv"]
+    record = find_record("4242", runs)
+    assert record.eval_job_id == "4242"
+    resolved = load_resolved(Path(record.job_dir) / "recipe.resolved.json")
+    assert evaluation["script"] == render_eval_script(resolved.recipe, record.recipe_source)
+
+    fake.answer("sacct", stdout=SACCT_HEADER + "4242|tiny-eval|PENDING|0:0|00:00:00||Dependency\n")
+    status = launch(["status", "4242", "--runs-dir", str(runs)], env=fake.environ())
+    assert "eval job 4242 (after training): PENDING (Dependency)" in status.stdout, status.stdout
+
+
+def test_the_run_headline_gives_trained_against_untrained_and_the_speed_up(tmp_path: Path) -> None:
+    from launcher.after_training import headline
+
+    def figures(accept: float, rate: float, speedup: float | None) -> dict[str, object]:
+        return {"overall": {"mean_acceptance_length": accept, "tokens_per_s": rate}, "speedup_vs_plain": speedup}
+
+    results = {
+        "draft": {"label": "step_00000096"},
+        "sets": {"tiny-heldout": 32},
+        "device": "cpu",
+        "passes": [
+            {
+                "temperature": 0.0,
+                "plain": {"overall": {"tokens_per_s": 100.0}},
+                "drafts": {"step_00000096": figures(3.25, 190.0, 1.9), "untrained": figures(1.5, 90.0, 0.9)},
+            },
+            {
+                "temperature": 1.0,
+                "plain": {"overall": {"tokens_per_s": 110.0}},
+                "drafts": {"step_00000096": figures(3.0, 165.0, 1.5), "untrained": figures(1.1, 60.0, 0.55)},
+            },
+        ],
+    }
+    path = tmp_path / "eval" / "step_00000096" / "results.json"
+    path.parent.mkdir(parents=True)
+    (path.parent / "slot_accept_rate.png").write_bytes(b"")
+    lines = headline(results, path)
+    table = "\n".join(lines)
+    assert "draft step_00000096 against an untrained draft of the same shape, 32 held-out prompts" in lines[0]
+    assert "0       3.25      1.50  +1.75       190.0        100.0    1.90x" in table
+    assert "1       3.00      1.10  +1.90       165.0        110.0    1.50x" in table
+    assert str(path) in table and "slot_accept_rate.png" in table

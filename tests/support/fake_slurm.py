@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("sbatch", "sacct", "scontrol", "scancel")
+# srun too: submitit refuses to build a Slurm executor where `srun` is not on PATH (a machine without Slurm).
+COMMANDS = ("sbatch", "sacct", "scontrol", "scancel", "srun")
 
 _SCRIPT = """#!{python}
 import json, os, sys
