@@ -80,6 +80,7 @@ class JobReport:
         lines = [
             f"job {self.record.job_id} ({self.record.mode}) '{self.record.name}': {self.state}",
             f"  folder {self.record.job_dir}",
+            *([f"  {describe_parent(self.record.parent)}"] if self.record.parent else []),
             f"  {'component':<10} {'group':>5} {'state':<12} {'exit':<6} {'tasks ok':<9} {'elapsed':<10} nodes",
         ]
         for c in self.components:
@@ -160,9 +161,17 @@ def job_report(record: JobRecord) -> JobReport:
     )
 
 
+def describe_parent(parent: dict[str, str]) -> str:
+    """``continues job X (the same run) from CHECKPOINT`` or ``forked from job X at CHECKPOINT (a new run)``."""
+    where = f"job {parent.get('job_id')} ({parent.get('job_dir')})"
+    if parent.get("kind") == "fork":
+        return f"parent: forked from {where} at {parent.get('checkpoint')} (a new run, its recipe may differ)"
+    return f"parent: resumes {where} from {parent.get('checkpoint')} (the same run)"
+
+
 def resume_hint(record: JobRecord) -> str:
     """The newest complete checkpoint of an ended job and the command that continues from it."""
-    command = resume_command(record.recipe_source, record.job_dir, local=record.mode == "local")
+    command = resume_command(record.job_dir, local=record.mode == "local")
     try:
         newest = newest_checkpoint(record)
     except (OSError, ValueError, UserError) as exc:  # a damaged or missing resolved recipe: say so, keep the status

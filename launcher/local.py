@@ -230,7 +230,7 @@ class LocalRun:
 
     def resume_command(self) -> str:
         """The command that continues this job from its newest checkpoint."""
-        return resume_command(self.record.recipe_source, self.record.job_dir, local=True)
+        return resume_command(self.record.job_dir, local=True)
 
     def _note_deaths(self, component: str | None = None) -> None:
         """Record every task seen ended badly for the first time, with this poll round (a new one); with

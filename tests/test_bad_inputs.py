@@ -446,7 +446,7 @@ CASES += [
         "job",
         "launcher",
         ("tiny", "--plan", "--resume", JOB, "--set", "trainer.draft.markov_rank=16"),
-        ("trainer.draft.markov_rank", "was 32"),
+        ("trainer.draft.markov_rank 32 -> 16",),
     ),
     Case(
         "flag-resume-broken-record",

@@ -118,13 +118,13 @@ def test_the_supervisor_names_the_killed_rank_first(tmp_path: Path, capsys) -> N
     first = [line for line in err.splitlines() if line.startswith("[local] FAILED: ")]
     assert first == [
         f"[local] FAILED: trainer rank 1 killed by SIGKILL (-9); resume with "
-        f"`python3 -m launcher tiny --local --resume {run.record.job_dir}`"
+        f"`python3 -m launcher --resume {run.record.job_dir} --local`"
     ], err
     assert took_s < 4, f"{took_s:.1f} s from the start to the supervisor's end"
     run._repeat_the_cause()  # the run's last line, after the echoed logs of its peers
     assert capsys.readouterr().err == (
         "[local] the cause, above: trainer rank 1 killed by SIGKILL (-9) (what its peers logged after it are "
-        f"consequences); resume with `python3 -m launcher tiny --local --resume {run.record.job_dir}`\n"
+        f"consequences); resume with `python3 -m launcher --resume {run.record.job_dir} --local`\n"
     )
     assert run.status["trainer"]["state"] == "FAILED" and run.status["capture"]["state"] == "STOPPED"
 
@@ -214,7 +214,7 @@ def test_the_master_watch_names_the_dead_master_within_a_second(tmp_path: Path) 
     assert exits and exits[0][0] == EXIT_MASTER_DIED and exits[0][1] - killed_at < 1.0
     assert watch.line == (
         f"mooncake_master (pid {master.pid}) killed by SIGKILL (-9) at step 3; the capture fails now; "
-        f"resume with `python3 -m launcher tiny --local --resume {tmp_path}`"
+        f"resume with `python3 -m launcher --resume {tmp_path} --local`"
     )
 
 
@@ -281,7 +281,7 @@ def test_kill_9_of_the_mooncake_master_is_one_line_within_seconds(tmp_path: Path
     ]
     assert watch, text[-4000:]
     assert re.search(
-        r"at step \d+; the capture fails now; resume with `python3 -m launcher \S+ --local --resume \S+`", watch[0][1]
+        r"at step \d+; the capture fails now; resume with `python3 -m launcher --resume \S+ --local`", watch[0][1]
     )
     failed = [(t, line) for t, line in console if line.startswith("[local] FAILED: capture rank 0 exited with code 3")]
     assert failed, text[-4000:]
@@ -313,7 +313,7 @@ def test_slurm_workers_agree_on_the_first_death_through_the_job_folder(tmp_path:
     from launcher.worker import _death_line
 
     (tmp_path / JOB_RECORD_FILENAME).write_text(json.dumps({"recipe_source": "tiny", "mode": "slurm"}))
-    resume = f"resume with `python3 -m launcher tiny --resume {tmp_path}`"
+    resume = f"resume with `python3 -m launcher --resume {tmp_path}`"
     assert _death_line(tmp_path, Death("trainer", 1, -9)) == (
         f"FAILED (the first task to die): trainer rank 1 killed by SIGKILL (-9); {resume}"
     )
