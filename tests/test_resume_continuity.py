@@ -18,8 +18,7 @@ import pytest
 from launcher import cli
 from launcher.control import job_report
 from launcher.jobs import JobRecord, find_record, write_record
-from runtime.recipe import load_recipe
-from runtime.recipe import continuity
+from runtime.recipe import continuity, load_recipe
 from runtime.shared.contracts import resume_command
 
 REPO = Path(__file__).resolve().parents[1]
