@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launcher.component import ChildStopped, run_attached
+
 PLOTS_DIRNAME = "plots"
 PLOT_TIMEOUT_S = 300.0
 
@@ -21,9 +23,11 @@ def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT
         )
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:
-        done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = run_attached(command, cwd=repo_root, capture=True, timeout_s=timeout_s)
     except subprocess.TimeoutExpired:
         return False, f"plots took longer than {timeout_s:.0f} s"
+    except ChildStopped:
+        return False, "plots stopped with the launcher; `python3 -m launcher plots JOB` draws them"
     if done.returncode != 0:
         return False, f"plots failed: {done.stderr.strip().removeprefix('error: ')[-400:]}"
     return True, f"plots in {job_dir / PLOTS_DIRNAME}"

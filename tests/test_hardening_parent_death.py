@@ -38,6 +38,13 @@ PARENTS = {
         "m = MasterProcess(MasterSettings('127.0.0.1', 1, 2, 3, 60, 0.9)); "
         "p = m._spawn([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); time.sleep(60)"
     ),
+    # `launcher eval --local`, the data.prepare_commands and the plots: run_attached
+    "attached": (
+        "import sys, threading, time; from launcher.component import run_attached; "
+        "threading.Timer(0.5, lambda: print(open('/proc/self/task/' + str(__import__('os').getpid()) + "
+        "'/children').read().split()[0], flush=True)).start(); "
+        "run_attached([sys.executable, '-c', {child!r}], cwd='.')"
+    ),
     "sglang_server": (  # engine_sglang starts its server with preexec_fn=die_with_parent
         "import subprocess, sys, time; from runtime.shared.lifecycle import die_with_parent; "
         "p = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True, preexec_fn=die_with_parent); "
@@ -100,3 +107,51 @@ def test_a_parent_that_died_before_the_request_is_noticed() -> None:
         [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=20
     )
     assert done.returncode == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_the_parent_alone_stops_its_attached_child(signum: int) -> None:
+    """``kill -TERM`` of the launcher's pid only (not its group) during ``eval --local`` or a prepare
+    command: before, the launcher ended and its child ran on to the end as an orphan. Now the child's
+    whole group gets SIGTERM, the parent waits for it and says so."""
+    code = (
+        "import sys, os; from launcher.component import run_attached, ChildStopped\n"
+        "try:\n"
+        "    run_attached([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(60)'],"
+        " cwd='.')\n"
+        "except ChildStopped as exc:\n"
+        "    print('stopped', exc.signum, exc.returncode, flush=True); sys.exit(3)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())  # type: ignore[union-attr]
+    try:
+        os.kill(parent.pid, signum)
+        out, _ = parent.communicate(timeout=10)
+        assert parent.returncode == 3 and out.split() == ["stopped", str(int(signum)), str(-signal.SIGTERM)], out
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_result_files_are_written_whole_or_not_at_all_when_a_stop_comes_meanwhile(tmp_path: Path) -> None:
+    """The evaluation writes results.json, summary.txt and plots with the stop signals held back: a SIGTERM
+    that comes meanwhile ends it after the last file, never between two."""
+    code = (
+        "import os, signal, time, pathlib; from runtime.shared.lifecycle import stop_signals_deferred\n"
+        f"out = pathlib.Path({str(tmp_path)!r})\n"
+        "with stop_signals_deferred():\n"
+        "    (out / 'results.json').write_text('{}')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.3)\n"
+        "    (out / 'summary.txt').write_text('done')\n"
+        "(out / 'after').write_text('never')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == -signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "summary.txt"]
