@@ -83,7 +83,9 @@ def _local_run(tmp_path: Path, children: dict[tuple[str, int], str]) -> LocalRun
     for (component, rank), code in children.items():
         log_path = job_dir / f"{component}_{rank}.out"
         log = log_path.open("ab")
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=log, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         run.tasks.append(LocalTask(component, rank, process, log, log_path))
     for component in ("capture", "trainer"):
         run.status[component] = {"state": "RUNNING", "tasks": 1, "exit_codes": {}}
@@ -320,4 +322,103 @@ def test_slurm_workers_agree_on_the_first_death_through_the_job_folder(tmp_path:
     assert _death_line(tmp_path, Death("trainer", 0, 1)) == (
         "trainer rank 0 exited with code 1: a consequence of trainer rank 1 killed by SIGKILL (-9), "
         f"which died first (the cause); {resume}"
+    )
+
+
+PEER_TRACEBACK = (  # a peer's reaction to the death: a deep traceback when its collective fails
+    "import signal, sys, time\n"
+    "def deep(n):\n"
+    "    if n == 0: raise RuntimeError('[gloo] Connection closed by peer [127.0.0.1]:29500')\n"
+    "    deep(n - 1)\n"
+    "def boom(*_):\n"
+    "    deep(30)\n"
+    "signal.signal(signal.SIGTERM, boom)\n"
+    "time.sleep(60)\n"
+)
+WRITER_THREADS_THEN_REFUSAL = (  # a checkpoint save on a full disk: DCP's writer threads fail, then the refusal
+    "import sys, threading, time\n"
+    "def write():\n"
+    "    raise OSError(28, 'No space left on device')\n"
+    "for _ in range(4):\n"
+    "    t = threading.Thread(target=write); t.start(); t.join()\n"
+    "time.sleep({delay})\n"
+    "print('[trainer rank {rank}] error: disk full at /x/checkpoints while saving step_00000024: need about 11476055 '\n"
+    "      'bytes, {free} free; the previous checkpoints are intact. Fix: free space there', file=sys.stderr)\n"
+    "sys.exit(1)\n"
+)
+
+
+def _console(run: LocalRun, capsys) -> list[str]:
+    """The supervisor's console in order (its echo goes to stdout, its own lines to stderr), as ``run()``
+    ends: supervise, echo the logs' last lines, repeat the cause."""
+    import contextlib
+
+    with contextlib.redirect_stderr(sys.stdout):
+        _supervise(run)
+        run._echo_logs()
+        run._repeat_the_cause()
+    return capsys.readouterr().out.splitlines()
+
+
+def _between(lines: list[str], first: str, last: str) -> list[str]:
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    end = next(i for i, line in enumerate(lines) if line.startswith(last))
+    assert start < end, lines
+    return lines[start + 1 : end]
+
+
+def test_after_a_kill_the_peers_traceback_stays_in_its_log(tmp_path: Path, capsys) -> None:
+    run = _local_run(
+        tmp_path,
+        {
+            ("capture", 0): SLEEP,
+            ("trainer", 0): PEER_TRACEBACK,
+            ("trainer", 1): KILL_SELF_AFTER.format(delay=0.3),
+            ("trainer", 2): SLEEP,
+        },
+    )
+    run.echo = True
+    lines = _console(run, capsys)
+    assert lines[0].startswith("[local] FAILED: trainer rank 1 killed by SIGKILL (-9); resume with"), lines
+    assert lines[-1].startswith("[local] the cause, above: trainer rank 1 killed by SIGKILL (-9) (what its peers")
+    assert len(_between(lines, "[local] FAILED:", "[local] the cause, above:")) <= 3, lines
+    assert not [line for line in lines if "Traceback" in line or line.lstrip().startswith("File ")], lines
+    assert "Traceback (most recent call last)" in (tmp_path / "job" / "trainer_0.out").read_text(), "kept in the log"
+
+
+def test_a_full_disk_is_named_first_and_last_without_the_writer_threads_tracebacks(tmp_path: Path, capsys) -> None:
+    """Every rank's save fails on the full disk, each naming its own free bytes; rank 1 happens to end first.
+    The console: the disk first (rank 0's line, or the first rank's in the FAILED line), a handful of lines,
+    and the closing line names the disk again, not "trainer rank 1 exited with code 1"."""
+    run = _local_run(
+        tmp_path,
+        {
+            ("capture", 0): SLEEP,
+            ("trainer", 0): WRITER_THREADS_THEN_REFUSAL.format(delay=0.8, rank=0, free=5959680),
+            ("trainer", 1): WRITER_THREADS_THEN_REFUSAL.format(delay=0.2, rank=1, free=5955584),
+            ("trainer", 2): WRITER_THREADS_THEN_REFUSAL.format(delay=0.9, rank=2, free=5951488),
+        },
+    )
+    run.echo = True
+    lines = _console(run, capsys)
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "Exception in thread" not in text, text
+    failed = next(line for line in lines if line.startswith("[local] FAILED: "))
+    assert "disk full at /x/checkpoints while saving step_00000024" in failed, failed
+    closing = lines[-1]
+    assert closing.startswith("[local] the cause, above: trainer rank ") and "disk full at /x/checkpoints" in closing
+    assert "the previous checkpoints are intact" in closing and "resume with `python3 -m launcher --resume" in closing
+    assert len(lines) <= 8, text
+
+
+def test_ranks_that_refused_with_the_same_words_but_their_own_numbers_are_one_cause() -> None:
+    words = "disk full at /x while saving step_00000024: need about 11476055 bytes, {} free. Fix: free space"
+    rank1 = Death("trainer", 1, 1, seen_order=1, last_words="[trainer rank 1] error: " + words.format(5955584))
+    rank0 = Death("trainer", 0, 1, seen_order=2, last_words="[trainer rank 0] error: " + words.format(5959680))
+    assert first_cause(order_deaths([rank0, rank1])) == rank0
+    assert rank1.pointed().startswith("trainer rank 1 exited with code 1: [trainer rank 1] error: disk full")
+    assert rank0.pointed() == "trainer rank 0 exited with code 1; its error line above says why and the fix"
+    assert rank0.cause() == (
+        "trainer rank 0 exited with code 1: disk full at /x while saving step_00000024: need about 11476055 bytes, "
+        "5959680 free"
     )
