@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,8 +266,7 @@ def save_checkpoint(
             "the previous checkpoints are intact. Fix: free space there, or set "
             "trainer.checkpoint.dir to a larger filesystem (and lower trainer.checkpoint.keep_last)"
         )
-        print(message, file=sys.stderr, flush=True)
-        raise CheckpointError(message) from None
+        raise CheckpointError(message) from None  # said once, by the trainer's refusal (runtime/shared/refusal.py)
     return SavedCheckpoint(path=final, weights_sha256=weights_hash)
 
 
