@@ -449,6 +449,14 @@ CASES += [
         ("trainer.draft.markov_rank 32 -> 16",),
     ),
     Case(
+        "flag-resume-changes-a-result-field",
+        "job",
+        "launcher",
+        ("tiny", "--plan", "--resume", JOB, "--set", "trainer.optimizer.lr=0.001"),
+        ("trainer.optimizer.lr 0.003 -> 0.001", "--fork"),
+    ),
+    Case("flag-resume-and-fork", "flag", "launcher", ("tiny", *DRY, "--resume", JOB, "--fork", JOB), ("--fork",)),
+    Case(
         "flag-resume-broken-record",
         "job",
         "launcher",
