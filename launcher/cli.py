@@ -218,24 +218,39 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
                 f"as a new run from its checkpoint: `python3 -m launcher RECIPE --fork {record.job_id} --set ...`"
             )
     checkpoint = jobs.newest_checkpoint(record)
-    if checkpoint is None:
+    if checkpoint is None and fork:
         raise LaunchError(
             f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to {flag.removeprefix('--')} from; "
-            "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
+            "fix: fork a job that reached trainer.checkpoint.every_steps, or start afresh with the recipe"
         )
     changed = continuity.changes(previous.recipe, candidate.recipe)
-    verb = "forking a new run from" if fork else "resuming from"
-    print(f"{verb} {_display_path(checkpoint)} (job {record.job_id})")
+    started = previous.recipe.trainer.checkpoint
+    if checkpoint is None:  # the same run, from its own start: nothing of it was kept
+        start = started.resume_from or started.init_from
+        print(
+            f"job {record.job_id} has no complete checkpoint: running the same run again from its start "
+            f"({f'the checkpoint it started from, {start}' if start else 'step 0'})"
+        )
+    else:
+        verb = "forking a new run from" if fork else "resuming from"
+        print(f"{verb} {_display_path(checkpoint)} (job {record.job_id})")
     if changed:
         print(f"  changed from job {record.job_id}: {'; '.join(c.describe() for c in changed)}")
-    at_checkpoint = [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
+    at_checkpoint = (
+        [
+            f"trainer.checkpoint.resume_from={started.resume_from or 'null'}",
+            f"trainer.checkpoint.init_from={started.init_from or 'null'}",
+        ]
+        if checkpoint is None
+        else [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
+    )
     loaded = load_document(candidate.recipe.model_dump(mode="json"), candidate.source, at_checkpoint, smoke=False)
     loaded.source, loaded.overrides, loaded.smoke = source, overrides + at_checkpoint, smoke
     parent = {
         "kind": "fork" if fork else "resume",
         "job_id": record.job_id,
         "job_dir": str(job_dir),
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(checkpoint) if checkpoint else "none (the run again from its start)",
     }
     return loaded, parent
 

@@ -177,7 +177,7 @@ def resume_hint(record: JobRecord) -> str:
     except (OSError, ValueError, UserError) as exc:  # a damaged or missing resolved recipe: say so, keep the status
         return f"checkpoints: cannot be listed ({exc}); `{command}` continues from the newest one there is"
     if newest is None:
-        return f"checkpoints: none complete; `{command}` starts the run again from step 0"
+        return f"checkpoints: none complete; `{command}` runs the same run again from its start"
     return f"checkpoint: newest complete {newest}; resume with `{command}`"
 
 

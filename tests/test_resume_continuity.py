@@ -133,6 +133,19 @@ def test_a_resume_that_changes_the_lr_is_refused_before_anything_starts(tmp_path
         cli.continue_job(_args("tiny", "--resume", str(cosine), "--set", "trainer.schedule.type=cosine"))
 
 
+def test_a_job_without_a_checkpoint_resumes_as_the_same_run_from_its_start(tmp_path: Path, capsys) -> None:
+    """A run stopped before its first checkpoint: the printed resume command runs the same run again from
+    step 0 (before, it was refused although status printed it); a fork of it has nothing to fork."""
+    runs = tmp_path / "runs"
+    job_dir = _job(runs, "trainer.optimizer.lr=0.001")
+    (job_dir / "checkpoints" / "step_00000008" / "trainer_state.json").unlink()
+    loaded, parent = cli.continue_job(_args("--resume", str(job_dir)))
+    assert loaded.recipe.trainer.optimizer.lr == 0.001 and loaded.recipe.trainer.checkpoint.resume_from is None
+    assert parent["checkpoint"].startswith("none") and "again from its start (step 0)" in capsys.readouterr().out
+    with pytest.raises(cli.LaunchError, match="has no complete checkpoint to fork from"):
+        cli.continue_job(_args("tiny", "--fork", str(job_dir)))
+
+
 def test_a_fork_takes_changes_and_records_its_parent(tmp_path: Path, capsys) -> None:
     runs = tmp_path / "runs"
     job_dir = _job(runs, "trainer.optimizer.lr=0.001")
