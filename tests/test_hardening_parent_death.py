@@ -155,3 +155,40 @@ def test_result_files_are_written_whole_or_not_at_all_when_a_stop_comes_meanwhil
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == -signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "summary.txt"]
+
+
+def test_a_prepare_command_stops_with_the_launcher(tmp_path: Path) -> None:
+    """Issue 35's fault campaign: SIGTERM to the launcher's pid during ``data.prepare_commands`` left
+    tools.tiny_target running as an orphan, which finished the target a minute later. The command (and what
+    it started: a shell pipeline) now stops with the launcher, which says so in one line."""
+    pids = tmp_path / "pids"
+    command = f"sleep 60 & echo $! >> {pids}; echo $$ >> {pids}; wait"  # a shell and its child
+    code = (
+        "from pathlib import Path; from launcher.inputs import prepare_missing_inputs; "
+        "from runtime.recipe import load_recipe; "
+        f"r = load_recipe(Path('recipes/tiny.yaml'), [f'data.train_path={tmp_path}/none.jsonl', "
+        f"'data.prepare_commands=[\"{command}\"]']).recipe; prepare_missing_inputs(r, Path('.'), 'tiny')"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p) for p in pids.read_text().split()]
+    try:
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=10)
+        assert parent.returncode == 128 + signal.SIGTERM, out
+        assert "[prepare] stopped (SIGTERM) during `sleep 60" in out and "Traceback" not in out, out
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in children if _alive(p)], "the command and its child stopped with the launcher"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
