@@ -28,10 +28,12 @@ from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
 _TRACEBACK_START = re.compile(
-    r"^(Traceback \(most recent call last\):|Exception in thread |Exception ignored (in|on) "
+    r"^(Traceback \(most recent call last\):|Exception in |Exception ignored (in|on) "
     r"|During handling of the above exception|The above exception was the direct cause)"
 )
 """The first line of a traceback block in a task's log (or of the next part of a chained one)."""
+_OWN_LINE = re.compile(r"^(\[\w+( rank \d+)?\] |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+"""A line the component itself writes (``[trainer] ...``, ``[trainer rank 0] error: ...``, a logged line)."""
 STATUS_RESERVE_BYTES = 256 * 1024
 """Space the supervisor holds in the job folder (a hidden file) and gives up when the disk fills, so that
 the summary it writes last still fits: a full disk must not leave ``local_status.json`` saying RUNNING."""
@@ -197,13 +199,17 @@ class LocalRun:
             return True
         if not task.in_traceback:
             return bool(task.tracebacks) and not text.strip()  # the blank line between two blocks
-        task.in_traceback = False  # the exception's own line ends the block
+        # The exception's own line ends the block; so does a line of the program's own (a "[trainer rank 0]
+        # error: ..." refusal, a logged line), which is shown: a block cut short must not take it along.
+        own = _OWN_LINE.match(text) is not None
+        task.in_traceback = False
         task.tracebacks += 1
         # After another task's death a traceback is its consequence: the summary lists it, after the cause.
         others_died = any(t is not task and t.process.poll() not in (None, 0) for t in self.tasks)
         if task.tracebacks == 1 and not others_died:
-            print(f"[{task.component}] (a traceback ending `{text.strip()[:200]}`: in {task.log_path})", flush=True)
-        return True
+            ending = "" if own else f" ending `{text.strip()[:200]}`"
+            print(f"[{task.component}] (a traceback{ending}: in {task.log_path})", flush=True)
+        return not own
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True

@@ -422,3 +422,39 @@ def test_ranks_that_refused_with_the_same_words_but_their_own_numbers_are_one_ca
         "trainer rank 0 exited with code 1: disk full at /x while saving step_00000024: need about 11476055 bytes, "
         "5959680 free"
     )
+
+
+def test_a_refusal_right_after_library_tracebacks_is_shown(tmp_path: Path, capsys) -> None:
+    """What torch's checkpoint writer threads leave in rank 0's log on a full disk, ending in hooks that
+    failed too (the log's disk is full): the refusal that follows is a line of our own and is shown."""
+    log = "\n".join(
+        [
+            "[trainer] step 23 | loss 4.1",
+            "Exception in thread Thread-7 (_write_files_from_queue):",
+            "Traceback (most recent call last):",
+            '  File "/torch/distributed/checkpoint/filesystem.py", line 1, in _write_files_from_queue',
+            "OSError: [Errno 28] No space left on device",
+            "Exception in threading.excepthook:",
+            "Exception ignored in thread started by: <bound method Thread._bootstrap of <Thread(Thread-7)>>",
+            "Exception ignored in sys.unraisablehook: <built-in function unraisablehook>",
+            "[trainer rank 0] error: disk full at /x/checkpoints while saving step_00000024: need about 1 bytes, "
+            "0 free; the previous checkpoints are intact. Fix: free space there",
+        ]
+    )
+    run = _local_run(tmp_path, {("trainer", 0): f"print({log!r}, flush=True); import time; time.sleep(60)"})
+    run.echo = True
+    deadline = time.monotonic() + 20
+    while "error: disk full" not in run.tasks[0].log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        run._echo_logs()
+    finally:
+        run.tasks[0].process.kill()
+        run.tasks[0].process.wait()
+        run.tasks[0].log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "[trainer] step 23 | loss 4.1",
+        f"[trainer] (a traceback ending `OSError: [Errno 28] No space left on device`: in {run.tasks[0].log_path})",
+        "[trainer rank 0] error: disk full at /x/checkpoints while saving step_00000024: need about 1 bytes, 0 free; "
+        "the previous checkpoints are intact. Fix: free space there",
+    ]
