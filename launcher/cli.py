@@ -1,6 +1,7 @@
 """Command line of the launcher.
 
-    python3 -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB] [--set k=v ...]
+    python3 -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB | --fork JOB] [--set k=v ...]
+    python3 -m launcher --resume JOB [--local] [--set k=v ...]   (the same run, with the job's own recipe)
     python3 -m launcher status JOB
     python3 -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
     python3 -m launcher cancel JOB
