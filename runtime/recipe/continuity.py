@@ -63,6 +63,7 @@ SAFE_TO_CHANGE: tuple[str, ...] = (
     "trainer.checkpoint.export_safetensors",
     "trainer.metrics",
     "trainer.feature_cache.lookahead_steps",
+    "data.prepare_commands",
     "plan",
     "eval",
     "smoke",
