@@ -89,3 +89,46 @@ def test_the_evaluation_refuses_a_checkpoint_whose_state_was_edited(tmp_path: Pa
     assert "Fix: evaluate the previous checkpoint, --checkpoint step_00000008" in line
     assert not (job_dir / "eval").exists()
     assert json.loads(state.read_text())["step"] == 17
+
+
+@pytest.mark.parametrize("edit", ["config.json", "model.safetensors", "export.sha256", "added", "none"])
+def test_an_exported_draft_is_checked_against_its_manifest(tmp_path: Path, edit: str, capsys) -> None:
+    from runtime.shared.checkpoint_integrity import (
+        EXPORT_MANIFEST,
+        CheckpointIntegrityError,
+        verify_export,
+        write_export_manifest,
+    )
+
+    export = tmp_path / "export-step_00000016"
+    export.mkdir()
+    (export / "config.json").write_text('{"num_hidden_layers": 1}\n')
+    (export / "model.safetensors").write_bytes(b"\x10" * 64)
+    write_export_manifest(export)
+    verify_export(export)  # whole
+    if edit == "none":
+        (export / EXPORT_MANIFEST).unlink()
+        verify_export(export, note=print)
+        said = capsys.readouterr().out
+        assert "has no export.sha256" in said and "accepted as a legacy export" in said
+        return
+    target = export / (edit if edit != "added" else "extra.safetensors")
+    if edit == "config.json":
+        target.write_text('{"num_hidden_layers": 2}\n')
+    elif edit == "model.safetensors":
+        target.write_bytes(b"\x10" * 63 + b"\x11")
+    elif edit == "export.sha256":
+        text = target.read_text()
+        target.write_text(("1" if text[0] != "1" else "2") + text[1:])
+    else:
+        target.write_bytes(b"0")
+    with pytest.raises(CheckpointIntegrityError) as err:
+        verify_export(export)
+    message = str(err.value)
+    # an edited manifest line shows as the file it records (config.json sorts first)
+    named = export / "config.json" if edit == "export.sha256" else target
+    assert f"exported file {named} " in message, message
+    assert (
+        "Fix: export the draft again from its checkpoint, or evaluate the checkpoint itself (--checkpoint step_00000016)"
+        in message
+    )

@@ -24,7 +24,7 @@ from runtime.files import atomic_write_text
 from runtime.recipe import RecipeError, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_runs_draft, resolve_draft_source
-from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_whole
+from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_export, verify_whole
 from runtime.shared.lifecycle import stop_signals_deferred
 from runtime.trainer.checkpoints import CheckpointError
 
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         refuse_another_runs_draft(source, resolved.checkpoint_dir(), str(resolved.job_dir), args.out is not None)
         if source.kind == "checkpoint" and source.path is not None:  # trusted only whole
             verify_whole(source.path, "eval", note=print)
+        elif source.kind == "export" and source.path is not None:
+            verify_export(source.path, note=print)
         from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
 
         out_dir = args.out or resolved.job_dir / "eval" / source.label

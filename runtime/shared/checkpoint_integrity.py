@@ -167,3 +167,56 @@ def seal_json(payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``payload`` with ``integrity`` set, and the exact text to write as ``trainer_state.json``."""
     sealed = {**payload, "integrity": SEAL_SCHEME}
     return json.dumps(sealed, indent=2) + "\n", sealed
+
+
+EXPORT_MANIFEST = "export.sha256"
+"""In an exported draft folder: the SHA-256 of every other file in it (``sha256sum`` format;
+``sha256sum -c export.sha256`` there checks it by hand)."""
+
+
+def write_export_manifest(folder: Path) -> None:
+    """Record every file of an exported draft folder (before it gets its final name)."""
+    digests = file_digests(folder)
+    lines = [f"{d['sha256']}  {name}\n" for name, d in sorted(digests.items()) if name != EXPORT_MANIFEST]
+    atomic_write_text(folder / EXPORT_MANIFEST, "".join(lines))
+
+
+def verify_export(folder: Path, note: Callable[[str], None] | None = None) -> None:
+    """Check an exported draft folder against its manifest: every file recorded and unchanged, none added.
+    An export from before the manifest is accepted, and ``note`` says so."""
+    manifest = folder / EXPORT_MANIFEST
+    step = folder.name.removeprefix("export-")
+    fix = (
+        f"export the draft again from its checkpoint, or evaluate the checkpoint itself (--checkpoint {step})"
+        if step != folder.name
+        else "export the draft again from its checkpoint"
+    )
+    if not manifest.is_file():
+        if note is not None:
+            note(
+                f"exported draft {folder} has no {EXPORT_MANIFEST} (written before exports recorded their files): "
+                "its files cannot be checked; accepted as a legacy export"
+            )
+        return
+    recorded: dict[str, str] = {}
+    for number, line in enumerate(manifest.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        digest, _, name = line.partition("  ")
+        if len(digest) != 64 or not name:
+            raise CheckpointIntegrityError(f"{manifest}:{number} is not a 'SHA256  FILE' line. Fix: {fix}")
+        recorded[name] = digest
+    actual = file_digests(folder)
+    actual.pop(EXPORT_MANIFEST, None)
+    for name, digest in sorted(recorded.items()):
+        if name not in actual:
+            raise CheckpointIntegrityError(f"exported file {folder / name} is missing. Fix: {fix}")
+        if actual[name]["sha256"] != digest:
+            raise CheckpointIntegrityError(
+                f"exported file {folder / name} is corrupt: sha256 {actual[name]['sha256']}, {digest} when written "
+                f"(recorded in {manifest}). Fix: {fix}"
+            )
+    extra = sorted(set(actual) - set(recorded))
+    if extra:
+        raise CheckpointIntegrityError(
+            f"exported file {folder / extra[0]} was not written by the export ({manifest} does not record it). "
+            f"Fix: {fix}"
+        )
