@@ -1,6 +1,7 @@
 """Command line of the launcher.
 
-    python3 -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB] [--set k=v ...]
+    python3 -m launcher RECIPE [--dry-run] [--plan] [--local] [--smoke] [--probe] [--resume JOB | --fork JOB] [--set k=v ...]
+    python3 -m launcher --resume JOB [--local] [--set k=v ...]   (the same run, with the job's own recipe)
     python3 -m launcher status JOB
     python3 -m launcher logs JOB [--component capture|trainer] [--rank N] [--follow]
     python3 -m launcher cancel JOB
@@ -31,9 +32,10 @@ from launcher.plots import plot_metrics
 from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
-from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
-from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
+from runtime.recipe import LoadedRecipe, RecipeError, continuity, load_recipe, load_resolved, write_resolved
+from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, load_document
 from runtime.recipe.site_facts import read_site_facts
+from runtime.shared.contracts import resume_command
 from runtime.user_errors import UserError, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,8 +60,13 @@ def load(recipe: str, overrides: list[str], smoke: bool) -> LoadedRecipe:
     return load_recipe(path, overrides=overrides, smoke=smoke, display_name=_display_path(path))
 
 
-def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe name in recipes/ (e.g. tiny) or a path to a YAML file")
+def _add_recipe_arguments(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    parser.add_argument(
+        "recipe",
+        nargs="?" if optional else None,
+        help="recipe name in recipes/ (e.g. tiny) or a path to a YAML file"
+        + (" (with --resume JOB or --fork JOB: the job's own recipe when left out)" if optional else ""),
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -78,7 +85,7 @@ def _submit_parser() -> argparse.ArgumentParser:
         epilog="Other commands: status JOB | logs JOB | cancel JOB | gate JOB | plots JOB | eval JOB | render [RECIPE...] | "
         "resolve RECIPE",
     )
-    _add_recipe_arguments(parser)
+    _add_recipe_arguments(parser, optional=True)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the exact script and command; submit nothing")
     mode.add_argument("--plan", action="store_true", help="print the resource and throughput plan and exit")
@@ -97,7 +104,16 @@ def _submit_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--allow-blockers", action="store_true", help="submit even though the plan reports blockers")
     parser.add_argument(
-        "--resume", metavar="JOB", help="continue from that job's newest checkpoint (job id, folder, or 'latest')"
+        "--resume",
+        metavar="JOB",
+        help="continue that job (id, folder, or 'latest') as the same run from its newest checkpoint, with its own "
+        "recipe; a RECIPE or --set may change only what does not change results (RUNBOOK section 8)",
+    )
+    parser.add_argument(
+        "--fork",
+        metavar="JOB",
+        help="continue from that job's newest checkpoint as a NEW run, with changes allowed (the new job records "
+        "JOB as its parent)",
     )
     parser.add_argument(
         "--no-wait",
@@ -136,7 +152,9 @@ def _runs_dir(loaded: LoadedRecipe) -> Path:
     return jobs.runs_root(REPO_ROOT, loaded.recipe.job.runs_dir)
 
 
-def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, probe: bool) -> jobs.JobRecord:
+def _record_for(
+    loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, probe: bool, parent: dict[str, str] | None = None
+) -> jobs.JobRecord:
     return jobs.JobRecord(
         job_id=job_id,
         mode=mode,
@@ -147,43 +165,119 @@ def _record_for(loaded: LoadedRecipe, job_dir: Path, job_id: str, mode: str, pro
         smoke=loaded.smoke,
         probe=probe,
         components=jobs.components_of(loaded),
+        parent=parent,
     )
 
 
-def _resume_overrides(job: str, loaded: LoadedRecipe) -> list[str]:
-    """``--resume JOB``: continue from that job's newest checkpoint (a full resume, not a warm start).
-    Refused before anything is submitted when the job was trained with another draft, target or data."""
-    record = jobs.find_record(job, _runs_dir(loaded), runs_dir_hint="--set job.runs_dir=FOLDER")
-    previous = load_resolved(Path(record.job_dir) / RESOLVED_FILENAME).recipe
-    differences = jobs.resume_mismatches(previous, loaded.recipe)
-    if differences:
-        raise LaunchError(
-            f"cannot resume job {record.job_id} ({_display_path(Path(record.job_dir))}, made from "
-            f"{record.recipe_source}) with {loaded.source}: {'; '.join(differences[:6])}"
-            f"{'; ...' if len(differences) > 6 else ''}. Fix: resume with the recipe (and --set) the job was made "
-            "from, or start afresh (warm-start the weights with --set trainer.checkpoint.init_from=CHECKPOINT "
-            "when only the data differs)"
+def _job_runs_dir(args: argparse.Namespace) -> Path:
+    """The runs folder to look the ``--resume``/``--fork`` job up in: the recipe's (with --set), or without a
+    recipe the ``--set job.runs_dir=`` given, else ``runs/``."""
+    if args.recipe:
+        return _runs_dir(load(args.recipe, args.overrides, args.smoke))
+    runs_dir = "runs"
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "job.runs_dir":
+            runs_dir = value.strip()
+    return jobs.runs_root(REPO_ROOT, runs_dir)
+
+
+def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]]:
+    """``--resume JOB`` (the same run, continued) or ``--fork JOB`` (a new run from its checkpoint).
+
+    The job's own resolved recipe (its --set overrides included) is the base. A recipe file or --set
+    given now may, for a resume, change only what :mod:`runtime.recipe.continuity` lists as safe (and
+    the run's length where the schedule's past does not depend on it); anything else is refused before
+    anything starts, listing each field ``old -> new``. A fork takes any change. Returns the recipe to
+    run (continuing from the job's newest checkpoint) and the new job's ``parent`` record."""
+    fork = bool(args.fork)
+    job = args.fork or args.resume
+    flag = "--fork" if fork else "--resume"
+    record = jobs.find_record(job, _job_runs_dir(args), runs_dir_hint="--set job.runs_dir=FOLDER")
+    job_dir = Path(record.job_dir)
+    previous = load_resolved(job_dir / RESOLVED_FILENAME)
+    if args.recipe:
+        candidate = load(args.recipe, args.overrides, args.smoke)
+        source, overrides, smoke = candidate.source, list(args.overrides), candidate.smoke
+    else:
+        candidate = load_document(
+            previous.recipe.model_dump(mode="json"),
+            f"job {record.job_id}'s recipe ({_display_path(previous.path)})",
+            args.overrides,
         )
+        kept = [o for o in previous.overrides if o.split("=", 1)[0].strip() not in continuity.SET_BY_THE_LAUNCHER]
+        source, overrides, smoke = previous.source, kept + list(args.overrides), previous.smoke
+    if not fork:
+        refused, why = continuity.refused_changes(previous.recipe, candidate.recipe)
+        if refused:
+            raise LaunchError(
+                f"cannot resume job {record.job_id} ({_display_path(job_dir)}) as the same run: {candidate.source} "
+                f"changes what its results depend on: {'; '.join(c.describe() for c in refused)}"
+                + (f" (the run's length may change only where the past steps stay the same: {why})" if why else "")
+                + f". Fix: `{resume_command(job_dir, local=record.mode == 'local')}` continues with the job's own recipe "
+                "(changes to where and how long it runs are allowed: RUNBOOK section 8); to change the rest, continue "
+                f"as a new run from its checkpoint: `python3 -m launcher RECIPE --fork {record.job_id} --set ...`"
+            )
     checkpoint = jobs.newest_checkpoint(record)
-    if checkpoint is None:
+    if checkpoint is None and fork:
         raise LaunchError(
-            f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to resume from; "
-            "fix: resume a job that reached trainer.checkpoint.every_steps, or start afresh"
+            f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to {flag.removeprefix('--')} from; "
+            "fix: fork a job that reached trainer.checkpoint.every_steps, or start afresh with the recipe"
         )
-    print(f"resuming from {_display_path(checkpoint)} (job {record.job_id})")
-    return [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
+    changed = continuity.changes(previous.recipe, candidate.recipe)
+    started = previous.recipe.trainer.checkpoint
+    if checkpoint is None:  # the same run, from its own start: nothing of it was kept
+        start = started.resume_from or started.init_from
+        print(
+            f"job {record.job_id} has no complete checkpoint: running the same run again from its start "
+            f"({f'the checkpoint it started from, {start}' if start else 'step 0'})"
+        )
+    else:
+        verb = "forking a new run from" if fork else "resuming from"
+        print(f"{verb} {_display_path(checkpoint)} (job {record.job_id})")
+    if changed:
+        print(f"  changed from job {record.job_id}: {'; '.join(c.describe() for c in changed)}")
+    at_checkpoint = (
+        [
+            f"trainer.checkpoint.resume_from={started.resume_from or 'null'}",
+            f"trainer.checkpoint.init_from={started.init_from or 'null'}",
+        ]
+        if checkpoint is None
+        else [f"trainer.checkpoint.resume_from={checkpoint}", "trainer.checkpoint.init_from=null"]
+    )
+    loaded = load_document(candidate.recipe.model_dump(mode="json"), candidate.source, at_checkpoint, smoke=False)
+    loaded.source, loaded.overrides, loaded.smoke = source, overrides + at_checkpoint, smoke
+    parent = {
+        "kind": "fork" if fork else "resume",
+        "job_id": record.job_id,
+        "job_dir": str(job_dir),
+        "checkpoint": str(checkpoint) if checkpoint else "none (the run again from its start)",
+    }
+    return loaded, parent
 
 
 def submit(args: argparse.Namespace) -> int:
     """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
-    loaded = load(args.recipe, args.overrides, args.smoke)
-    if args.resume:
-        loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, loaded), args.smoke)
+    parent: dict[str, str] | None = None
+    if args.resume and args.fork:
+        raise LaunchError(
+            "--resume and --fork exclude each other: --resume JOB continues that run, --fork JOB starts a "
+            "new run from its checkpoint; fix: give one of them"
+        )
+    if args.resume or args.fork:
+        loaded, parent = continue_job(args)
+    elif not args.recipe:
+        raise LaunchError(
+            "no recipe given; fix: python3 -m launcher RECIPE [...] (a name in recipes/ or a YAML path), "
+            "or python3 -m launcher --resume JOB to continue a job"
+        )
+    else:
+        loaded = load(args.recipe, args.overrides, args.smoke)
     if args.site_facts and not args.plan:
         raise LaunchError("--site-facts goes with --plan: python3 -m launcher RECIPE --plan --site-facts FILE")
     if args.plan:
         facts = read_site_facts(args.site_facts) if args.site_facts else None
-        if facts is not None:  # the measured facts in place of the recipe's assumptions, checks included
+        if facts is not None and args.recipe and not parent:  # measured facts in place of the recipe's assumptions
             try:  # the operator's own --set lines come after the facts and win
                 loaded = load(args.recipe, facts.overrides() + args.overrides, args.smoke)
             except RecipeError as exc:
@@ -221,16 +315,16 @@ def submit(args: argparse.Namespace) -> int:
     if not args.probe:  # the probe reads neither the target nor the data
         prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
-        return run_smoke_gate(loaded, args)
+        return run_smoke_gate(loaded, args, parent)
     _refuse_on_preflight_failure(loaded, args.allow_blockers)
     job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     if args.local:
-        return run_local(loaded, job_dir, args.probe)
-    submit_slurm(loaded, job_dir, args.probe)
+        return run_local(loaded, job_dir, args.probe, parent)
+    submit_slurm(loaded, job_dir, args.probe, parent)
     return 0
 
 
-def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace) -> int:
+def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace, parent: dict[str, str] | None = None) -> int:
     """``--smoke``: checks 1-3 here, then the smoke job (local, or Slurm and wait), then checks 4-8."""
     job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     preflight = gate.preflight_checks(loaded, REPO_ROOT, args.allow_blockers)
@@ -242,10 +336,10 @@ def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace) -> int:
         print(gate.render(rows))
         return 1
     if args.local:
-        run_local(loaded, job_dir, args.probe)
+        run_local(loaded, job_dir, args.probe, parent)
         record = jobs.find_record(str(job_dir), _runs_dir(loaded))
     else:
-        record = submit_slurm(loaded, job_dir, args.probe)
+        record = submit_slurm(loaded, job_dir, args.probe, parent)
         if args.no_wait:
             print(f"not waiting: python3 -m launcher gate {record.job_id} prints the gate once the job ended")
             return 0
@@ -334,14 +428,14 @@ def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:
         )
 
 
-def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
+def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool, parent: dict[str, str] | None = None) -> int:
     """Run both components on this machine and print where the results are."""
     from launcher.local import LocalRun
     from runtime.recipe import load_resolved
 
     resolved_path = write_resolved(loaded, job_dir, REPO_ROOT)
     job_id = f"local-{job_dir.name}"
-    record = _record_for(loaded, job_dir, job_id, "local", probe)
+    record = _record_for(loaded, job_dir, job_id, "local", probe, parent)
     record.supervisor_pid = os.getpid()
     # Checked again, and the record written, under one lock: two runs started in the same second
     # both passed the first check (before either had a record); the second to get here is refused.
@@ -405,7 +499,9 @@ def _print_outputs(job_dir: Path) -> None:
             print(f"  {label:<12} {_display_path(path)}")
 
 
-def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRecord:
+def submit_slurm(
+    loaded: LoadedRecipe, job_dir: Path, probe: bool, parent: dict[str, str] | None = None
+) -> jobs.JobRecord:
     """Submit the hetjob through submitit and record it."""
     from launcher.hetjob import ComponentJob, HetJobExecutor
 
@@ -425,7 +521,7 @@ def submit_slurm(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> jobs.JobRe
     )
     job = executor.submit(ComponentJob(str(job_dir), probe=probe))
     atomic_write_text(job_dir / "submission.sh", script)
-    record = _record_for(loaded, job_dir, str(job.job_id), "slurm", probe)
+    record = _record_for(loaded, job_dir, str(job.job_id), "slurm", probe, parent)
     jobs.write_record(record, _runs_dir(loaded))
     print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer hetjob")
     settings = loaded.recipe.eval

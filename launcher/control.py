@@ -89,6 +89,7 @@ class JobReport:
         lines = [
             f"job {self.record.job_id} ({self.record.mode}) '{self.record.name}': {self.state}",
             f"  folder {self.record.job_dir}",
+            *([f"  {describe_parent(self.record.parent)}"] if self.record.parent else []),
             f"  {'component':<10} {'group':>5} {'state':<12} {'exit':<6} {'tasks ok':<9} {'elapsed':<10} nodes",
         ]
         for c in self.components:
@@ -187,15 +188,23 @@ def _eval_job_line(record: JobRecord) -> str:
     return f"eval job {record.eval_job_id} (after training): {base_state(found.state)}{reason}{where}"
 
 
+def describe_parent(parent: dict[str, str]) -> str:
+    """``continues job X (the same run) from CHECKPOINT`` or ``forked from job X at CHECKPOINT (a new run)``."""
+    where = f"job {parent.get('job_id')} ({parent.get('job_dir')})"
+    if parent.get("kind") == "fork":
+        return f"parent: forked from {where} at {parent.get('checkpoint')} (a new run, its recipe may differ)"
+    return f"parent: resumes {where} from {parent.get('checkpoint')} (the same run)"
+
+
 def resume_hint(record: JobRecord) -> str:
     """The newest complete checkpoint of an ended job and the command that continues from it."""
-    command = resume_command(record.recipe_source, record.job_dir, local=record.mode == "local")
+    command = resume_command(record.job_dir, local=record.mode == "local")
     try:
         newest = newest_checkpoint(record)
     except (OSError, ValueError, UserError) as exc:  # a damaged or missing resolved recipe: say so, keep the status
         return f"checkpoints: cannot be listed ({exc}); `{command}` continues from the newest one there is"
     if newest is None:
-        return f"checkpoints: none complete; `{command}` starts the run again from step 0"
+        return f"checkpoints: none complete; `{command}` runs the same run again from its start"
     return f"checkpoint: newest complete {newest}; resume with `{command}`"
 
 

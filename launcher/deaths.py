@@ -23,6 +23,8 @@ FIRST_DEATH_FILENAME = "first_death.json"
 """In the job folder: the first component task that died (written once, by whoever saw it first)."""
 LAST_WORDS_BYTES = 64 * 1024
 """How much of a task's log end is searched for its last error line."""
+LAST_WORDS_CHARS = 1000
+"""The longest last words kept (a longer line is cut with `` ...``, so a cut never reads as complete)."""
 _LOG_PREFIX = re.compile(r"^(\[\w+\] )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ERROR \[[\w.]+\] ")
 """A logged line's time, level and logger: dropped from the last words."""
 _ERROR_LINE = re.compile(r"( ERROR \[|^\w*(Error|Exception)\b|^\[\w+\] \w*(Error|Exception)\b|^\[[^\]]+\] error: )")
@@ -59,9 +61,16 @@ class Death:
         refused for the same reason)."""
         return self.last_words.removeprefix(f"[{self.component} rank {self.rank}] ")
 
+    def cause(self) -> str:
+        """What happened, for the closing line: ``trainer rank 0 exited with code 1: disk full at ...`` (its
+        last words without the task's prefix, the fix and the traceback pointer, which its error line has)."""
+        said = self.reason().removeprefix("error: ").split(" Fix: ")[0].split(" (traceback: ")[0].rstrip(". ")
+        return f"{self.component} rank {self.rank} {exit_text(self.code)}" + (f": {said}" if said else "")
+
     def pointed(self) -> str:
-        """:meth:`describe` for a console that has shown a refusal already: the refusal is pointed at."""
-        if self.refused():
+        """:meth:`describe` for a console that has shown a refusal already: the refusal is pointed at. The
+        console echoes rank 0's log only: another rank's refusal is said here instead."""
+        if self.refused() and self.rank == 0:
             return (
                 f"{self.component} rank {self.rank} {exit_text(self.code)}; its error line above says why and the fix"
             )
@@ -91,8 +100,14 @@ def first_cause(ordered: list[Death]) -> Death:
     first = ordered[0]
     if not first.refused():
         return first
-    same = [d for d in ordered if d.component == first.component and d.refused() and d.reason() == first.reason()]
+    same = [d for d in ordered if d.component == first.component and d.refused() and same_reason(d, first)]
     return min(same, key=lambda d: d.rank)
+
+
+def same_reason(a: Death, b: Death) -> bool:
+    """Whether two tasks refused for the same reason: their words equal but for the numbers in them (every
+    rank's disk-full line names its own free bytes)."""
+    return re.sub(r"\d+", "N", a.reason()) == re.sub(r"\d+", "N", b.reason())
 
 
 def last_words(log_path: Path) -> str:
@@ -104,7 +119,10 @@ def last_words(log_path: Path) -> str:
     except OSError:
         return ""
     found = [line.strip() for line in text.splitlines() if _ERROR_LINE.search(line.strip())]
-    return _LOG_PREFIX.sub("", found[-1])[:400] if found else ""
+    if not found:
+        return ""
+    line = _LOG_PREFIX.sub("", found[-1])
+    return line if len(line) <= LAST_WORDS_CHARS else line[: LAST_WORDS_CHARS - 4] + " ..."
 
 
 def claim_first_death(job_dir: Path, death: Death) -> Death:

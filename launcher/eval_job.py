@@ -12,18 +12,21 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from launcher import jobs
+from launcher.component import ChildStopped, run_attached
 from launcher.render import container_args, resource_flags, sbatch_lines
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.fit.slurm_request import eval_memory_request
 from runtime.recipe.loader import RESOLVED_FILENAME
-from runtime.shared.checkpoint_folders import resolve_draft_source
+from runtime.shared.checkpoint_folders import refuse_another_runs_draft, resolve_draft_source
+from runtime.shared.lifecycle import exit_text
 from runtime.user_errors import UserError
 
 EVAL_SCRIPT_SUFFIX = ".eval.sbatch"
@@ -148,7 +151,8 @@ def main(argv: list[str], repo_root: Path) -> int:
     # submitted: the same checks, the same messages.
     settings = eval_settings(resolved.recipe.eval, str(repo_root / recipe_file), args.overrides, str(resolved.path))
     check_eval_set_names(settings, args.eval_sets, str(resolved.path))
-    resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+    source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+    refuse_another_runs_draft(source, resolved.checkpoint_dir(), record.job_id, args.out is not None)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise EvalLaunchError(f"--out {args.out} is a file; the results go into a folder. Fix: give a folder's path")
     if args.local:
@@ -164,7 +168,16 @@ def main(argv: list[str], repo_root: Path) -> int:
             args.checkpoint,
             *eval_arguments(args),
         ]
-        return subprocess.run(command, cwd=repo_root, check=False).returncode
+        try:
+            return run_attached(command, cwd=repo_root).returncode
+        except ChildStopped as exc:
+            print(
+                f"[eval] stopped ({signal.Signals(exc.signum).name}): the evaluation child stopped with it "
+                f"({exit_text(exc.returncode)}); its result files are written whole or not at all",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 + exc.signum
     return _submit(resolved.recipe, recipe_file, job_dir, args, repo_root)
 
 

@@ -9,12 +9,13 @@ missing (the commands are idempotent, but importing torch alone costs seconds on
 from __future__ import annotations
 
 import os
-import subprocess
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from launcher.component import ChildStopped, run_attached
 from runtime.recipe import Recipe
 from runtime.recipe.loader import resolve_recipe_path
 from runtime.user_errors import UserError
@@ -51,7 +52,16 @@ def prepare_missing_inputs(recipe: Recipe, repo_root: Path, source: str, log: Ca
         # Output goes straight to this terminal: the commands print their own progress lines.
         # The tools/* wrappers run under this interpreter (the venv the launcher runs in).
         env = {**os.environ, "DSPARK_PYTHON": sys.executable}
-        done = subprocess.run(["bash", "-c", command], cwd=repo_root, env=env, check=False)
+        try:  # the command (and what it starts) lives no longer than the launcher
+            done = run_attached(["bash", "-c", command], cwd=repo_root, env=env)
+        except ChildStopped as exc:
+            log(
+                f"[prepare] stopped ({signal.Signals(exc.signum).name}) during `{command}`; it stopped with the "
+                "launcher, and the next submission builds what is still missing",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + exc.signum)
         if done.returncode != 0:
             raise InputPreparationError(
                 f"data.prepare_commands of {source}: `{command}` failed with exit code {done.returncode}; "

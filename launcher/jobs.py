@@ -23,7 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from runtime.files import atomic_write_text
-from runtime.recipe import LoadedRecipe, Recipe
+from runtime.recipe import LoadedRecipe
 from runtime.shared.checkpoint_folders import find_latest
 from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
 from runtime.user_errors import UserError
@@ -57,6 +57,9 @@ class JobRecord:
     """The ``--local`` supervisor process."""
     eval_job_id: str | None = None
     """The Slurm eval job submitted with the training job (``eval.after_training``), if any."""
+    parent: dict[str, str] | None = None
+    """The job this one continues: ``kind`` (``resume``: the same run; ``fork``: a new run from its
+    checkpoint), ``job_id``, ``job_dir`` and ``checkpoint``; none for a fresh run."""
 
     @property
     def trainer_world_size(self) -> int:
@@ -208,35 +211,3 @@ def write_local_status(job_dir: Path, status: dict[str, dict[str, object]]) -> N
     atomic_write_text(
         job_dir / LOCAL_STATUS_FILENAME, json.dumps(status, indent=2, sort_keys=True) + "\n", JOB_FOLDER_SETTING
     )
-
-
-RESUME_MUST_AGREE: tuple[str, ...] = (
-    "capture.target_path",
-    "capture.target_revision",
-    "capture.vocab_size",
-    "capture.hidden_size",
-    "capture.aux_layer_ids",
-    "data.train_path",
-    "data.expected_sha256",
-    "trainer.prompt_seed",
-)
-"""Recipe fields a full resume keeps (with every ``trainer.draft`` field): the draft's shape, the
-target it reads, and the data order."""
-
-
-def resume_mismatches(previous: Recipe, current: Recipe) -> list[str]:
-    """``field: was X, now Y`` for every field of :data:`RESUME_MUST_AGREE` and ``trainer.draft``
-    that differs between the job being resumed and the recipe resuming it."""
-
-    def flat(recipe: Recipe) -> dict[str, object]:
-        dump = recipe.model_dump(mode="json")
-        values: dict[str, object] = {f"trainer.draft.{k}": v for k, v in dump["trainer"]["draft"].items()}
-        for dotted in RESUME_MUST_AGREE:
-            node: object = dump
-            for part in dotted.split("."):
-                node = node[part]  # type: ignore[index]
-            values[dotted] = node
-        return values
-
-    before, after = flat(previous), flat(current)
-    return [f"{name}: was {before[name]!r}, now {after[name]!r}" for name in before if before[name] != after[name]]

@@ -8,6 +8,7 @@ capture component is stopped); a capture failure stops the trainer and fails the
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from launcher.component import start_component, stop_processes
-from launcher.deaths import Death, first_cause, last_words, order_deaths
+from launcher.deaths import Death, first_cause, last_words, order_deaths, same_reason
 from launcher.environment import COMPONENTS, current_environment, local_placement
 from launcher.jobs import JobRecord, write_local_status
 from runtime.files import DiskFullError
@@ -26,6 +27,13 @@ from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
 from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
+_TRACEBACK_START = re.compile(
+    r"^(Traceback \(most recent call last\):|Exception in |Exception ignored (in|on) "
+    r"|During handling of the above exception|The above exception was the direct cause)"
+)
+"""The first line of a traceback block in a task's log (or of the next part of a chained one)."""
+_OWN_LINE = re.compile(r"^(\[\w+( rank \d+)?\] |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+"""A line the component itself writes (``[trainer] ...``, ``[trainer rank 0] error: ...``, a logged line)."""
 STATUS_RESERVE_BYTES = 256 * 1024
 """Space the supervisor holds in the job folder (a hidden file) and gives up when the disk fills, so that
 the summary it writes last still fits: a full disk must not leave ``local_status.json`` saying RUNNING."""
@@ -42,6 +50,10 @@ class LocalTask:
     log: IO[bytes]
     log_path: Path
     echo_offset: int = 0
+    in_traceback: bool = False
+    """The echo is inside a traceback block of this task's log (kept in the log, not on the console)."""
+    tracebacks: int = 0
+    """Traceback blocks of this task's log left off the console so far."""
 
 
 class LocalRun:
@@ -169,10 +181,35 @@ class LocalRun:
             task.echo_offset += complete
             prefix = f"[{task.component}]"
             for line in chunk[:complete].decode(errors="replace").splitlines():
+                if self._traceback_line(task, line):
+                    continue
                 # The trainer's own lines already start with "[trainer]" and a refusal with
                 # "[trainer rank 0]" (runtime/shared/refusal.py): no second prefix.
                 named = line.startswith((prefix, f"[{task.component} rank "))
                 print(line if named else f"{prefix} {line}", flush=True)
+
+    def _traceback_line(self, task: LocalTask, line: str) -> bool:
+        """Whether ``line`` belongs to a traceback block (Python's, a library thread's, an ignored exception's):
+        those stay in the task's log, and the console gets one line for the first block of the task, naming
+        its last line and the log. A peer's consequence and a writer thread's failure on a full disk must not
+        bury the cause between the first line and the summary."""
+        text = line.removeprefix(f"[rank{task.rank}]: ")
+        if _TRACEBACK_START.match(text) or (task.in_traceback and (not text.strip() or text[:1].isspace())):
+            task.in_traceback = True
+            return True
+        if not task.in_traceback:
+            return bool(task.tracebacks) and not text.strip()  # the blank line between two blocks
+        # The exception's own line ends the block; so does a line of the program's own (a "[trainer rank 0]
+        # error: ..." refusal, a logged line), which is shown: a block cut short must not take it along.
+        own = _OWN_LINE.match(text) is not None
+        task.in_traceback = False
+        task.tracebacks += 1
+        # After another task's death a traceback is its consequence: the summary lists it, after the cause.
+        others_died = any(t is not task and t.process.poll() not in (None, 0) for t in self.tasks)
+        if task.tracebacks == 1 and not others_died:
+            ending = "" if own else f" ending `{text.strip()[:200]}`"
+            print(f"[{task.component}] (a traceback{ending}: in {task.log_path})", flush=True)
+        return not own
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
@@ -230,7 +267,7 @@ class LocalRun:
 
     def resume_command(self) -> str:
         """The command that continues this job from its newest checkpoint."""
-        return resume_command(self.record.recipe_source, self.record.job_dir, local=True)
+        return resume_command(self.record.job_dir, local=True)
 
     def _note_deaths(self, component: str | None = None) -> None:
         """Record every task seen ended badly for the first time, with this poll round (a new one); with
@@ -262,8 +299,8 @@ class LocalRun:
         if first is None:
             return
         print(
-            f"[local] the cause, above: {first.component} rank {first.rank} {exit_text(first.code)} (what its peers "
-            f"logged after it are consequences); resume with `{self.resume_command()}`",
+            f"[local] the cause, above: {first.cause()} (what its peers logged after it are consequences); "
+            f"resume with `{self.resume_command()}`",
             file=sys.stderr,
             flush=True,
         )
@@ -274,7 +311,7 @@ class LocalRun:
         if first is None or not rest:
             return
         # Peers that refused with the cause's own words are one item, not the same line again each.
-        same = [d for d in rest if d.refused() and d.reason() == first.reason()]
+        same = [d for d in rest if d.refused() and same_reason(d, first)]
         listed = "; ".join(d.describe() for d in rest if d not in same)
         if same:
             ranks = ", ".join(str(d.rank) for d in same)

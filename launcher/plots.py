@@ -4,9 +4,12 @@ rank 0's Slurm worker when the trainer ends, and by ``python3 -m launcher plots 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from launcher.component import ChildStopped, run_attached
 
 PLOTS_DIRNAME = "plots"
 PLOT_TIMEOUT_S = 300.0
@@ -21,9 +24,13 @@ def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT
         )
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:
-        done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = run_attached(command, cwd=repo_root, capture=True, timeout_s=timeout_s)
     except subprocess.TimeoutExpired:
         return False, f"plots took longer than {timeout_s:.0f} s"
+    except ChildStopped as exc:
+        # The stop was meant for this process (a Slurm worker has its own handler): deliver it as it came.
+        os.kill(os.getpid(), exc.signum)
+        return False, "plots stopped; `python3 -m launcher plots JOB` draws them"
     if done.returncode != 0:
         return False, f"plots failed: {done.stderr.strip().removeprefix('error: ')[-400:]}"
     return True, f"plots in {job_dir / PLOTS_DIRNAME}"

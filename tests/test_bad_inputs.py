@@ -446,8 +446,16 @@ CASES += [
         "job",
         "launcher",
         ("tiny", "--plan", "--resume", JOB, "--set", "trainer.draft.markov_rank=16"),
-        ("trainer.draft.markov_rank", "was 32"),
+        ("trainer.draft.markov_rank 32 -> 16",),
     ),
+    Case(
+        "flag-resume-changes-a-result-field",
+        "job",
+        "launcher",
+        ("tiny", "--plan", "--resume", JOB, "--set", "trainer.optimizer.lr=0.001"),
+        ("trainer.optimizer.lr 0.003 -> 0.001", "--fork"),
+    ),
+    Case("flag-resume-and-fork", "flag", "launcher", ("tiny", *DRY, "--resume", JOB, "--fork", JOB), ("--fork",)),
     Case(
         "flag-resume-broken-record",
         "job",

@@ -204,3 +204,16 @@ def test_acceptance_length_is_shown_when_the_runs_were_evaluated(tmp_path: Path)
     (tmp_path / "a" / "eval" / "broken").mkdir()
     (tmp_path / "a" / "eval" / "broken" / "results.json").write_text("{half")
     assert render_acceptance([a, b])[1:] == ["  A: step_00000008: T=0 2.250 (3 prompts)", "  B: not evaluated"]
+
+
+def test_a_forked_or_resumed_run_names_its_parent(tmp_path: Path) -> None:
+    run_a = make_run(tmp_path / "a", [4.0, 3.0], "same")
+    run_b = make_run(tmp_path / "b", [4.0, 3.0], "same")
+    parent = {"kind": "fork", "job_id": "local-1", "job_dir": str(run_a), "checkpoint": f"{run_a}/checkpoints/x"}
+    (run_b / "job.json").write_text(json.dumps({"job_id": "local-2", "parent": parent}))
+    done = subprocess.run(
+        [str(REPO / "tools" / "compare_runs"), str(run_a), str(run_b), "--no-plots"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"run B: forked from job local-1 at {run_a}/checkpoints/x (a new run" in done.stdout
+    assert "run A:" not in done.stdout, "a fresh run has no parent line"

@@ -1,7 +1,7 @@
 """The tiny pipeline end to end with --local: capture (master + embedded engine + producer) and the
 4-rank CPU trainer train over Mooncake. The loss falls and tau rises; the optimizer consumed exactly
-the prompt order; a run stopped at step 16 and resumed by a second submission with resume_from: auto
-reaches the same weights as an uninterrupted run.
+the prompt order; a run stopped at step 16 and resumed by a second submission (``tiny --resume JOB`` at the recipe's full
+length, as the runbook does) reaches the same weights as an uninterrupted run.
 
 The uninterrupted run is the shared reference run (``tiny_reference_run``: 32 steps), made once for
 every test that compares against it. The same pipeline on the real local Slurm cluster: the runbook
@@ -60,7 +60,9 @@ def test_a_run_stopped_at_step_16_resumes_exactly(tmp_path: Path, tiny_reference
     assert [r["loss"] for r in stopped_records] == [r["loss"] for r in records[:16]]
     assert final_weights(shared) == weights_at(reference_checkpoints, 16)
 
-    resumed = run_tiny("local", runs, "trainer.checkpoint.resume_from=auto", f"trainer.checkpoint.dir={shared}")
+    # The runbook's way: the recipe at its full length resumes the 16-step job (a longer run is the same
+    # run at tiny's constant learning rate); its own checkpoint folder is a result field, given again.
+    resumed = run_tiny("local", runs, f"trainer.checkpoint.dir={shared}", flags=("--resume", str(stopped)))
     resumed_records = metrics(resumed)
     assert [r["step"] for r in resumed_records] == list(range(17, 33)), "continued from step 16"
     assert [row for r in resumed_records for row in r["row_indices"]] == prompt_rows(128, 128)
@@ -70,6 +72,7 @@ def test_a_run_stopped_at_step_16_resumes_exactly(tmp_path: Path, tiny_reference
     )
     status = launch(["status", str(resumed)])
     assert "capture" in status.stdout and "trainer" in status.stdout and "COMPLETED" in status.stdout
+    assert f"parent: resumes job local-{stopped.name} ({stopped}) from {shared / 'step_00000016'}" in status.stdout
     logs = launch(["logs", str(resumed)]).stdout
     assert "_capture_0.out" in logs and "_trainer_0.out" in logs and "[trainer]" in logs
 

@@ -66,7 +66,7 @@ def test_flipped_bytes_in_a_weight_are_refused_naming_file_and_both_hashes(tmp_p
         checkpoints.verify_checkpoint(path)
     message = str(err.value)
     assert str(shard) in message and "is corrupt: sha256" in message and "when written" in message
-    assert "Fix: resume from an older checkpoint" in message
+    assert "Fix: there is no older checkpoint in" in message
 
 
 def test_load_checks_weight_and_optimizer_hashes_even_without_file_records(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_truncated_shard_and_broken_state_file_name_the_file(tmp_path: Path) -> 
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(checkpoints.CheckpointError, match=rf"{shard} has \d+ bytes, \d+ were written") as err:
         checkpoints.verify_checkpoint(path)
-    assert "older ones here: step_00000002" in str(err.value)
+    assert "Fix: resume from the previous checkpoint, step_00000002" in str(err.value)
 
     (path / checkpoints.STATE_FILE).write_text('{"format": "dspark-trainer-state/1", "step": ')
     with pytest.raises(checkpoints.CheckpointError, match=rf"{path / checkpoints.STATE_FILE} is unreadable"):
@@ -133,3 +133,68 @@ def test_corrupt_export_is_named(tmp_path: Path) -> None:
     save_file({"weight": torch.zeros(32, 64), "bias": torch.zeros(32)}, str(file))
     with pytest.raises(checkpoints.CheckpointError, match=r"weight \(32, 64\) \(this draft: \(64, 64\)\)"):
         checkpoints.load_weights(export, torch.nn.Linear(64, 64))
+
+
+def _edit_a_digit(file: Path) -> None:
+    """Change the first digit in ``file`` (text or binary) to another digit."""
+    data = bytearray(file.read_bytes())
+    at = next(i for i, byte in enumerate(data) if 0x30 <= byte <= 0x39)
+    data[at] = 0x30 + (data[at] - 0x30 + 1) % 10
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["trainer_state.json", "seal", ".metadata", "shard", "extra file", "no seal"])
+def test_an_edit_anywhere_in_a_checkpoint_is_refused_naming_the_file_and_the_previous_one(
+    tmp_path: Path, kind: str
+) -> None:
+    """Every file kind of a checkpoint: trainer_state.json (its "step", say), its seal, DCP's metadata, a
+    shard, a file added under dcp/, the seal removed. Each is one refusal naming the file and the previous
+    checkpoint by name."""
+    from runtime.shared.checkpoint_integrity import SEAL_FILE
+
+    _save(tmp_path, step=2)
+    _, _, path = _save(tmp_path, step=4)
+    assert checkpoints.verify_checkpoint(path)["integrity"] == "sha256-seal/1"
+    dcp_dir = path / checkpoints.DCP_DIR
+    named = {
+        "trainer_state.json": path / checkpoints.STATE_FILE,
+        "seal": path / SEAL_FILE,
+        ".metadata": dcp_dir / ".metadata",
+        "shard": next(dcp_dir.glob("*.distcp")),
+        "extra file": dcp_dir / "__9_0.distcp",
+        "no seal": path / SEAL_FILE,
+    }[kind]
+    if kind == "trainer_state.json":
+        text = named.read_text()
+        assert '"step": 4' in text
+        named.write_text(text.replace('"step": 4', '"step": 5', 1))
+    elif kind == "extra file":
+        named.write_bytes(b"0")
+    elif kind == "no seal":
+        named.unlink()
+    elif kind == "shard":
+        data = bytearray(named.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        named.write_bytes(bytes(data))
+    else:
+        _edit_a_digit(named)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.verify_checkpoint(path)
+    message = str(err.value)
+    assert str(named) in message, message
+    assert "Fix: resume from the previous checkpoint, step_00000002" in message, message
+    assert "\n" not in message
+
+
+def test_a_checkpoint_from_before_the_seal_is_accepted_as_legacy_and_said(tmp_path: Path, capsys) -> None:
+    import json
+
+    from runtime.shared.checkpoint_integrity import SEAL_FILE
+
+    _, _, path = _save(tmp_path)
+    state = json.loads((path / checkpoints.STATE_FILE).read_text())
+    state.pop("integrity")
+    (path / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    (path / SEAL_FILE).unlink()
+    assert checkpoints.verify_checkpoint(path)["step"] == 2
+    assert f"checkpoint {path} predates the seal of trainer_state.json" in capsys.readouterr().out

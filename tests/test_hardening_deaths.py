@@ -83,7 +83,9 @@ def _local_run(tmp_path: Path, children: dict[tuple[str, int], str]) -> LocalRun
     for (component, rank), code in children.items():
         log_path = job_dir / f"{component}_{rank}.out"
         log = log_path.open("ab")
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=log, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         run.tasks.append(LocalTask(component, rank, process, log, log_path))
     for component in ("capture", "trainer"):
         run.status[component] = {"state": "RUNNING", "tasks": 1, "exit_codes": {}}
@@ -118,13 +120,13 @@ def test_the_supervisor_names_the_killed_rank_first(tmp_path: Path, capsys) -> N
     first = [line for line in err.splitlines() if line.startswith("[local] FAILED: ")]
     assert first == [
         f"[local] FAILED: trainer rank 1 killed by SIGKILL (-9); resume with "
-        f"`python3 -m launcher tiny --local --resume {run.record.job_dir}`"
+        f"`python3 -m launcher --resume {run.record.job_dir} --local`"
     ], err
     assert took_s < 4, f"{took_s:.1f} s from the start to the supervisor's end"
     run._repeat_the_cause()  # the run's last line, after the echoed logs of its peers
     assert capsys.readouterr().err == (
         "[local] the cause, above: trainer rank 1 killed by SIGKILL (-9) (what its peers logged after it are "
-        f"consequences); resume with `python3 -m launcher tiny --local --resume {run.record.job_dir}`\n"
+        f"consequences); resume with `python3 -m launcher --resume {run.record.job_dir} --local`\n"
     )
     assert run.status["trainer"]["state"] == "FAILED" and run.status["capture"]["state"] == "STOPPED"
 
@@ -214,7 +216,7 @@ def test_the_master_watch_names_the_dead_master_within_a_second(tmp_path: Path) 
     assert exits and exits[0][0] == EXIT_MASTER_DIED and exits[0][1] - killed_at < 1.0
     assert watch.line == (
         f"mooncake_master (pid {master.pid}) killed by SIGKILL (-9) at step 3; the capture fails now; "
-        f"resume with `python3 -m launcher tiny --local --resume {tmp_path}`"
+        f"resume with `python3 -m launcher --resume {tmp_path} --local`"
     )
 
 
@@ -281,7 +283,7 @@ def test_kill_9_of_the_mooncake_master_is_one_line_within_seconds(tmp_path: Path
     ]
     assert watch, text[-4000:]
     assert re.search(
-        r"at step \d+; the capture fails now; resume with `python3 -m launcher \S+ --local --resume \S+`", watch[0][1]
+        r"at step \d+; the capture fails now; resume with `python3 -m launcher --resume \S+ --local`", watch[0][1]
     )
     failed = [(t, line) for t, line in console if line.startswith("[local] FAILED: capture rank 0 exited with code 3")]
     assert failed, text[-4000:]
@@ -313,7 +315,7 @@ def test_slurm_workers_agree_on_the_first_death_through_the_job_folder(tmp_path:
     from launcher.worker import _death_line
 
     (tmp_path / JOB_RECORD_FILENAME).write_text(json.dumps({"recipe_source": "tiny", "mode": "slurm"}))
-    resume = f"resume with `python3 -m launcher tiny --resume {tmp_path}`"
+    resume = f"resume with `python3 -m launcher --resume {tmp_path}`"
     assert _death_line(tmp_path, Death("trainer", 1, -9)) == (
         f"FAILED (the first task to die): trainer rank 1 killed by SIGKILL (-9); {resume}"
     )
@@ -321,3 +323,138 @@ def test_slurm_workers_agree_on_the_first_death_through_the_job_folder(tmp_path:
         "trainer rank 0 exited with code 1: a consequence of trainer rank 1 killed by SIGKILL (-9), "
         f"which died first (the cause); {resume}"
     )
+
+
+PEER_TRACEBACK = (  # a peer's reaction to the death: a deep traceback when its collective fails
+    "import signal, sys, time\n"
+    "def deep(n):\n"
+    "    if n == 0: raise RuntimeError('[gloo] Connection closed by peer [127.0.0.1]:29500')\n"
+    "    deep(n - 1)\n"
+    "def boom(*_):\n"
+    "    deep(30)\n"
+    "signal.signal(signal.SIGTERM, boom)\n"
+    "time.sleep(60)\n"
+)
+WRITER_THREADS_THEN_REFUSAL = (  # a checkpoint save on a full disk: DCP's writer threads fail, then the refusal
+    "import sys, threading, time\n"
+    "def write():\n"
+    "    raise OSError(28, 'No space left on device')\n"
+    "for _ in range(4):\n"
+    "    t = threading.Thread(target=write); t.start(); t.join()\n"
+    "time.sleep({delay})\n"
+    "print('[trainer rank {rank}] error: disk full at /x/checkpoints while saving step_00000024: need about 11476055 '\n"
+    "      'bytes, {free} free; the previous checkpoints are intact. Fix: free space there', file=sys.stderr)\n"
+    "sys.exit(1)\n"
+)
+
+
+def _console(run: LocalRun, capsys) -> list[str]:
+    """The supervisor's console in order (its echo goes to stdout, its own lines to stderr), as ``run()``
+    ends: supervise, echo the logs' last lines, repeat the cause."""
+    import contextlib
+
+    with contextlib.redirect_stderr(sys.stdout):
+        _supervise(run)
+        run._echo_logs()
+        run._repeat_the_cause()
+    return capsys.readouterr().out.splitlines()
+
+
+def _between(lines: list[str], first: str, last: str) -> list[str]:
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    end = next(i for i, line in enumerate(lines) if line.startswith(last))
+    assert start < end, lines
+    return lines[start + 1 : end]
+
+
+def test_after_a_kill_the_peers_traceback_stays_in_its_log(tmp_path: Path, capsys) -> None:
+    run = _local_run(
+        tmp_path,
+        {
+            ("capture", 0): SLEEP,
+            ("trainer", 0): PEER_TRACEBACK,
+            ("trainer", 1): KILL_SELF_AFTER.format(delay=0.3),
+            ("trainer", 2): SLEEP,
+        },
+    )
+    run.echo = True
+    lines = _console(run, capsys)
+    assert lines[0].startswith("[local] FAILED: trainer rank 1 killed by SIGKILL (-9); resume with"), lines
+    assert lines[-1].startswith("[local] the cause, above: trainer rank 1 killed by SIGKILL (-9) (what its peers")
+    assert len(_between(lines, "[local] FAILED:", "[local] the cause, above:")) <= 3, lines
+    assert not [line for line in lines if "Traceback" in line or line.lstrip().startswith("File ")], lines
+    assert "Traceback (most recent call last)" in (tmp_path / "job" / "trainer_0.out").read_text(), "kept in the log"
+
+
+def test_a_full_disk_is_named_first_and_last_without_the_writer_threads_tracebacks(tmp_path: Path, capsys) -> None:
+    """Every rank's save fails on the full disk, each naming its own free bytes; rank 1 happens to end first.
+    The console: the disk first (rank 0's line, or the first rank's in the FAILED line), a handful of lines,
+    and the closing line names the disk again, not "trainer rank 1 exited with code 1"."""
+    run = _local_run(
+        tmp_path,
+        {
+            ("capture", 0): SLEEP,
+            ("trainer", 0): WRITER_THREADS_THEN_REFUSAL.format(delay=0.8, rank=0, free=5959680),
+            ("trainer", 1): WRITER_THREADS_THEN_REFUSAL.format(delay=0.2, rank=1, free=5955584),
+            ("trainer", 2): WRITER_THREADS_THEN_REFUSAL.format(delay=0.9, rank=2, free=5951488),
+        },
+    )
+    run.echo = True
+    lines = _console(run, capsys)
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "Exception in thread" not in text, text
+    failed = next(line for line in lines if line.startswith("[local] FAILED: "))
+    assert "disk full at /x/checkpoints while saving step_00000024" in failed, failed
+    closing = lines[-1]
+    assert closing.startswith("[local] the cause, above: trainer rank ") and "disk full at /x/checkpoints" in closing
+    assert "the previous checkpoints are intact" in closing and "resume with `python3 -m launcher --resume" in closing
+    assert len(lines) <= 8, text
+
+
+def test_ranks_that_refused_with_the_same_words_but_their_own_numbers_are_one_cause() -> None:
+    words = "disk full at /x while saving step_00000024: need about 11476055 bytes, {} free. Fix: free space"
+    rank1 = Death("trainer", 1, 1, seen_order=1, last_words="[trainer rank 1] error: " + words.format(5955584))
+    rank0 = Death("trainer", 0, 1, seen_order=2, last_words="[trainer rank 0] error: " + words.format(5959680))
+    assert first_cause(order_deaths([rank0, rank1])) == rank0
+    assert rank1.pointed().startswith("trainer rank 1 exited with code 1: [trainer rank 1] error: disk full")
+    assert rank0.pointed() == "trainer rank 0 exited with code 1; its error line above says why and the fix"
+    assert rank0.cause() == (
+        "trainer rank 0 exited with code 1: disk full at /x while saving step_00000024: need about 11476055 bytes, "
+        "5959680 free"
+    )
+
+
+def test_a_refusal_right_after_library_tracebacks_is_shown(tmp_path: Path, capsys) -> None:
+    """What torch's checkpoint writer threads leave in rank 0's log on a full disk, ending in hooks that
+    failed too (the log's disk is full): the refusal that follows is a line of our own and is shown."""
+    log = "\n".join(
+        [
+            "[trainer] step 23 | loss 4.1",
+            "Exception in thread Thread-7 (_write_files_from_queue):",
+            "Traceback (most recent call last):",
+            '  File "/torch/distributed/checkpoint/filesystem.py", line 1, in _write_files_from_queue',
+            "OSError: [Errno 28] No space left on device",
+            "Exception in threading.excepthook:",
+            "Exception ignored in thread started by: <bound method Thread._bootstrap of <Thread(Thread-7)>>",
+            "Exception ignored in sys.unraisablehook: <built-in function unraisablehook>",
+            "[trainer rank 0] error: disk full at /x/checkpoints while saving step_00000024: need about 1 bytes, "
+            "0 free; the previous checkpoints are intact. Fix: free space there",
+        ]
+    )
+    run = _local_run(tmp_path, {("trainer", 0): f"print({log!r}, flush=True); import time; time.sleep(60)"})
+    run.echo = True
+    deadline = time.monotonic() + 20
+    while "error: disk full" not in run.tasks[0].log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        run._echo_logs()
+    finally:
+        run.tasks[0].process.kill()
+        run.tasks[0].process.wait()
+        run.tasks[0].log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "[trainer] step 23 | loss 4.1",
+        f"[trainer] (a traceback ending `OSError: [Errno 28] No space left on device`: in {run.tasks[0].log_path})",
+        "[trainer rank 0] error: disk full at /x/checkpoints while saving step_00000024: need about 1 bytes, 0 free; "
+        "the previous checkpoints are intact. Fix: free space there",
+    ]

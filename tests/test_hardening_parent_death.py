@@ -38,6 +38,13 @@ PARENTS = {
         "m = MasterProcess(MasterSettings('127.0.0.1', 1, 2, 3, 60, 0.9)); "
         "p = m._spawn([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); time.sleep(60)"
     ),
+    # `launcher eval --local`, the data.prepare_commands and the plots: run_attached
+    "attached": (
+        "import sys, threading, time; from launcher.component import run_attached; "
+        "threading.Timer(0.5, lambda: print(open('/proc/self/task/' + str(__import__('os').getpid()) + "
+        "'/children').read().split()[0], flush=True)).start(); "
+        "run_attached([sys.executable, '-c', {child!r}], cwd='.')"
+    ),
     "sglang_server": (  # engine_sglang starts its server with preexec_fn=die_with_parent
         "import subprocess, sys, time; from runtime.shared.lifecycle import die_with_parent; "
         "p = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True, preexec_fn=die_with_parent); "
@@ -100,3 +107,88 @@ def test_a_parent_that_died_before_the_request_is_noticed() -> None:
         [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=20
     )
     assert done.returncode == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_the_parent_alone_stops_its_attached_child(signum: int) -> None:
+    """``kill -TERM`` of the launcher's pid only (not its group) during ``eval --local`` or a prepare
+    command: before, the launcher ended and its child ran on to the end as an orphan. Now the child's
+    whole group gets SIGTERM, the parent waits for it and says so."""
+    code = (
+        "import sys, os; from launcher.component import run_attached, ChildStopped\n"
+        "try:\n"
+        "    run_attached([sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(60)'],"
+        " cwd='.')\n"
+        "except ChildStopped as exc:\n"
+        "    print('stopped', exc.signum, exc.returncode, flush=True); sys.exit(3)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())  # type: ignore[union-attr]
+    try:
+        os.kill(parent.pid, signum)
+        out, _ = parent.communicate(timeout=10)
+        assert parent.returncode == 3 and out.split() == ["stopped", str(int(signum)), str(-signal.SIGTERM)], out
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_result_files_are_written_whole_or_not_at_all_when_a_stop_comes_meanwhile(tmp_path: Path) -> None:
+    """The evaluation writes results.json, summary.txt and plots with the stop signals held back: a SIGTERM
+    that comes meanwhile ends it after the last file, never between two."""
+    code = (
+        "import os, signal, time, pathlib; from runtime.shared.lifecycle import stop_signals_deferred\n"
+        f"out = pathlib.Path({str(tmp_path)!r})\n"
+        "with stop_signals_deferred():\n"
+        "    (out / 'results.json').write_text('{}')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.3)\n"
+        "    (out / 'summary.txt').write_text('done')\n"
+        "(out / 'after').write_text('never')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == -signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "summary.txt"]
+
+
+def test_a_prepare_command_stops_with_the_launcher(tmp_path: Path) -> None:
+    """Issue 35's fault campaign: SIGTERM to the launcher's pid during ``data.prepare_commands`` left
+    tools.tiny_target running as an orphan, which finished the target a minute later. The command (and what
+    it started: a shell pipeline) now stops with the launcher, which says so in one line."""
+    pids = tmp_path / "pids"
+    command = f"sleep 60 & echo $! >> {pids}; echo $$ >> {pids}; wait"  # a shell and its child
+    code = (
+        "from pathlib import Path; from launcher.inputs import prepare_missing_inputs; "
+        "from runtime.recipe import load_recipe; "
+        f"r = load_recipe(Path('recipes/tiny.yaml'), [f'data.train_path={tmp_path}/none.jsonl', "
+        f"'data.prepare_commands=[\"{command}\"]']).recipe; prepare_missing_inputs(r, Path('.'), 'tiny')"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p) for p in pids.read_text().split()]
+    try:
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=10)
+        assert parent.returncode == 128 + signal.SIGTERM, out
+        assert "[prepare] stopped (SIGTERM) during `sleep 60" in out and "Traceback" not in out, out
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in children if _alive(p)], "the command and its child stopped with the launcher"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -137,10 +137,11 @@ def test_resume_under_another_draft_target_or_data_is_refused_before_submission(
     assert refused.returncode == 2
     for part in (
         "cannot resume job old-job",
-        "trainer.draft.num_layers: was 1, now 2",
-        "capture.target_revision: was 'tiny-v1', now 'other'",
-        "data.expected_sha256: was '8da9",
-        "Fix: resume with the recipe (and --set) the job was made from",
+        "trainer.draft.num_layers 1 -> 2",
+        'capture.target_revision "tiny-v1" -> "other"',
+        'data.expected_sha256 "8da9',
+        f"Fix: `python3 -m launcher --resume {job_dir} --local` continues with the job's own recipe",
+        "--fork old-job",
     ):
         assert part in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr

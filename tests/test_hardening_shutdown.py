@@ -72,12 +72,15 @@ def test_sigterm_to_the_local_supervisor_keeps_the_work(tmp_path: Path, tiny_ass
     import sys
     import time
 
-    from tests.support.tiny_runs import metrics
+    from tests.support.tiny_runs import final_weights, metrics, run_tiny
 
     runs = tmp_path / "runs"
-    # No periodic checkpoint before the stop: the one found afterwards is the stop's.
+    # No periodic checkpoint before the stop: the one found afterwards is the stop's. The run has --set
+    # overrides of result fields: its resume continues with them (issue 35: the resume is the same run).
+    same_run = ("trainer.checkpoint.every_steps=1000", "trainer.optimizer.lr=0.001", "trainer.max_steps=12")
     command = [sys.executable, "-m", "launcher", "tiny", "--local", *probe_overrides(runs)]
-    command += ["--set", "trainer.checkpoint.every_steps=1000"]
+    for item in same_run:
+        command += ["--set", item]
     supervisor = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -105,7 +108,7 @@ def test_sigterm_to_the_local_supervisor_keeps_the_work(tmp_path: Path, tiny_ass
     assert f"--resume {job_dir}" in found.group(3)
     assert metrics(job_dir)[-1]["step"] == step, "the checkpoint is at the last step the trainer finished"
     state = json.loads((job_dir / "checkpoints" / "latest" / "trainer_state.json").read_text())
-    assert state["step"] == step and step < 32
+    assert state["step"] == step and step < 12
     status = launch(["status", str(job_dir)]).stdout
     assert re.search(r"^  trainer +1 STOPPED ", status, re.M) and re.search(r"^  capture +0 STOPPED ", status, re.M), (
         status
@@ -114,3 +117,16 @@ def test_sigterm_to_the_local_supervisor_keeps_the_work(tmp_path: Path, tiny_ass
         "'tiny': STOPPED" in status and f"newest complete {job_dir / 'checkpoints' / f'step_{step:08d}'}" in status
     ), status
     print(f"stopped at step {step}; {took_s:.1f} s from SIGTERM to the supervisor's exit")
+
+    # The printed resume command, as printed: it continues at lr 0.001 to the run's own 12 steps, and
+    # ends bit for bit where an uninterrupted run with the same overrides ends.
+    assert found.group(3) == f"python3 -m launcher --resume {job_dir} --local", found.group(3)
+    resumed = launch(found.group(3).split()[3:])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    (resumed_dir,) = {p for p in (runs / "tiny").iterdir() if p.is_dir()} - {job_dir}
+    rows = metrics(resumed_dir)
+    assert [r["step"] for r in rows] == list(range(step + 1, 13)) and {r["lr"] for r in rows} == {0.001}
+    assert json.loads((resumed_dir / "job.json").read_text())["parent"]["job_id"] == f"local-{job_dir.name}"
+    whole = run_tiny("local", tmp_path / "whole", *same_run[1:])
+    assert [r["loss"] for r in metrics(whole)][step:] == [r["loss"] for r in rows]
+    assert final_weights(resumed_dir / "checkpoints") == final_weights(whole / "checkpoints")

@@ -386,6 +386,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(_main, argv)
 
 
+def lineage(run: Run) -> str:
+    """``run A: resumes job X from CHECKPOINT (the same run)`` or ``... forked from ...`` from the job's
+    ``job.json`` (its ``parent``); empty for a fresh run or a bare metrics file."""
+    record = run.folder / "job.json" if run.folder else None
+    try:
+        parent = json.loads(record.read_text()).get("parent") if record and record.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(parent, dict):
+        return ""
+    if parent.get("kind") == "fork":
+        return (
+            f"run {run.label}: forked from job {parent.get('job_id')} at {parent.get('checkpoint')} "
+            "(a new run: its recipe may differ from its parent's)"
+        )
+    return f"run {run.label}: resumes job {parent.get('job_id')} from {parent.get('checkpoint')} (the same run)"
+
+
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/compare_runs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -407,8 +425,11 @@ def _main(argv: list[str] | None) -> int:
     run_a = load_run(args.run_a, "A")
     runs = [run_a]
     if args.run_b:
-        run_b = load_run(args.run_b, "B")
-        runs.append(run_b)
+        runs.append(load_run(args.run_b, "B"))
+    for line in filter(None, (lineage(run) for run in runs)):
+        print(line)
+    if args.run_b:
+        run_b = runs[1]
         print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
     else:
         print(f"run {args.run_a}: {len(run_a.steps)} steps")

@@ -23,7 +23,9 @@ from runtime.evaluate.target import TargetLoadError
 from runtime.files import atomic_write_text
 from runtime.recipe import RecipeError, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
-from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
+from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_runs_draft, resolve_draft_source
+from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_export, verify_whole
+from runtime.shared.lifecycle import stop_signals_deferred
 from runtime.trainer.checkpoints import CheckpointError
 
 RESULTS_FILE = "results.json"
@@ -50,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = eval_settings(resolved.recipe.eval, args.eval_recipe, args.overrides, str(resolved.path))
         check_eval_set_names(settings, args.sets, str(resolved.path))
         source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+        refuse_another_runs_draft(source, resolved.checkpoint_dir(), str(resolved.job_dir), args.out is not None)
+        if source.kind == "checkpoint" and source.path is not None:  # trusted only whole
+            verify_whole(source.path, "eval", note=print)
+        elif source.kind == "export" and source.path is not None:
+            verify_export(source.path, note=print)
         from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
 
         out_dir = args.out or resolved.job_dir / "eval" / source.label
@@ -67,12 +74,23 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         FileNotFoundError,
         SGLangRouteError,
+        CheckpointIntegrityError,
     ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): no results were written", file=sys.stderr)
+        return 130
     except Exception:
         traceback.print_exc()
         return 1
+    with stop_signals_deferred():  # a stop now comes after every file: the results are whole, or none is new
+        _write_results(results, out_dir, resolved.job_dir / "eval" if args.out is None else out_dir)
+    return 0
+
+
+def _write_results(results: dict, out_dir: Path, eval_root: Path) -> None:
+    """results.json, summary.txt and the plots of one evaluation."""
     from runtime.evaluate.report import results_table
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.evaluate.plots import draw_eval_plots
 
     # A results folder of the operator's choosing keeps every plot inside it (the job folder is not touched).
-    eval_root = resolved.job_dir / "eval" if args.out is None else out_dir
     for line in draw_eval_plots(out_dir, eval_root):
         print(line)
-    return 0
 
 
 if __name__ == "__main__":

@@ -133,10 +133,18 @@ def load_recipe(
     display_name: str | None = None,
 ) -> LoadedRecipe:
     """Read, overlay, override and validate a recipe file. Raises RecipeError listing every problem."""
-    overrides = list(overrides or [])
     path = Path(path)
     name = display_name or str(path)
-    raw = _read_yaml(path, name)
+    return load_document(_read_yaml(path, name), name, overrides, smoke)
+
+
+def load_document(
+    raw: dict[str, Any], name: str, overrides: list[str] | None = None, smoke: bool = False
+) -> LoadedRecipe:
+    """Overlay, override and validate a recipe document (a recipe file's content, or a job's resolved
+    recipe for ``--resume JOB``); ``name`` is what its messages call it. Raises RecipeError."""
+    overrides = list(overrides or [])
+    raw = copy.deepcopy(raw)
     # ``--set smoke.KEY=VALUE`` edits the overlay itself: applied first, so it is validated (and merged
     # under --smoke) exactly like the file's overlay; every other --set wins over the overlay.
     smoke_origins: dict[str, str] = {}

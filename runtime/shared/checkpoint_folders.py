@@ -115,3 +115,28 @@ def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
 
 def _checkpoint(path: Path) -> DraftSource:
     return DraftSource("checkpoint", path, path.name, int(path.name.removeprefix(STEP_PREFIX)))
+
+
+def refuse_another_runs_draft(source: DraftSource, checkpoint_dir: Path, job: str, out_given: bool) -> None:
+    """An evaluation files its results under the job's ``eval/<draft>/`` and draws them into the job's
+    acceptance-over-steps plot: a checkpoint or export of another run would be mixed into this run's
+    figures under its label. Refused (naming the run it belongs to, when its folder has a job record),
+    unless ``--out`` puts the results elsewhere. Evaluating it as its own run's keeps it with that run."""
+    if source.path is None or out_given:
+        return
+    path, own = source.path.resolve(), checkpoint_dir.resolve()
+    if path == own or own in path.parents:
+        return
+    owner = next((p for p in path.parents if (p / "job.json").is_file()), None)
+    whose = f"job folder {owner}" if owner else "another run (no job folder above it)"
+    again = (
+        f"`python3 -m launcher eval {owner} --checkpoint {source.label}` evaluates it as that run's own, into its "
+        "folder"
+        if owner
+        else "evaluate it from the job that wrote it"
+    )
+    raise DraftSourceError(
+        f"--checkpoint {source.path} belongs to {whose}, not to job {job} (its checkpoints are in {checkpoint_dir}): "
+        f"its results would be filed under job {job}'s eval/{source.label} and drawn into its acceptance over "
+        f"steps, mixing two runs under one label. Fix: {again}, or give --out DIR to keep these results apart"
+    )

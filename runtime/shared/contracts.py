@@ -37,20 +37,21 @@ JOB_RECORD_FILENAME = "job.json"
 """The launcher's record of a job in its folder (mode, recipe source, ...): ``launcher/jobs.py`` writes it."""
 
 
-def resume_command(recipe_source: str, job_dir: str | Path, local: bool) -> str:
+def resume_command(job_dir: str | Path, local: bool) -> str:
     """The one command line that resumes a job from its newest checkpoint (every message that tells the
-    operator how to go on prints this one)."""
-    return f"python3 -m launcher {recipe_source}{' --local' if local else ''} --resume {job_dir}"
+    operator how to go on prints this one): the job's own resolved recipe, its --set overrides included,
+    so the resumed run is the same run."""
+    return f"python3 -m launcher --resume {job_dir}{' --local' if local else ''}"
 
 
 def resume_command_of(job_dir: Path) -> str:
     """:func:`resume_command` for the job in ``job_dir``, from its ``job.json`` (a component knows only
-    its folder); a placeholder recipe when the record cannot be read."""
+    its folder; Slurm when the record cannot be read)."""
     try:
         record = json.loads((job_dir / JOB_RECORD_FILENAME).read_text())
-        return resume_command(str(record["recipe_source"]), job_dir, record.get("mode") == "local")
-    except (OSError, ValueError, KeyError, TypeError):
-        return resume_command("RECIPE", job_dir, local=False)
+        return resume_command(job_dir, record.get("mode") == "local")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return resume_command(job_dir, local=False)
 
 
 TRAINER_EXIT_STOPPED = 143

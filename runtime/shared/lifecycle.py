@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
 ORPHAN_POLL_S = 0.5
@@ -67,3 +69,22 @@ def exit_text(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The stop signals a parent passes on to the child it waits for (``launcher.component.run_attached``)
+and that :func:`stop_signals_deferred` holds back."""
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Hold :data:`FORWARDED_SIGNALS` back while the block runs (writing a set of result files: they are
+    then all there or none of the new ones is); one that came meanwhile is delivered when it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)

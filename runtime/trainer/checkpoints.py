@@ -4,7 +4,9 @@ Layout of ``checkpoint_dir``::
 
     step_00000008/            one complete checkpoint
         dcp/                  torch.distributed.checkpoint: {"model": ..., "optim": ...}, sharded
-        trainer_state.json    step, cursor, epoch, schedule, RNG, digests, world size, weights hash
+        trainer_state.json    step, cursor, epoch, schedule, RNG, digests, world size, weights hash,
+                              and the size and SHA-256 of every dcp/ file
+        trainer_state.json.sha256   the state file's own SHA-256 (runtime/shared/checkpoint_integrity.py)
     latest -> step_00000008   symlink to the newest complete checkpoint
     .tmp-step_00000016/       a save in progress (renamed when complete; stale ones are removed)
 
@@ -23,14 +25,11 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from runtime.files import atomic_write_text, is_disk_full
+from runtime.shared import checkpoint_integrity
 from runtime.shared.checkpoint_folders import (
     LATEST,
     SEQUENTIAL_HASH_SCHEME,
@@ -59,7 +59,7 @@ from runtime.shared.checkpoint_folders import (
     step_dir_name,
 )
 from runtime.trainer.distributed import barrier
-from runtime.trainer.state_hash import HASH_SCHEME, HASH_THREADS, KNOWN_HASH_SCHEMES, state_dict_sha256
+from runtime.trainer.state_hash import HASH_SCHEME, KNOWN_HASH_SCHEMES, state_dict_sha256
 from runtime.user_errors import UserError
 
 STATE_FORMAT = "dspark-trainer-state/1"
@@ -121,54 +121,22 @@ def _older_hint(path: Path) -> str:
     return f"older ones here: {', '.join(older)}" if older else f"none older in {path.parent}"
 
 
-def _file_digest(file: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with file.open("rb") as handle:
-        for block in iter(lambda: handle.read(16 << 20), b""):
-            digest.update(block)
-    return {"bytes": file.stat().st_size, "sha256": digest.hexdigest()}
-
-
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file under ``folder``, by relative path. Files are hashed on
-    :data:`HASH_THREADS` threads at once (reads and hashlib run without the GIL): rank 0 reads back
-    every rank's files, 25 GiB for the K3 draft, which took 24 s on one thread (H200 host)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(files)))) as pool:
-        found = list(pool.map(_file_digest, files))
-    return {str(file.relative_to(folder)): digest for file, digest in zip(files, found, strict=True)}
-
-
-def verify_files(path: Path, state: dict[str, Any]) -> None:
-    """Check every file the checkpoint recorded at save time (size, then SHA-256); raise
-    :class:`CheckpointError` naming the file, both values and the fix. Checkpoints written before
-    files were recorded pass (their weights hash is still checked after loading)."""
-    recorded = state.get("files")
-    if not recorded:
-        return
-    actual = file_digests(path / DCP_DIR)
-    fix = f"resume from an older checkpoint ({_older_hint(path)}), or move {path} away"
-    for name, want in sorted(recorded.items()):
-        file = path / DCP_DIR / name
-        got = actual.get(name)
-        if got is None:
-            raise CheckpointError(f"checkpoint file {file} is missing; this checkpoint cannot be used. Fix: {fix}")
-        if got["bytes"] != want["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {file} has {got['bytes']} bytes, {want['bytes']} were written (truncated or "
-                f"overwritten). Fix: {fix}"
-            )
-        if got["sha256"] != want["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {file} is corrupt: sha256 {got['sha256']}, {want['sha256']} when written. Fix: {fix}"
-            )
+    """Size and SHA-256 of every file under ``folder``, by relative path, on several threads
+    (:func:`runtime.shared.checkpoint_integrity.file_digests`)."""
+    return checkpoint_integrity.file_digests(folder)
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Read the state and verify the files of checkpoint ``path`` (rank 0 does this; see the loop)."""
-    state = read_state(path)
-    verify_files(path, state)
-    return state
+    """Check that checkpoint ``path`` is whole and return its state (rank 0 does this; see the loop):
+    ``trainer_state.json`` against its seal, every ``dcp/`` file against the state's records (see
+    runtime/shared/checkpoint_integrity.py). A refusal is a :class:`CheckpointError` naming the file and
+    the previous checkpoint; a legacy checkpoint (from before the seal) is accepted with one log line."""
+    try:
+        checkpoint_integrity.verify_whole(path, "resume", note=lambda line: print(f"[trainer] {line}", flush=True))
+    except checkpoint_integrity.CheckpointIntegrityError as exc:
+        raise CheckpointError(str(exc)) from None
+    return read_state(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +242,9 @@ def save_checkpoint(
                 "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "torch_version": torch.__version__,
             }
-            atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
+            text, _ = checkpoint_integrity.seal_json(payload)
+            atomic_write_text(tmp / STATE_FILE, text)
+            checkpoint_integrity.write_seal(tmp, text.encode())  # the state's own hash: an edit is refused
             if final.exists():  # the same step saved again after a restart: replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -297,8 +267,7 @@ def save_checkpoint(
             "the previous checkpoints are intact. Fix: free space there, or set "
             "trainer.checkpoint.dir to a larger filesystem (and lower trainer.checkpoint.keep_last)"
         )
-        print(message, file=sys.stderr, flush=True)
-        raise CheckpointError(message) from None
+        raise CheckpointError(message) from None  # said once, by the trainer's refusal (runtime/shared/refusal.py)
     return SavedCheckpoint(path=final, weights_sha256=weights_hash)
 
 

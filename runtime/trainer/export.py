@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from runtime.recipe.schema import Recipe
 from runtime.shared.checkpoint_folders import EXPORT_CONFIG_FILE
+from runtime.shared.checkpoint_integrity import write_export_manifest
 from runtime.trainer.distributed import barrier
 
 WEIGHTS_FILE = "model.safetensors"
@@ -113,6 +114,7 @@ def export_draft(model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype:
         tensors = {name: tensor.detach().to(dtype).contiguous() for name, tensor in full.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-recipes"})
         (tmp / CONFIG_FILE).write_text(json.dumps(draft_config(recipe, dtype), indent=2) + "\n")
+        write_export_manifest(tmp)  # an eval checks every file against it
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

@@ -35,11 +35,14 @@ REFERENCE_STEPS = 32
 REFERENCE_OVERRIDES = ("trainer.checkpoint.keep_last=4",)
 
 
-def run_tiny(mode: str, runs: Path, *overrides: str, expected_warnings: tuple[str, ...] = ()) -> Path:
+def run_tiny(
+    mode: str, runs: Path, *overrides: str, expected_warnings: tuple[str, ...] = (), flags: tuple[str, ...] = ()
+) -> Path:
     """Run the tiny recipe to completion (``mode`` local or slurm); returns its job folder. Its console
     must be a healthy run's, but for WARNING lines that contain one of ``expected_warnings`` (a test
-    that damages something on purpose expects to be told)."""
-    args = ["tiny", *probe_overrides(runs)]
+    that damages something on purpose expects to be told). ``flags`` go to the launcher as they are
+    (``--resume JOB``)."""
+    args = ["tiny", *flags, *probe_overrides(runs)]
     for item in overrides:
         args += ["--set", item]
     before = set((runs / "tiny").iterdir()) if (runs / "tiny").exists() else set()

@@ -1,0 +1,134 @@
+"""Eval results stay with their run, and an evaluated checkpoint is trusted only whole (issue 35, items 2
+and 6): ``eval JOB --checkpoint <another run's checkpoint>`` is refused (it would be filed under JOB's
+eval/step_N and drawn into JOB's acceptance over steps), naming the run it belongs to and the command that
+evaluates it as that run's own; ``--out DIR`` keeps such results apart. A checkpoint with an edited
+``trainer_state.json`` is refused by the evaluation, naming the file and the previous checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_runs_draft, resolve_draft_source
+from tests.test_resume_continuity import _job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _checkpoint(job_dir: Path, step: int) -> Path:
+    path = job_dir / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+def test_another_runs_checkpoint_is_refused_naming_its_run_and_the_way_to_evaluate_it(tmp_path: Path) -> None:
+    mine, theirs = tmp_path / "runs" / "tiny" / "a", tmp_path / "runs" / "tiny" / "b"
+    for job in (mine, theirs):
+        _checkpoint(job, 8)
+        (job / "job.json").write_text("{}")
+    own = resolve_draft_source("step_8", mine / "checkpoints")
+    refuse_another_runs_draft(own, mine / "checkpoints", "local-a", out_given=False)  # its own: fine
+    foreign = resolve_draft_source(str(theirs / "checkpoints" / "step_00000008"), mine / "checkpoints")
+    with pytest.raises(DraftSourceError) as err:
+        refuse_another_runs_draft(foreign, mine / "checkpoints", "local-a", out_given=False)
+    message = str(err.value)
+    assert f"belongs to job folder {theirs}, not to job local-a" in message
+    assert "filed under job local-a's eval/step_00000008 and drawn into its acceptance over steps" in message
+    assert f"`python3 -m launcher eval {theirs} --checkpoint step_00000008`" in message and "--out DIR" in message
+    refuse_another_runs_draft(foreign, mine / "checkpoints", "local-a", out_given=True)  # results kept apart
+    export = theirs / "checkpoints" / "export-step_00000008"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    with pytest.raises(DraftSourceError, match="belongs to job folder"):
+        refuse_another_runs_draft(resolve_draft_source(str(export), mine / "checkpoints"), mine / "checkpoints",
+                                  "local-a", out_given=False)  # fmt: skip
+
+
+def test_launcher_eval_refuses_another_runs_checkpoint_before_anything_starts(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    mine, theirs = _job(runs, job_id="mine"), _job(runs, job_id="theirs")
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "eval", "mine", "--runs-dir", str(runs), "--local",
+         "--checkpoint", str(theirs / "checkpoints" / "step_00000008")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: --checkpoint") and f"belongs to job folder {theirs}, not to job mine" in line
+    assert not (mine / "eval").exists()
+
+
+def test_the_evaluation_refuses_a_checkpoint_whose_state_was_edited(tmp_path: Path) -> None:
+    import torch
+
+    from tests.support.trainer_runs import save_one_rank
+
+    runs = tmp_path / "runs"
+    job_dir = _job(runs, job_id="mine")
+    folder = job_dir / "checkpoints"
+    for step in (8, 16):
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.AdamW(model.parameters())
+        save_one_rank(folder, model, optimizer, step)
+    state = folder / "step_00000016" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"step": 16', '"step": 17'))
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.evaluate", "--recipe", str(job_dir / "recipe.resolved.json"),
+         "--checkpoint", "latest"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{state} does not match its seal" in line
+    assert "Fix: evaluate the previous checkpoint, --checkpoint step_00000008" in line
+    assert not (job_dir / "eval").exists()
+    assert json.loads(state.read_text())["step"] == 17
+
+
+@pytest.mark.parametrize("edit", ["config.json", "model.safetensors", "export.sha256", "added", "none"])
+def test_an_exported_draft_is_checked_against_its_manifest(tmp_path: Path, edit: str, capsys) -> None:
+    from runtime.shared.checkpoint_integrity import (
+        EXPORT_MANIFEST,
+        CheckpointIntegrityError,
+        verify_export,
+        write_export_manifest,
+    )
+
+    export = tmp_path / "export-step_00000016"
+    export.mkdir()
+    (export / "config.json").write_text('{"num_hidden_layers": 1}\n')
+    (export / "model.safetensors").write_bytes(b"\x10" * 64)
+    write_export_manifest(export)
+    verify_export(export)  # whole
+    if edit == "none":
+        (export / EXPORT_MANIFEST).unlink()
+        verify_export(export, note=print)
+        said = capsys.readouterr().out
+        assert "has no export.sha256" in said and "accepted as a legacy export" in said
+        return
+    target = export / (edit if edit != "added" else "extra.safetensors")
+    if edit == "config.json":
+        target.write_text('{"num_hidden_layers": 2}\n')
+    elif edit == "model.safetensors":
+        target.write_bytes(b"\x10" * 63 + b"\x11")
+    elif edit == "export.sha256":
+        text = target.read_text()
+        target.write_text(("1" if text[0] != "1" else "2") + text[1:])
+    else:
+        target.write_bytes(b"0")
+    with pytest.raises(CheckpointIntegrityError) as err:
+        verify_export(export)
+    message = str(err.value)
+    # an edited manifest line shows as the file it records (config.json sorts first)
+    named = export / "config.json" if edit == "export.sha256" else target
+    assert f"exported file {named} " in message, message
+    assert (
+        "Fix: export the draft again from its checkpoint, or evaluate the checkpoint itself (--checkpoint step_00000016)"
+        in message
+    )
