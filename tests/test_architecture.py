@@ -305,12 +305,18 @@ def test_only_the_gate_and_the_tools_import_the_patching() -> None:
     assert not chains, "the patching runs on login nodes without torch:\n" + "\n".join(chains)
 
 
+EVALUATE_TIMERS = ("tools.bench.speedup",)
+"""Benchmarks that time the evaluation's own decoders (nothing imports them either)."""
+
+
 def evaluate_importers(modules: dict[str, Module], repo_root: Path = REPO_ROOT) -> list[str]:
-    """Every import of :data:`EVALUATE_ROOM` from outside it (the tests excepted)."""
+    """Every import of :data:`EVALUATE_ROOM` from outside it (the tests and :data:`EVALUATE_TIMERS` excepted)."""
     return [
         f"{module.path.relative_to(repo_root)}:{line} imports {target}"
         for module in modules.values()
-        if not _within(module.name, EVALUATE_ROOM) and not _within(module.name, "tests")
+        if not _within(module.name, EVALUATE_ROOM)
+        and not _within(module.name, "tests")
+        and module.name not in EVALUATE_TIMERS
         for target, line in module.repo_imports.items()
         if _within(target, EVALUATE_ROOM)
     ]

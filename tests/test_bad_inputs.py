@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from collections import Counter
@@ -32,6 +33,8 @@ from runtime.recipe import load_recipe, write_resolved
 from tools import compare_runs, data_prepare, data_verify, smoke_data
 
 REPO = Path(__file__).resolve().parent.parent
+TINY_DATA_SHA256 = re.search(r"expected_sha256: ([0-9a-f]{64})", (REPO / "recipes/tiny.yaml").read_text()).group(1)  # type: ignore[union-attr]
+"""The tiny recipe's pinned data digest, as its file spells it (cases edit that line)."""
 TINY = REPO / "recipes" / "tiny.yaml"
 
 COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
@@ -361,7 +364,7 @@ CASES += [
         ("{w}/recipes/bad.yaml", *DRY),
         ("data.expected_sha256", "quote"),
         tiny_with(
-            "expected_sha256: 8da918251c75e94b8b2b0259a548beb273ecd2e714687968f478934e61986ace",
+            f"expected_sha256: {TINY_DATA_SHA256}",
             "expected_sha256: " + "0" * 64,
         ),
     ),
@@ -446,14 +449,14 @@ CASES += [
         "job",
         "launcher",
         ("tiny", "--plan", "--resume", JOB, "--set", "trainer.draft.markov_rank=16"),
-        ("trainer.draft.markov_rank 32 -> 16",),
+        ("trainer.draft.markov_rank 256 -> 16",),
     ),
     Case(
         "flag-resume-changes-a-result-field",
         "job",
         "launcher",
         ("tiny", "--plan", "--resume", JOB, "--set", "trainer.optimizer.lr=0.001"),
-        ("trainer.optimizer.lr 0.003 -> 0.001", "--fork"),
+        ("trainer.optimizer.lr 0.005 -> 0.001", "--fork"),
     ),
     Case("flag-resume-and-fork", "flag", "launcher", ("tiny", *DRY, "--resume", JOB, "--fork", JOB), ("--fork",)),
     Case(

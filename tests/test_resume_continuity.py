@@ -68,7 +68,7 @@ def test_only_the_listed_fields_are_safe_and_everything_else_is_a_result_field()
     other = load_recipe(TINY, ["trainer.optimizer.lr=0.001", "job.time_limit_min=7", "trainer.loss.ce_weight=0.5"])
     found = {c.field: c.describe() for c in continuity.changes(base, other.recipe)}
     assert found == {
-        "trainer.optimizer.lr": "trainer.optimizer.lr 0.003 -> 0.001",
+        "trainer.optimizer.lr": "trainer.optimizer.lr 0.005 -> 0.001",
         "job.time_limit_min": f"job.time_limit_min {base.job.time_limit_min} -> 7",
         "trainer.loss.ce_weight": f"trainer.loss.ce_weight {base.trainer.loss.ce_weight} -> 0.5",
     }
@@ -124,7 +124,7 @@ def test_a_resume_that_changes_the_lr_is_refused_before_anything_starts(tmp_path
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
-    assert line.startswith("error: cannot resume job old-job") and "trainer.optimizer.lr 0.001 -> 0.003" in line
+    assert line.startswith("error: cannot resume job old-job") and "trainer.optimizer.lr 0.001 -> 0.005" in line
     assert f"`python3 -m launcher --resume {job_dir} --local`" in line and "--fork old-job" in line
     assert sorted(p.name for p in (runs / "tiny").iterdir()) == before, "no job folder was made"
     # a schedule whose curve spans the run: a longer run is refused with the reason
@@ -150,8 +150,8 @@ def test_a_fork_takes_changes_and_records_its_parent(tmp_path: Path, capsys) -> 
     runs = tmp_path / "runs"
     job_dir = _job(runs, "trainer.optimizer.lr=0.001")
     loaded, parent = cli.continue_job(_args("tiny", "--fork", "old-job", "--set", f"job.runs_dir={runs}"))
-    assert loaded.recipe.trainer.optimizer.lr == 0.003 and parent["kind"] == "fork"
-    assert "changed from job old-job: trainer.optimizer.lr 0.001 -> 0.003" in capsys.readouterr().out
+    assert loaded.recipe.trainer.optimizer.lr == 0.005 and parent["kind"] == "fork"
+    assert "changed from job old-job: trainer.optimizer.lr 0.001 -> 0.005" in capsys.readouterr().out
     child_dir = runs / "tiny" / "child"
     child_dir.mkdir(parents=True)
     record = cli._record_for(loaded, child_dir, "child-job", "local", False, parent)
