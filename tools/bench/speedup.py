@@ -129,20 +129,21 @@ def bench_job(
     return out
 
 
-def _timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+def _timed_together(fns: dict[str, Callable[[], Any]], device: str, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turns (one of each per round, so that the machine's
+    drift and any late warm-up land on all of them alike), after five warm-up rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(5 + repeats):
+        for name, fn in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if round_index >= 5:
+                times[name].append(time.perf_counter() - started)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 def bench_synthetic(device: str, quick: bool, repeats: int) -> dict[str, Any]:
@@ -167,7 +168,8 @@ def bench_synthetic(device: str, quick: bool, repeats: int) -> dict[str, Any]:
         decoder_sparse_step=1, max_position_embeddings=context + 256, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype).to(device).eval()
+    with torch.device(device):  # initialised where it runs: a few billion weights take minutes on a CPU
+        model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype).eval()
     aux = [1, layers // 2, layers - 2]
     target = TargetDecoder(model, aux)
     cfg = recipe.trainer.draft.model_copy(
@@ -197,9 +199,12 @@ def bench_synthetic(device: str, quick: bool, repeats: int) -> dict[str, Any]:
         target.rollback(length)
 
     with torch.no_grad():
-        plain_s = _timed(plain_step, device, repeats)
-        verify_s = _timed(verify_step, device, repeats)
-        propose_s = _timed(lambda: proposer.propose(5, 0.0, generator), device, repeats)
+        timed = _timed_together(
+            {"plain": plain_step, "verify": verify_step, "propose": lambda: proposer.propose(5, 0.0, generator)},
+            device,
+            repeats,
+        )
+    plain_s, verify_s, propose_s = timed["plain"], timed["verify"], timed["propose"]
     per_step = verify_s + propose_s
     acceptance = [1.5, 2.0, 3.0, 4.0, 5.0, 6.0]
     return {
