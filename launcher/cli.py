@@ -28,7 +28,7 @@ from launcher.environment import COMPONENTS
 from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
 from launcher.plots import plot_metrics
-from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
+from launcher.render import RenderOptions, environment_references, render_script, sbatch_path, shell_word
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
@@ -203,7 +203,7 @@ def submit(args: argparse.Namespace) -> int:
             repo_dir=str(REPO_ROOT),
         )
         print(render_script(loaded.recipe, options), end="")
-        print(f"# command: sbatch {planned}/submission.sh   (dry run: nothing was submitted)")
+        print(f"# command: sbatch {shell_word(str(planned / 'submission.sh'))}   (dry run: nothing was submitted)")
         for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
         return 0

@@ -10,14 +10,13 @@ in as ``sbatch/NAME.eval.sbatch`` for manual submission. Results land in ``<job>
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from launcher import jobs
-from launcher.render import container_args, resource_flags, sbatch_lines
+from launcher.render import comment_text, container_args, resource_flags, sbatch_lines, shell_word
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
@@ -53,26 +52,26 @@ def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
         mem_gib=eval_memory_request(recipe).requested_gib,
     )
     flags += [("output", "slurm-%x-%j.out"), *sorted(resources.extra_sbatch.items())]
-    python = job.python
+    python = shell_word(job.python)
     evaluate = [
         "srun",
         "--ntasks=1",
         "--unbuffered",
         *container_args(recipe),
-        *[shlex.quote(a) for a in resources.srun_args],
+        *[shell_word(a) for a in resources.srun_args],
         python,
         "-u",
         "-m",
         "runtime.evaluate",
         f'--recipe "$DSPARK_JOB_DIR/{RESOLVED_FILENAME}"',
-        f"--eval-recipe {shlex.quote(recipe_file)}",
+        f"--eval-recipe {shell_word(recipe_file)}",
         '--checkpoint "$DSPARK_EVAL_CHECKPOINT"',
         "$DSPARK_EVAL_ARGS",
     ]
     lines = [
         "#!/bin/bash",
         f"# DSpark eval of job '{job.name}': speculative decoding of the target with a trained draft, one node",
-        f"# of the capture kind. Rendered by `python3 -m launcher render` from {recipe_file}. Do not edit by hand:",
+        f"# of the capture kind. Rendered by `python3 -m launcher render` from {comment_text(recipe_file)}. Do not edit by hand:",
         "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
         "#",
         "# `python3 -m launcher eval JOB` submits it for you. Manual submission, from the repository root:",

@@ -1080,6 +1080,178 @@ CASES += [
 ]
 
 
+def fifo(relative: str) -> Callable[[Path], None]:
+    """A setup step making a FIFO (a reader that opens it waits for a writer for ever)."""
+    return lambda world: os.mkfifo(world / relative)
+
+
+def symlink(relative: str, target: str) -> Callable[[Path], None]:
+    """A setup step making a symbolic link (``target`` as given: relative to the link's folder)."""
+    return lambda world: (world / relative).symlink_to(target)
+
+
+SHELL_MARK = "touch PWN #"
+CASES += [
+    # -- issue 37: values a batch script line cannot hold safely are refused at load time (the
+    # quoted ones are run under bash in tests/test_shell_safety.py)
+    *[
+        Case(
+            f"script-newline-in-{field.replace('.', '-')}",
+            "value",
+            "launcher",
+            ("{w}/recipes/bad.yaml", *DRY),
+            (field, "control character", "one line"),
+            setup=tiny_with(anchor, anchor + text),
+        )
+        for field, anchor, text in [
+            ("job.partition", "  runs_dir: runs\n", f'  partition: "gpu\\n{SHELL_MARK}"\n'),
+            ("job.account", "  runs_dir: runs\n", f'  account: "acct\\n{SHELL_MARK}"\n'),
+            ("job.qos", "  runs_dir: runs\n", f'  qos: "\\r{SHELL_MARK}"\n'),
+            ("job.trainer.constraint", "    tasks_per_node: 4\n", f'    constraint: "h200\\n{SHELL_MARK}"\n'),
+            (
+                "job.trainer.extra_sbatch",
+                "    tasks_per_node: 4\n",
+                f'    extra_sbatch: {{comment: "x\\n{SHELL_MARK}"}}\n',
+            ),
+            ("job.setup", "  setup:\n", '    - "echo a\\u0000b"\n'),
+            ("job.container_image", "  runs_dir: runs\n", f'  container_image: "img\\n{SHELL_MARK}"\n'),
+        ]
+    ],
+    Case(
+        "script-newline-in-sbatch-key",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.trainer.extra_sbatch", "sbatch option name"),
+        setup=tiny_with(
+            "    tasks_per_node: 4\n", f'    tasks_per_node: 4\n    extra_sbatch: {{"x\\n{SHELL_MARK}": y}}\n'
+        ),
+    ),
+    Case(
+        "script-name-trailing-newline",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.name", "plain folder name"),
+        setup=tiny_with("  name: tiny\n", '  name: "tiny\\n"\n'),
+    ),
+    *[
+        Case(
+            f"script-python-{name}",
+            "value",
+            "launcher",
+            ("tiny", *DRY, "--set", f"job.python={value}"),
+            ("job.python", "plain command name"),
+        )
+        for name, value in [
+            ("command", "python3; touch PWN;"),
+            ("space", "/opt/my env/bin/python3"),
+            ("substitution", "$(touch PWN)"),
+            ("empty", "''"),
+        ]
+    ],
+    *[
+        Case(
+            f"bind-address-{name}",
+            "value",
+            "launcher",
+            ("tiny", *DRY, "--set", f"transport.bind_address={value}"),
+            ("transport.bind_address", "not an address"),
+        )
+        for name, value in [("command", "0.0.0.0; rm -rf /"), ("substitution", "$(touch PWN)"), ("space", "ib0 ib1")]
+    ],
+    Case(
+        "runs-dir-empty",
+        "empty",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.runs_dir", "repository root"),
+        setup=tiny_with("  runs_dir: runs\n", "  runs_dir: ''\n"),
+    ),
+    Case(
+        "runs-dir-other-home",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "job.runs_dir=~nobody/x"),
+        ("job.runs_dir", "another user's home"),
+    ),
+    Case(
+        "recipe-path-newline",
+        "os",
+        "launcher",
+        ("{w}/recipes/r\ntouch PWN.yaml", *DRY),
+        ("control character", "rename"),
+        setup=lambda world: shutil.copy(TINY, world / "recipes" / "r\ntouch PWN.yaml"),
+    ),
+    Case(
+        "recipe-fifo",
+        "os",
+        "launcher",
+        ("{w}/recipes/pipe.yaml", *DRY),
+        ("pipe.yaml", "fifo", "not a regular file"),
+        setup=fifo("recipes/pipe.yaml"),
+    ),
+    Case(
+        "recipe-symlink-loop",
+        "os",
+        "launcher",
+        ("{w}/recipes/loop.yaml", *DRY),
+        ("loop.yaml", "symbolic-link loop"),
+        setup=steps(symlink("recipes/loop.yaml", "loop2.yaml"), symlink("recipes/loop2.yaml", "loop.yaml")),
+    ),
+    # -- issue 37: credentials beyond variable names, refused and never echoed
+    *[
+        Case(
+            f"secret-{name}",
+            "secret",
+            "launcher",
+            ("tiny", *DRY, "--set", override),
+            (field, "credential"),
+            forbid=(FAKE_KEY,),
+        )
+        for name, field, override in [
+            (
+                "netrc-heredoc",
+                "job.setup",
+                f"job.setup=['printf \"machine h login u password {FAKE_KEY}\" > ~/.netrc']",
+            ),
+            ("curl-user", "job.setup", f"job.setup=['curl -u bob:{FAKE_KEY} https://h/x']"),
+            ("printf-v", "job.setup", f"job.setup=['printf -v HF_TOKEN %s {FAKE_KEY}']"),
+            ("key-file", "job.setup", f"job.setup=['printf {FAKE_KEY} > ~/.wandb_key']"),
+            (
+                "srun-export",
+                "job.trainer.srun_args",
+                f"job.trainer.srun_args=['--export=ALL,WANDB_API_KEY={FAKE_KEY}']",
+            ),
+            (
+                "sbatch-export",
+                "job.trainer.extra_sbatch",
+                f"job.trainer.extra_sbatch={{export: 'ALL,HF_TOKEN={FAKE_KEY}'}}",
+            ),
+            ("url-chat-path", "data.chat_path", f"data.chat_path=https://user:{FAKE_KEY}@h/chat.jsonl"),
+            ("url-revision", "capture.target_revision", f"capture.target_revision=https://bob:{FAKE_KEY}@h/r"),
+            ("url-image", "job.container_image", f"job.container_image=https://u:{FAKE_KEY}@registry/img"),
+        ]
+    ],
+    Case(
+        "secret-server-env-got",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", f"capture.sglang.server_env={{HF_TOKEN: {FAKE_KEY}, X: [1]}}"),
+        ("capture.sglang.server_env",),
+        forbid=(FAKE_KEY,),
+    ),
+    Case(
+        "tokens-field-not-redacted",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "eval.max_new_tokens=many"),
+        ("eval.max_new_tokens=many", "eval.max_new_tokens"),
+        forbid=("<redacted>",),
+    ),
+]
+
+
 # -- running one case ----------------------------------------------------------------------------
 
 

@@ -134,9 +134,10 @@ def _check_credentials(recipe: Recipe) -> list[Problem]:
 
 
 def _variable_name(found: str) -> str:
+    name = found.lstrip("-").upper().replace("-", "_")
     if found.startswith("a token"):
         return "THE_TOKEN_VARIABLE"
-    return found.lstrip("-").upper().replace("-", "_")
+    return name if name.isidentifier() else "THE_CREDENTIAL_VARIABLE"
 
 
 def _check_batch(recipe: Recipe) -> list[Problem]:

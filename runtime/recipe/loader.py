@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 from runtime.files import atomic_write_text
 from runtime.recipe.checks import check_recipe
 from runtime.recipe.errors import Problem, RecipeError
-from runtime.recipe.schema import SECRET_NAME, Recipe, credentials_in
-from runtime.user_errors import UserError
+from runtime.recipe.schema import Recipe, credentials_in
+from runtime.user_errors import REDACTED, UserError, file_kind_problem, is_secret_name, redact
 
 RESOLVED_FORMAT = "dspark-resolved-recipe/1"
 RESOLVED_FILENAME = "recipe.resolved.json"
@@ -105,10 +106,18 @@ def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
     """``tiny`` -> ``recipes/tiny.yaml``; a path is returned as is. Errors list what exists."""
     candidate = Path(name_or_path)
     known = sorted(p.stem for p in recipes_dir.glob("*.y*ml"))
+    if re.search(r"[\x00-\x1f\x7f]", name_or_path):
+        raise RecipeLookupError(
+            f"recipe path {name_or_path!r} holds a control character (a newline?); it is written into batch "
+            "scripts and commands. Fix: rename the file without it"
+        )
     if candidate.is_dir():
         raise RecipeLookupError(f"{candidate} is a folder; fix: give a recipe file (a .yaml) or a recipe name")
     if candidate.is_file():
         return candidate
+    kind = file_kind_problem(candidate)
+    if kind is not None:
+        raise RecipeLookupError(f"recipe file {candidate} is {kind}, not a regular file; fix: give a recipe file")
     if candidate.suffix in {".yaml", ".yml"}:
         raise RecipeLookupError(
             f"recipe file {candidate} does not exist; fix: check the path, or give a recipe name from {recipes_dir} "
@@ -463,6 +472,8 @@ def _expects_text(parts: list[str]) -> bool:
     annotation = info.annotation
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(annotation) if a is not type(None)] if is_union else [annotation]
+    # A constrained text field (``Annotated[str, validator]``) holds text too.
+    options = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in options]
     return bool(options) and all(
         a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
         for a in options
@@ -516,10 +527,7 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
             f"is a section, not a single value (got {err.get('input')!r})",
             f"set a field inside it, e.g. --set {path}.FIELD=VALUE; its fields: {fields}",
         )
-    given = err.get("input")
-    if isinstance(given, dict) and loc and loc[-1] == "env":
-        given = {k: ("<redacted>" if SECRET_NAME.search(str(k)) else v) for k, v in given.items()}
-    shown = repr(given)
+    shown = redact(repr(_redact_secret_keys(err.get("input"))))
     if len(shown) > 80:
         shown = shown[:77] + "..."
     parent = _model_at(loc[:-1])
@@ -549,10 +557,21 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
 
 
 def redact_override(item: str) -> str:
-    """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential."""
+    """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential (an
+    environment name such as HF_TOKEN; never a field such as ``eval.max_new_tokens``) or the value
+    writes one down."""
     key, sep, value = item.partition("=")
-    secret = SECRET_NAME.search(key.rsplit(".", 1)[-1]) or credentials_in(value)
-    return f"{key}=<redacted>" if sep and secret else item
+    secret = is_secret_name(key.rsplit(".", 1)[-1]) or credentials_in(value)
+    return f"{key}={REDACTED}" if sep and secret else redact(item)
+
+
+def _redact_secret_keys(value: Any) -> Any:
+    """A value as an error may show it: the values of credential-named keys hidden, at any depth."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret_name(str(k)) else _redact_secret_keys(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_secret_keys(v) for v in value]
+    return value
 
 
 def _describe_type(annotation: Any) -> str:

@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from runtime.recipe.units import ByteSize
+from runtime.user_errors import SECRET_NAME, credentials_in
+
+__all__ = ["SECRET_NAME", "credentials_in"]
 
 
 def _stringify_scalars(value: Any) -> Any:
@@ -28,29 +31,6 @@ def _stringify_scalars(value: Any) -> Any:
 
 MAX_TIME_LIMIT_MIN = 60 * 24 * 366
 """A year: longer limits are typos (Slurm sites cap jobs at days or weeks)."""
-
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
-"""Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
-
-# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
-# ``HF_TOKEN="..."``) or a credential flag with one (``--api-key abc``); a reference to the environment
-# (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down.
-_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;]|$)(?![\"']?\$)")
-_FLAG = re.compile(r"--([a-z0-9-]*(?:key|token|secret|password)[a-z0-9-]*)(?:=|\s+)(?![\"']?\$)(?=\S)", re.IGNORECASE)
-# Values shaped like the tokens of well-known services, wherever they appear (a description, a path).
-_TOKEN_SHAPES = re.compile(
-    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-    r"|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
-)
-
-
-def credentials_in(text: str) -> list[str]:
-    """What in ``text`` writes a credential down: ``NAME`` of a credential variable given a literal value,
-    ``--flag`` of a credential flag given one, or ``a <service> token`` for a value shaped like one."""
-    found = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
-    found += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
-    found += [f"a token shaped like {m.group(0)[:3]}..." for m in _TOKEN_SHAPES.finditer(text)]
-    return found
 
 
 def _refuse_secrets(value: dict[str, str]) -> dict[str, str]:
@@ -98,7 +78,77 @@ def _wants_number_not_bool(annotation: Any) -> bool:
 
 
 MAX_EPOCHS = 10_000
-JOB_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A job name (used with ``fullmatch``: a ``$`` anchor would let a trailing newline through)."""
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_./+@%:,=-]+")
+_HOST_OR_INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _one_line(value: str) -> str:
+    """A value written into a batch script line: no newline, NUL or other control character (a newline
+    would start a new ``#SBATCH`` line or shell command of its own)."""
+    found = _CONTROL.search(value)
+    if found:
+        raise ValueError(
+            f"holds the control character {found.group(0)!r}: a batch script line would break at it. "
+            "Fix: write the value on one line, without control characters"
+        )
+    return value
+
+
+def _sbatch_key(value: str) -> str:
+    if not _SBATCH_KEY.fullmatch(value):
+        raise ValueError(
+            "is not an sbatch option name (it becomes #SBATCH --NAME=VALUE). Fix: use the option's "
+            "long name without the dashes, e.g. mail-user"
+        )
+    return value
+
+
+def _plain_command(value: str) -> str:
+    if not _PLAIN_COMMAND.fullmatch(value):
+        raise ValueError(
+            "is not a plain command name or path (spaces, quotes, $, ; and other shell syntax are "
+            "refused: it starts every component's process). Fix: give python3 or a path such as "
+            "/opt/env/bin/python3; activate an environment in job.setup instead"
+        )
+    return value
+
+
+def _runs_folder(value: str) -> str:
+    _one_line(value)
+    if not value.strip():
+        raise ValueError("is empty: job folders would land in the repository root. Fix: name a folder, e.g. runs")
+    if value.startswith("~") and not (value == "~" or value.startswith("~/")):
+        raise ValueError(
+            "names another user's home folder; job folders go into your own. Fix: write ~/FOLDER or an "
+            "absolute path you own"
+        )
+    return value
+
+
+def _bind_address(value: str) -> str:
+    import ipaddress
+
+    if value == "auto":
+        return value
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOST_OR_INTERFACE.fullmatch(value):
+            raise ValueError(
+                "is not an address. Fix: write auto, an IP address (10.0.0.5) or a host or interface name (ib0)"
+            ) from None
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(_one_line)]
+"""Text that goes into one line of a batch script."""
+SbatchKey = Annotated[str, AfterValidator(_sbatch_key)]
+"""An ``#SBATCH --NAME`` option name."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,11 +173,11 @@ class ComponentResources(Section):
     the plan counts, the recipe is refused."""
     exclusive: bool = False
     """Request whole nodes (``--exclusive``)."""
-    constraint: str | None = None
+    constraint: OneLine | None = None
     """Slurm ``--constraint`` feature expression."""
-    extra_sbatch: dict[str, str] = Field(default_factory=dict)
+    extra_sbatch: dict[SbatchKey, OneLine] = Field(default_factory=dict)
     """Further ``#SBATCH --key=value`` lines for this component only."""
-    srun_args: list[str] = Field(default_factory=list)
+    srun_args: list[OneLine] = Field(default_factory=list)
     """Extra arguments for this component's ``srun`` line."""
 
 
@@ -141,18 +191,18 @@ class JobSection(Section):
     @field_validator("name")
     @classmethod
     def _name_is_one_folder(cls, value: str) -> str:
-        if not JOB_NAME.match(value):
+        if not JOB_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a plain folder name (it becomes runs/<name>/). Fix: use letters, digits, "
                 "'_', '.' and '-', starting with a letter, digit or '_'"
             )
         return value
 
-    partition: str | None = None
+    partition: OneLine | None = None
     """Slurm partition; null uses the cluster default."""
-    account: str | None = None
+    account: OneLine | None = None
     """Slurm account; null uses the user's default. Never put credentials here."""
-    qos: str | None = None
+    qos: OneLine | None = None
     """Slurm quality of service."""
     time_limit_min: int = Field(60, ge=1, le=MAX_TIME_LIMIT_MIN)
     """Wall-clock limit of the whole job in minutes."""
@@ -160,15 +210,16 @@ class JobSection(Section):
     """Seconds before the time limit at which Slurm sends USR2 so the job can requeue itself."""
     max_requeues: int = Field(3, ge=0)
     """How many time-outs or preemptions may requeue the job before it gives up."""
-    runs_dir: str = "runs"
-    """Folder (relative to the repository unless absolute) holding one folder per submitted job."""
-    python: str = "python3"
-    """Python interpreter used inside the allocation."""
-    setup: list[str] = Field(default_factory=list)
+    runs_dir: Annotated[str, AfterValidator(_runs_folder)] = "runs"
+    """Folder (relative to the repository unless absolute; ``~/`` is your home) holding one folder per
+    submitted job."""
+    python: Annotated[str, AfterValidator(_plain_command)] = "python3"
+    """Python interpreter used inside the allocation: a command name or a path, no shell syntax."""
+    setup: list[OneLine] = Field(default_factory=list)
     """Shell lines run before each component starts (module loads, venv or conda activation)."""
-    container_image: str | None = None
+    container_image: OneLine | None = None
     """Container image for pyxis/enroot (``srun --container-image``); null runs on the host."""
-    container_mounts: list[str] = Field(default_factory=list)
+    container_mounts: list[OneLine] = Field(default_factory=list)
     """``--container-mounts`` entries, ``src:dst`` each."""
     env: EnvironmentMapping = Field(default_factory=dict)
     """Extra environment variables for both components (never credentials: those come from the
@@ -424,7 +475,7 @@ class TransportSection(Section):
     """Mooncake transfer protocol."""
     rdma_devices: list[str] = Field(default_factory=list)
     """RDMA device names (``mlx5_0`` ...) for ``protocol: rdma``."""
-    bind_address: str = "auto"
+    bind_address: Annotated[str, AfterValidator(_bind_address)] = "auto"
     """Address every Mooncake client and the master bind to: ``auto`` is the node's routable
     address (its Slurm node name resolved), loopback in ``--local`` mode; or an explicit IP."""
     master_rpc_port: int = Field(50051, ge=1024, le=65535)
