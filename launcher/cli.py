@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -34,7 +35,7 @@ from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
 from runtime.recipe.site_facts import read_site_facts
-from runtime.user_errors import UserError, run_command
+from runtime.user_errors import UserError, output_place, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -422,8 +423,13 @@ def resolve(argv: list[str]) -> int:
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
     args = parser.parse_args(argv)
+    if args.slurm_job_id is not None and not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", args.slurm_job_id):
+        raise LaunchError(
+            f"--slurm-job-id {args.slurm_job_id!r} is not a Slurm job id (digits, or 123_4 for an array task); "
+            'nothing was written. Fix: pass --slurm-job-id "$SLURM_JOB_ID"'
+        )
     loaded = load(args.recipe, args.overrides, args.smoke)
-    job_dir = args.job_dir.resolve()
+    job_dir = output_place(args.job_dir, "--job-dir", fix="give the job's own folder, e.g. runs/NAME/STAMP")
     path = job_dir / RESOLVED_FILENAME
     if path.exists():
         # A job folder's recorded recipe is what its runtime read: never rewrite it. The same recipe
@@ -462,6 +468,12 @@ def render(argv: list[str]) -> int:
     parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
     parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
     parser.add_argument("--stdout", action="store_true", help="print instead of writing")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder to write the scripts into (default: sbatch/ for a recipe in recipes/, else the recipe's own "
+        "folder)",
+    )
     args = parser.parse_args(argv)
     names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     stale = []
@@ -480,6 +492,7 @@ def render(argv: list[str]) -> int:
                     eval_job.render_eval_script(loaded.recipe, loaded.source),
                 )
             )
+        scripts = _render_targets(find_recipe_file(name, RECIPES_DIR), scripts, args.out)
         for target, text in scripts:
             if args.stdout:
                 print(text, end="")
@@ -494,6 +507,29 @@ def render(argv: list[str]) -> int:
         print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
         return 1
     return 0
+
+
+def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Path | None) -> list[tuple[Path, str]]:
+    """Where ``render`` writes a recipe's scripts: sbatch/ (the checked-in scripts) only for a recipe
+    in recipes/; a recipe elsewhere gets them next to itself, named after its file
+    (``my.yaml`` -> ``my.sbatch``, ``my.eval.sbatch``); ``--out DIR`` puts them in DIR."""
+    in_repository = recipe_path.resolve().parent == RECIPES_DIR.resolve()
+    if in_repository and out is None:
+        return scripts
+    folder = output_place(out, "--out") if out is not None else recipe_path.resolve().parent
+    if not in_repository and folder == (REPO_ROOT / "sbatch").resolve():
+        raise LaunchError(
+            f"{recipe_path} is not a recipe of {_display_path(RECIPES_DIR)}/, and sbatch/ holds the scripts of those "
+            "only (a golden test keeps them equal); nothing was written. Fix: --out another folder, or copy the "
+            "recipe into recipes/"
+        )
+    stem = recipe_path.stem if not in_repository else None
+    targets = []
+    for target, text in scripts:
+        suffix = eval_job.EVAL_SCRIPT_SUFFIX if target.name.endswith(eval_job.EVAL_SCRIPT_SUFFIX) else ".sbatch"
+        base = stem or target.name[: -len(suffix)]
+        targets.append((folder / f"{base}{suffix}", text))
+    return targets
 
 
 def job_command(command: str, argv: list[str]) -> int:

@@ -26,7 +26,7 @@ from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe, Recipe
 from runtime.shared.checkpoint_folders import find_latest
 from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, output_place
 
 LOCAL_STATUS_FILENAME = "local_status.json"
 CAPTURE_STOP_FILENAME = "capture.stop"
@@ -83,10 +83,18 @@ def runs_root(repo_root: Path, runs_dir: str) -> Path:
 
 def new_job_dir(repo_root: Path, loaded: LoadedRecipe) -> Path:
     """A fresh, unique job folder for a launcher submission (created)."""
-    base = runs_root(repo_root, loaded.recipe.job.runs_dir) / loaded.recipe.job.name
+    runs = runs_root(repo_root, loaded.recipe.job.runs_dir)
+    output_place(runs, JOB_FOLDER_SETTING, fix="set job.runs_dir to a folder of its own, e.g. runs")
+    if runs.resolve() == repo_root.resolve():
+        raise UserError(
+            f"{JOB_FOLDER_SETTING} {loaded.recipe.job.runs_dir!r} is the repository itself; fix: name a folder in it, "
+            "e.g. runs"
+        )
+    base = runs / loaded.recipe.job.name
+    output_place(base, "the job's folder", within=runs, fix=f"remove the link {base} or pick another job.name")
     stamp = utc_stamp() + ("-smoke" if loaded.smoke else "")
     candidate, counter = base / stamp, 1
-    while candidate.exists():
+    while candidate.exists() or candidate.is_symlink():
         counter += 1
         candidate = base / f"{stamp}-{counter}"
     candidate.mkdir(parents=True)

@@ -161,6 +161,27 @@ def require_regular_file(path: Path, what: str, fix: str) -> Path:
     return path
 
 
+def output_place(path: Path, what: str, *, within: Path | None = None, fix: str = "give another path") -> Path:
+    """The one rule for where a command may write: ``path`` (a folder or file it was given or made)
+    with its symbolic links resolved, refused when that is the filesystem root or the home folder
+    itself, or, with ``within``, when it leaves ``within`` (a job folder whose link points out of its
+    runs folder). Returns the resolved path, which the caller then writes to."""
+    resolved = path.expanduser().resolve()
+    link = f" ({path} is a symbolic link to it)" if resolved != path.expanduser().absolute() else ""
+    if resolved == Path(resolved.anchor):
+        raise UserError(f"{what} {path} is the filesystem root{link}: nothing is written there; fix: {fix}")
+    if resolved == Path.home().resolve():
+        raise UserError(f"{what} {path} is your home folder itself{link}: nothing is written there; fix: {fix}")
+    if within is not None:
+        place = within.expanduser().resolve()
+        if resolved != place and place not in resolved.parents:
+            raise UserError(
+                f"{what} {path} resolves to {resolved}{link}, outside {place} where it belongs: nothing is written "
+                f"there; fix: {fix}"
+            )
+    return resolved
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for an operating-system error: the path it concerns, what happened, the fix."""
     if type(exc).__str__ is not OSError.__str__:

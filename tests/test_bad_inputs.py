@@ -29,7 +29,7 @@ import pytest
 from launcher import cli as launcher_cli
 from launcher.jobs import JobRecord, write_record
 from runtime.recipe import load_recipe, write_resolved
-from tools import compare_runs, data_prepare, data_verify, smoke_data
+from tools import compare_runs, data_prepare, data_verify, smoke_data, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -40,6 +40,7 @@ COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
     "verify_data": data_verify.main,
     "compare_runs": compare_runs.main,
     "derive_smoke_data": smoke_data.main,
+    "make_tiny_target": tiny_target.main,
 }
 
 KINDS = ("damage", "secret", "load-time", "os", "empty", "message", "value", "flag", "job", "data")
@@ -1249,6 +1250,84 @@ CASES += [
         ("eval.max_new_tokens=many", "eval.max_new_tokens"),
         forbid=("<redacted>",),
     ),
+]
+
+CASES += [
+    # -- issue 37: a command writes only where it may (runtime.user_errors.output_place)
+    Case(
+        "tiny-out-is-a-file",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/victim.txt", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "is a file"),
+        setup=write("victim.txt", "keep me\n"),
+        keep=("victim.txt",),
+    ),
+    Case(
+        "tiny-out-is-a-user-folder",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/victim", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "not a tiny target", "nothing was touched"),
+        setup=steps(write("victim/keep.txt", "keep\n"), write("victim/sub/data.bin", b"\x00\x01")),
+        keep=("victim/keep.txt", "victim/sub/data.bin"),
+    ),
+    Case(
+        "tiny-out-links-to-root",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/rootlink", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "filesystem root", "symbolic link"),
+        setup=symlink("rootlink", "/"),
+    ),
+    Case(
+        "tiny-chat-and-eval-one-file",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/data/chat.jsonl", "--eval-out", "{w}/data/./chat.jsonl"),
+        ("--chat-out", "--eval-out", "same file"),
+        keep=("data/chat.jsonl",),
+    ),
+    Case(
+        "tiny-chat-inside-out",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/t/chat.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--chat-out", "inside --out"),
+    ),
+    Case(
+        "tiny-eval-out-fifo",
+        "os",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/pipe"),
+        ("--eval-out", "fifo", "not a regular file"),
+        setup=fifo("pipe"),
+    ),
+    Case(
+        "tiny-train-steps-negative",
+        "value",
+        "make_tiny_target",
+        ("--train-steps", "-5"),
+        ("--train-steps", "at least 1"),
+    ),
+    Case(
+        "resolve-job-dir-links-to-root",
+        "damage",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/rootlink"),
+        ("--job-dir", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+    *[
+        Case(
+            f"resolve-slurm-job-id-{name}",
+            "flag",
+            "launcher",
+            ("resolve", "tiny", "--job-dir", "{w}/newjob", "--slurm-job-id", value),
+            ("--slurm-job-id", "not a slurm job id", "nothing was written"),
+        )
+        for name, value in [("path", "../../recipes/tiny.yaml"), ("slash", "a/b"), ("newline", "12\n34")]
+    ],
 ]
 
 
