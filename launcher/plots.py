@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime.user_errors import file_kind_problem
+
 PLOTS_DIRNAME = "plots"
 PLOT_TIMEOUT_S = 300.0
 
@@ -18,6 +20,12 @@ def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT
         return False, (
             f"no metrics yet: {job_dir / 'metrics.jsonl'} does not exist; fix: wait for the trainer's first logged "
             "step (trainer.log_every_steps), or see why it has none: `python3 -m launcher logs JOB --component trainer`"
+        )
+    kind = file_kind_problem(job_dir / "metrics.jsonl")
+    if kind is not None:
+        return False, (
+            f"{job_dir / 'metrics.jsonl'} is {kind}, not a regular file; fix: move it away (the trainer writes a "
+            "regular metrics.jsonl)"
         )
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:

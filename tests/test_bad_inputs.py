@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from collections import Counter
@@ -363,7 +364,7 @@ CASES += [
         ("data.expected_sha256", "quote"),
         tiny_with(
             "expected_sha256: 8da918251c75e94b8b2b0259a548beb273ecd2e714687968f478934e61986ace",
-            "expected_sha256: " + "0" * 64,
+            "expected_sha256: " + "1" * 64,  # all digits: YAML reads a number (all zeros stay text: YAML 1.2)
         ),
     ),
     Case(
@@ -1329,6 +1330,189 @@ CASES += [
         for name, value in [("path", "../../recipes/tiny.yaml"), ("slash", "a/b"), ("newline", "12\n34")]
     ],
 ]
+
+
+def edit_record(**changes: object) -> Callable[[Path], None]:
+    """A setup step editing job local-1's job.json (a damaged or hand-edited record)."""
+
+    def step(world: Path) -> None:
+        path = world / "runs" / "tiny" / "done" / "job.json"
+        data = json.loads(path.read_text())
+        data.update(changes)
+        path.write_text(json.dumps(data))
+
+    return step
+
+
+def facts(name: str, measured: object, skipped: object = None) -> Callable[[Path], None]:
+    """A setup step writing ``facts/<name>``: a probe facts file with these measured facts."""
+    body = {"component": "trainer", "host": "n1", "time": "t", "measured": measured, "skipped": skipped or {}}
+    return write(f"facts/{name}", json.dumps(body))
+
+
+GOOD_FACT = {"value": 5.0, "how": "a put"}
+CASES += [
+    # -- issue 37: every failure one line (these were tracebacks)
+    *[
+        Case(f"record-{name}", "job", "launcher", (command, "local-1", *RUNS), (field, "job.json", "fix"), setup=edit)
+        for name, command, field, edit in [
+            ("pid-text", "cancel", "supervisor_pid", edit_record(supervisor_pid="123")),
+            ("pid-bool", "cancel", "supervisor_pid", edit_record(supervisor_pid=True)),
+            ("tasks-text", "status", "components", edit_record(components={"capture": 1, "trainer": "4"})),
+            ("components-list", "logs", "components", edit_record(components=["capture", "trainer"])),
+            ("tasks-huge", "logs", "components", edit_record(components={"capture": 1, "trainer": 10**9})),
+            ("mode-weird", "status", "mode", edit_record(mode="weird")),
+        ]
+    ],
+    Case(
+        "record-fifo",
+        "os",
+        "launcher",
+        ("status", "{w}/runs/tiny/fifo", *RUNS),
+        ("job.json", "fifo", "not a regular file"),
+        setup=steps(mkdir("runs/tiny/fifo"), fifo("runs/tiny/fifo/job.json")),
+    ),
+    Case(
+        "local-status-fifo",
+        "os",
+        "launcher",
+        ("status", "local-1", *RUNS),
+        ("local_status.json", "fifo", "not a regular file"),
+        setup=lambda w: (
+            (w / "runs/tiny/done/local_status.json").unlink(),
+            os.mkfifo(w / "runs/tiny/done/local_status.json"),
+        ),
+    ),
+    Case(
+        "plots-metrics-fifo",
+        "os",
+        "launcher",
+        ("plots", "local-1", *RUNS),
+        ("metrics.jsonl", "fifo", "not a regular file"),
+        setup=lambda w: ((w / "runs/tiny/done/metrics.jsonl").unlink(), os.mkfifo(w / "runs/tiny/done/metrics.jsonl")),
+    ),
+    Case(
+        "compare-fifo", "os", "compare_runs", ("{w}/pipe", "{w}/runs/tiny/done"), ("pipe", "fifo"), setup=fifo("pipe")
+    ),
+    Case(
+        "compare-symlink-loop",
+        "os",
+        "compare_runs",
+        ("{w}/loop", "{w}/runs/tiny/done"),
+        ("loop", "symbolic-link loop"),
+        setup=steps(symlink("loop", "loop2"), symlink("loop2", "loop")),
+    ),
+    Case("compare-same-run", "flag", "compare_runs", (JOB, JOB + "/"), ("same run", "two different")),
+    *[
+        Case(
+            f"site-facts-{name}",
+            "load-time",
+            "launcher",
+            (
+                "tiny",
+                "--plan",
+                "--site-facts",
+                "{w}/facts/" + ("facts_b.json" if name == "disagree" else "facts_a.json"),
+            ),
+            expect,
+            setup=setup,
+        )
+        for name, expect, setup in [
+            (
+                "value-list",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": [1], "how": "x"}}),
+            ),
+            ("bare-number", ("store_put_gbps", '"value"'), facts("facts_a.json", {"store_put_gbps": 5})),
+            ("no-how", ("store_put_gbps", '"how"'), facts("facts_a.json", {"store_put_gbps": {"value": 5}})),
+            ("no-value", ("store_put_gbps", '"value"'), facts("facts_a.json", {"store_put_gbps": {"how": "x"}})),
+            (
+                "value-text",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": "fast", "how": "x"}}),
+            ),
+            (
+                "value-bool",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": True, "how": "x"}}),
+            ),
+            ("measured-list", ("measured",), facts("facts_a.json", [1, 2])),
+            ("skipped-list", ("skipped",), facts("facts_a.json", {}, [1])),
+        ]
+    ],
+    Case(
+        "site-facts-disagree",
+        "load-time",
+        "launcher",
+        ("tiny", "--plan", "--site-facts", "{w}/facts"),
+        ("facts_a.json", "facts_b.json", "disagree", "store_put_gbps"),
+        setup=steps(
+            facts("facts_a.json", {"store_put_gbps": GOOD_FACT}),
+            facts("facts_b.json", {"store_put_gbps": {"value": 9.0, "how": "a put"}}),
+        ),
+    ),
+    *[
+        Case(
+            f"yaml-{name}",
+            "message",
+            "launcher",
+            ("{w}/recipes/bad.yaml", "--plan"),
+            expect,
+            setup=write("recipes/bad.yaml", text),
+        )
+        for name, expect, text in [
+            ("complex-key", ("complex key", "plain names"), (TINY.read_text() + "? [a, b]\n: 1\n")),
+            (
+                "recursive-alias",
+                ("cycle",),
+                TINY.read_text().replace("smoke:\n", "smoke: &s\n  smoke: *s\nsmoke_old:\n", 1),
+            ),
+            ("deep-nesting", ("nested",), TINY.read_text() + "deep: " + "[" * 5000 + "]" * 5000 + "\n"),
+            (
+                "expansion-bomb",
+                ("expands to more than", "expansion bomb"),
+                "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "lol"] * 9) + "]\n" for i in range(9)),
+            ),
+            ("too-many-aliases", ("aliases",), "a: &a 1\nb: [" + ", ".join(["*a"] * 300) + "]\n"),
+        ]
+    ],
+    Case(
+        "yaml-unquoted-digits",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.partition", "quote it"),
+        setup=tiny_with("  runs_dir: runs\n", "  runs_dir: runs\n  partition: 12345\n"),
+    ),
+    Case(
+        "yaml-base-60-epochs",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("trainer.epochs", "1:30"),
+        setup=lambda w: (w / "recipes" / "bad.yaml").write_text(
+            re.sub(r"\n  epochs: \d+\n", "\n  epochs: 1:30\n", TINY.read_text(), count=1)
+        ),
+    ),
+    Case(
+        "checkpoint-copy-named-tmp",
+        "job",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--checkpoint", "{w}/mydraft"),
+        ("mydraft", "step_", "fix"),
+        setup=write("mydraft/trainer_state.json", "{}"),
+    ),
+]
+CASES.append(
+    Case(
+        "checkpoint-tmp-folder-ignored",
+        "job",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--checkpoint", "latest"),
+        ("latest", "no complete checkpoint"),
+        setup=write("runs/tiny/done/checkpoints/step_00000040.tmp/trainer_state.json", "{}"),
+    )
+)
 
 
 # -- running one case ----------------------------------------------------------------------------

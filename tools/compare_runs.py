@@ -20,7 +20,7 @@ from pathlib import Path
 from runtime.files import DiskFullError, atomic_path
 from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
 from runtime.shared.contracts import JOB_FOLDER_SETTING
-from runtime.user_errors import UserError, run_command
+from runtime.user_errors import UserError, require_regular_file, run_command
 
 IGNORED_KEYS = {"step", "time", "epoch"}
 
@@ -116,10 +116,15 @@ class Deviation:
         return self.absolute / scale if scale else 0.0
 
 
+def _metrics_path(path: Path) -> Path:
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
 def load_run(path: Path, label: str | None = None) -> Run:
     """Read a run from a job folder or a metrics.jsonl file; errors name the file and the line."""
     metrics_file = path / "metrics.jsonl" if path.is_dir() else path
     folder = path if path.is_dir() else path.parent
+    require_regular_file(metrics_file, "run", "pass a job folder (with metrics.jsonl) or a metrics.jsonl file")
     if not metrics_file.exists():
         raise RunReadError(
             f"{metrics_file} does not exist; fix: pass a job folder (with metrics.jsonl) or a metrics.jsonl file"
@@ -408,6 +413,11 @@ def _main(argv: list[str] | None) -> int:
     runs = [run_a]
     if args.run_b:
         run_b = load_run(args.run_b, "B")
+        if _metrics_path(args.run_a).resolve() == _metrics_path(args.run_b).resolve():
+            raise RunReadError(
+                f"{args.run_a} and {args.run_b} are the same run ({_metrics_path(args.run_a).resolve()}): comparing it with "
+                "itself proves nothing. Fix: pass two different job folders"
+            )
         runs.append(run_b)
         print(render_table(run_a, run_b, deviations(run_a, run_b), args.top))
     else:

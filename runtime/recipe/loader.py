@@ -234,7 +234,7 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
         if _expects_text(parts):
             value = None if text.strip() in {"null", "~"} and _accepts_none(parts) else text
         else:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         shown = redact_override(item).partition("=")[2]
         problem = str(getattr(exc, "problem", None) or exc).strip()
@@ -244,7 +244,9 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
                 Problem(
                     key,
                     f"cannot parse value {shown!r} as YAML ({problem})",
-                    "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'",
+                    exc.fix
+                    if isinstance(exc, YamlShapeError)
+                    else "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'",
                     f"--set {redact_override(item)}",
                 )
             ],
@@ -340,13 +342,56 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
 # ----------------------------------------------------------------------------------------------
 
 
+MAX_YAML_ALIASES = 200
+"""More aliases (``*name``) than a recipe needs: past this, a document is refused before it is built."""
+MAX_YAML_VALUES = 200_000
+"""Values a recipe may expand to (aliases counted at each use): a "billion laughs" stops here."""
+MAX_YAML_DEPTH = 60
+"""Nesting a recipe may have (the schema is a few levels deep)."""
+
+
+class YamlShapeError(yaml.YAMLError):
+    """A YAML document that parses but cannot be a recipe value (too large, recursive, an odd key);
+    ``problem`` says what, ``fix`` what to do."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (plain PyYAML keeps the last)."""
+    """A safe loader for recipes and ``--set`` values: it refuses a key given twice in one mapping
+    (plain PyYAML keeps the last), keys that are not plain values, and more than
+    :data:`MAX_YAML_ALIASES` aliases; merge keys (``<<: *defaults``) work. Scalars resolve as in
+    YAML 1.2: only true/false are booleans, and ``0755``, ``1:30`` and ``2024-01-01`` stay text
+    (YAML 1.1 made them octal, base-60 and a date)."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}
+    _aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):  # type: ignore[no-untyped-call]
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise YamlShapeError(
+                    f"more than {MAX_YAML_ALIASES} aliases (*name)",
+                    "write the values out; a recipe needs few aliases (this looks like an expansion bomb)",
+                )
+        return super().compose_node(parent, index)  # type: ignore[no-untyped-call]
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        explicit = [pair for pair in node.value if pair[0].tag != "tag:yaml.org,2002:merge"]
+        self.flatten_mapping(node)  # type: ignore[no-untyped-call]
         seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        for key_node, _ in explicit:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, list | dict | set):
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    "a key is a list or mapping (a '? ' complex key); keys are plain names",
+                    key_node.start_mark,
+                )
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -354,6 +399,55 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_YAML12_RESOLVERS = {
+    "tag:yaml.org,2002:bool": r"^(?:true|True|TRUE|false|False|FALSE)$",
+    "tag:yaml.org,2002:int": r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$",
+    "tag:yaml.org,2002:float": (
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+}
+for _first, _resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
+    for _tag, _regexp in _resolvers:
+        if _tag == "tag:yaml.org,2002:timestamp":
+            continue
+        pattern = re.compile(_YAML12_RESOLVERS[_tag]) if _tag in _YAML12_RESOLVERS else _regexp
+        _UniqueKeyLoader.yaml_implicit_resolvers.setdefault(_first, []).append((_tag, pattern))
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document as a recipe value (see :class:`_UniqueKeyLoader`), refused with a
+    :class:`yaml.YAMLError` when it nests deeper than :data:`MAX_YAML_DEPTH`, refers to itself or
+    expands to more than :data:`MAX_YAML_VALUES` values."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise YamlShapeError(
+            "nested too deeply to read", f"a recipe nests a few levels; keep it under {MAX_YAML_DEPTH}"
+        ) from None
+    count = 0
+    stack: list[tuple[Any, int, frozenset[int]]] = [(data, 0, frozenset())]
+    while stack:
+        value, depth, path = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise YamlShapeError(
+                f"expands to more than {MAX_YAML_VALUES} values (aliases counted at each use)",
+                "write the values out; no recipe is this large (this looks like an expansion bomb)",
+            )
+        if depth > MAX_YAML_DEPTH:
+            raise YamlShapeError(
+                f"nested more than {MAX_YAML_DEPTH} levels deep", "flatten it; the schema is a few levels deep"
+            )
+        if isinstance(value, dict | list):
+            if id(value) in path:
+                raise YamlShapeError("an alias refers to the mapping or list it is in (a cycle)", "remove the cycle")
+            inner = path | {id(value)}
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1, inner) for child in children)
+    return data
 
 
 def _read_yaml(path: Path, name: str) -> dict[str, Any]:
@@ -376,7 +470,7 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
             ],
         ) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -386,6 +480,8 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
                 name,
                 [Problem("", f"{problem}, again{where}", "keep one of them: plain YAML would silently take the last")],
             ) from None
+        if isinstance(exc, YamlShapeError):
+            raise RecipeError(name, [Problem("", f"the YAML {exc.problem}", exc.fix)]) from None
         raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax")]) from exc
     if not isinstance(data, dict):
         raise RecipeError(
@@ -548,6 +644,11 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
         ctx = err.get("ctx") or {}
         limit = ctx.get("max_length", ctx.get("min_length"))
         fix = "use " + lengths[kind].format(limit)
+    if kind == "string_type" and isinstance(err.get("input"), int | float | bool):
+        fix = (
+            "quote it, e.g. '0123' or 'no': YAML reads unquoted digits, numbers and true/false as numbers and "
+            "booleans, not text"
+        )
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
