@@ -33,7 +33,7 @@ from launcher.render import RenderOptions, environment_references, render_script
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
-from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file
+from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, refuse_repeated_sets
 from runtime.recipe.site_facts import read_site_facts
 from runtime.user_errors import UserError, output_place, run_command
 
@@ -177,6 +177,9 @@ def _resume_overrides(job: str, loaded: LoadedRecipe) -> list[str]:
 
 def submit(args: argparse.Namespace) -> int:
     """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
+    if args.resume is not None and not args.resume.strip():
+        raise LaunchError("--resume is empty; fix: give a job id, a job folder or latest (--resume latest)")
+    refuse_repeated_sets(args.overrides, args.recipe)
     loaded = load(args.recipe, args.overrides, args.smoke)
     if args.resume:
         loaded = load(args.recipe, args.overrides + _resume_overrides(args.resume, loaded), args.smoke)
@@ -428,6 +431,7 @@ def resolve(argv: list[str]) -> int:
             f"--slurm-job-id {args.slurm_job_id!r} is not a Slurm job id (digits, or 123_4 for an array task); "
             'nothing was written. Fix: pass --slurm-job-id "$SLURM_JOB_ID"'
         )
+    refuse_repeated_sets(args.overrides, args.recipe)
     loaded = load(args.recipe, args.overrides, args.smoke)
     job_dir = output_place(args.job_dir, "--job-dir", fix="give the job's own folder, e.g. runs/NAME/STAMP")
     path = job_dir / RESOLVED_FILENAME

@@ -21,7 +21,7 @@ from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.fit.slurm_request import eval_memory_request
-from runtime.recipe.loader import RESOLVED_FILENAME
+from runtime.recipe.loader import RESOLVED_FILENAME, refuse_repeated_sets
 from runtime.shared.checkpoint_folders import resolve_draft_source
 from runtime.user_errors import UserError
 
@@ -133,6 +133,7 @@ def eval_arguments(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str], repo_root: Path) -> int:
     """Run or submit one evaluation; returns the exit code."""
     args = _parser().parse_args(argv)
+    refuse_repeated_sets(args.overrides, "launcher eval")
     runs_dir = args.runs_dir or repo_root / "runs"
     record = jobs.find_record(args.job, runs_dir)
     job_dir = Path(record.job_dir)
@@ -145,7 +146,13 @@ def main(argv: list[str], repo_root: Path) -> int:
         )
     # Everything the evaluation would refuse is refused here, before a process starts or a job is
     # submitted: the same checks, the same messages.
-    settings = eval_settings(resolved.recipe.eval, str(repo_root / recipe_file), args.overrides, str(resolved.path))
+    settings = eval_settings(
+        resolved.recipe.eval,
+        str(repo_root / recipe_file),
+        args.overrides,
+        str(resolved.path),
+        vocab_size=resolved.recipe.capture.vocab_size,
+    )
     check_eval_set_names(settings, args.eval_sets, str(resolved.path))
     resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
     if args.out is not None and args.out.exists() and not args.out.is_dir():

@@ -155,7 +155,9 @@ def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir"
             record = _read_record(record_file)
             record.job_dir = str(folder.resolve())
             return record
-    known = sorted(p.name for p in (runs_dir / INDEX_DIRNAME).glob("*")) if (runs_dir / INDEX_DIRNAME).is_dir() else []
+    index = runs_dir / INDEX_DIRNAME
+    # Links only: the index also holds lock files and a moment's temporary links (dot names).
+    known = sorted(p.name for p in index.glob("[!.]*") if p.is_symlink()) if index.is_dir() else []
     listing = f" Known jobs: {', '.join(known[-10:])}." if known else ""
     raise JobLookupError(
         f"no job '{job}': neither a job folder with {JOB_RECORD_FILENAME} nor an id under "

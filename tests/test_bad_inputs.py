@@ -1514,6 +1514,94 @@ CASES.append(
     )
 )
 
+CHAT_ROW = {"id": "r1", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+CASES += [
+    # -- issue 37: values that cannot work are refused at load time, before anything starts
+    *[
+        Case(f"load-{name}", "load-time", "launcher", ("tiny", *DRY, "--set", override), expect)
+        for name, override, expect in [
+            ("seed-beyond-64-bit", f"trainer.seed={10**26}", ("trainer.seed", "9223372036854775807")),
+            ("prompt-seed-negative", "trainer.prompt_seed=-3", ("trainer.prompt_seed", ">= 0")),
+            ("eval-seed-beyond-64-bit", f"eval.seed={2**64}", ("eval.seed",)),
+            ("eos-outside-vocab", "capture.special_tokens.eos_id=99999", ("eos_id", "vocabulary", "2047")),
+            ("stop-id-outside-vocab", "eval.stop_token_ids=[2, 99999]", ("eval.stop_token_ids[1]", "vocabulary")),
+            ("stop-id-negative", "eval.stop_token_ids=[-8]", ("eval.stop_token_ids",)),
+            ("warmup-beyond-run", "trainer.schedule.warmup_steps=100", ("warmup_steps", "32 optimizer steps")),
+        ]
+    ],
+    Case(
+        "eval-stop-id-outside-vocab",
+        "load-time",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--set", "eval.stop_token_ids=[99999]"),
+        ("eval.stop_token_ids[0]", "vocabulary"),
+    ),
+    Case("flag-resume-empty", "flag", "launcher", ("tiny", *DRY, "--resume", ""), ("--resume", "empty")),
+    Case(
+        "flag-set-twice",
+        "flag",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=1", "--set", "trainer.seed=2"),
+        ("trainer.seed", "set twice", "trainer.seed=1", "trainer.seed=2"),
+    ),
+    Case(
+        "eval-set-twice",
+        "flag",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--set", "eval.seed=1", "--set", "eval.seed=2"),
+        ("eval.seed", "set twice"),
+    ),
+    Case(
+        "known-jobs-without-locks",
+        "job",
+        "launcher",
+        ("status", "nope", *RUNS),
+        ("known jobs: latest, local-1, local-2, local-3.",),
+        setup=write("runs/jobs/.local-start.lock", ""),
+        forbid=(".local-start.lock",),
+    ),
+    Case(
+        "prep-duplicate-ids",
+        "data",
+        "prepare_data",
+        ("--input", "{w}/dup.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("dup.jsonl", "line 2", "given again", "line 1"),
+        setup=write("dup.jsonl", (json.dumps(CHAT_ROW) + "\n") * 2),
+    ),
+    Case(
+        "prep-input-fifo",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/pipe", "--output", "{w}/o.jsonl", *PREP),
+        ("--input", "fifo", "not a regular file"),
+        setup=fifo("pipe"),
+    ),
+]
+
+
+def test_a_chat_file_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    """A UTF-8 BOM (Windows editors write one) is not data: the rows are the same as without it."""
+    from tools.data_prepare import read_chat_rows
+
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(json.dumps(CHAT_ROW) + "\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    strip = [{k: v for k, v in row.items() if k != "_where"} for row in read_chat_rows(plain)]
+    assert [{k: v for k, v in row.items() if k != "_where"} for row in read_chat_rows(marked)] == strip
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="the eval runner needs torch")
+def test_eval_on_cuda_without_a_gpu_is_one_user_error() -> None:
+    import torch
+
+    from runtime.evaluate.runner import pick_device
+    from runtime.user_errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match="eval.device=cpu"):
+        pick_device("cuda")
+
 
 # -- running one case ----------------------------------------------------------------------------
 

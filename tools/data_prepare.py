@@ -20,6 +20,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
 import re
@@ -37,7 +38,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.user_errors import run_command
+from runtime.user_errors import require_regular_file, run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
     EmbeddedRegenerator,
@@ -82,9 +83,10 @@ class PrepareResult:
 
 
 def check_chat_path(path: Path) -> None:
-    """Refuse a chat file path that is a folder or names nothing."""
+    """Refuse a chat file path that is a folder, a FIFO or device, or names nothing."""
     if path.is_dir():
         raise DataFileError(f"--input {path} is a folder; it is a chat JSONL file. Fix: give the file inside it")
+    require_regular_file(path, "--input", "give a chat JSONL file")
     if not path.is_file():
         raise DataFileError(f"--input {path}: chat file does not exist; fix: check the path (or set data.chat_path)")
 
@@ -92,10 +94,13 @@ def check_chat_path(path: Path) -> None:
 def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of a chat JSONL file, checked; errors name the file and the line."""
     rows: list[dict[str, Any]] = []
+    first_line: dict[str, int] = {}
     check_chat_path(path)
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path}: line {number}"
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a UTF-8 byte-order mark (Windows editors) is not data
             if not raw.strip():
                 continue
             try:
@@ -116,6 +121,12 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
                     '{"id": ..., "conversations": [{"role": "user", "content": ...}, ...]}'
                 )
             where = f"{path}: line {number} (id {obj['id']!r})"
+            if str(obj["id"]) in first_line:
+                raise DataFileError(
+                    f"{where}: the id is given again (first at line {first_line[str(obj['id'])]}); ids name rows in "
+                    "the prepared data and its manifest. Fix: give each row its own id"
+                )
+            first_line[str(obj["id"])] = number
             try:
                 messages = check_messages(obj["conversations"], where)
             except ChatFormatError as exc:

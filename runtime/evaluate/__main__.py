@@ -25,6 +25,7 @@ from runtime.recipe import RecipeError, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.checkpoints import CheckpointError
+from runtime.user_errors import UserError
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.txt"
@@ -47,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         resolved = load_resolved(args.recipe)
-        settings = eval_settings(resolved.recipe.eval, args.eval_recipe, args.overrides, str(resolved.path))
+        settings = eval_settings(
+            resolved.recipe.eval,
+            args.eval_recipe,
+            args.overrides,
+            str(resolved.path),
+            resolved.recipe.capture.vocab_size,
+        )
         check_eval_set_names(settings, args.sets, str(resolved.path))
         source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
         from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         FileNotFoundError,
         SGLangRouteError,
+        UserError,
     ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -135,6 +135,27 @@ def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
     )
 
 
+def refuse_repeated_sets(overrides: list[str], where: str) -> None:
+    """Two ``--set`` of one key on one command line: refused, naming the key (the last would silently win)."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in seen:
+            raise RecipeError(
+                where,
+                [
+                    Problem(
+                        key,
+                        f"is set twice on the command line ({redact_override(seen[key])!r}, then "
+                        f"{redact_override(item)!r}); the last would silently win",
+                        "keep the one you mean",
+                        "--set",
+                    )
+                ],
+            )
+        seen[key] = item
+
+
 def load_recipe(
     path: str | Path,
     overrides: list[str] | None = None,

@@ -78,6 +78,8 @@ def _wants_number_not_bool(annotation: Any) -> bool:
 
 
 MAX_EPOCHS = 10_000
+MAX_SEED = 2**63 - 1
+"""The largest seed torch and numpy take (a 64-bit signed integer)."""
 JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 """A job name (used with ``fullmatch``: a ``$`` anchor would let a trailing newline through)."""
 
@@ -703,9 +705,9 @@ class MetricsConfig(Section):
 class TrainerSection(Section):
     """The DSpark trainer."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED)
     """Seed of model init, anchors and every other trainer RNG."""
-    prompt_seed: int | None = None
+    prompt_seed: int | None = Field(None, ge=0, le=MAX_SEED)
     """Seed of the prompt order alone; null uses ``seed``."""
     micro_batch_size: int = Field(1, ge=1)
     """Samples per rank per micro-step."""
@@ -821,12 +823,12 @@ class EvalSection(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     """Sampling temperatures; 0 is greedy verification (longest matching prefix plus the target's
     token), above 0 the rejection rule of speculative sampling. Each is a separate pass."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Tokens that end a generation besides ``capture.special_tokens.eos_id`` (e.g. end of turn)."""
     batch_size: int = Field(1, ge=1)
     """Prompts in flight at once on the SGLang route (concurrent requests). The embedded decoder
     decodes one prompt at a time."""
-    seed: int = 0
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED)
     """Seed of the sampled passes and of the untrained comparison draft's initialisation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the embedded eval runs: ``auto`` is the first GPU when there is one."""
