@@ -349,7 +349,8 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool) -> int:
             raise
         jobs.write_record(record, _runs_dir(loaded))
     print(f"[local] job {job_id}: folder {_display_path(job_dir)}", flush=True)
-    code = LocalRun(load_resolved(resolved_path), record, probe).run()
+    with exclusive_lock(job_dir / control.SUPERVISOR_LOCK):  # names this folder's supervisor (cancel)
+        code = LocalRun(load_resolved(resolved_path), record, probe).run()
     print(control.job_report(record).render())
     _plot_metrics(job_dir)
     _print_outputs(job_dir)

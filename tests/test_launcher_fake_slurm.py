@@ -204,3 +204,14 @@ def test_eval_without_slurm_says_to_use_local(tmp_path: Path) -> None:
     done = launch(["eval", record.job_dir], env={"PATH": "/nonexistent"})
     assert done.returncode == 2
     assert "sbatch is not on PATH" in done.stderr and "--local" in done.stderr
+
+
+def test_cancel_of_a_finished_slurm_job_says_so_and_signals_nothing(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer(
+        "sacct",
+        stdout=SACCT_HEADER
+        + "4242+0|tiny|COMPLETED|0:0|00:01:00|node1|None\n4242+1|tiny|COMPLETED|0:0|00:01:00|node2|None\n",
+    )
+    with pytest.raises(CancelError, match=r"job 4242 already ended \(COMPLETED\), so nothing was signalled"):
+        cancel_job(slurm_record(tmp_path))
+    assert fake.calls("scancel") == [], "scancel was not run for an ended job"
