@@ -1461,7 +1461,7 @@ CASES += [
             setup=write("recipes/bad.yaml", text),
         )
         for name, expect, text in [
-            ("complex-key", ("complex key", "plain names"), (TINY.read_text() + "? [a, b]\n: 1\n")),
+            ("complex-key", ("complex key", "not a name"), (TINY.read_text() + "? [a, b]\n: 1\n")),
             (
                 "recursive-alias",
                 ("cycle",),
@@ -1601,6 +1601,97 @@ def test_eval_on_cuda_without_a_gpu_is_one_user_error() -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(UserError, match="eval.device=cpu"):
         pick_device("cuda")
+
+
+SERVER = ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", *PREP, "--regenerate", "openai")
+CASES += [
+    # -- issue 37: prepare_data's server address and key, never echoed
+    Case(
+        "prep-server-url-password",
+        "secret",
+        "prepare_data",
+        (*SERVER, "--server-url", f"http://user:{FAKE_KEY}@127.0.0.1:9/v1", "--server-model", "m"),
+        ("--server-url", "password", "--api-key-env"),
+        forbid=(FAKE_KEY,),
+    ),
+    Case(
+        "prep-server-url-file",
+        "value",
+        "prepare_data",
+        (*SERVER, "--server-url", "file:///etc/passwd", "--server-model", "m"),
+        ("--server-url", "http://"),
+    ),
+    Case(
+        "prep-api-key-given-as-name",
+        "secret",
+        "prepare_data",
+        (*SERVER, "--server-url", "http://127.0.0.1:9", "--server-model", "m", "--api-key-env", FAKE_SK),
+        ("--api-key-env", "name of an environment variable"),
+        forbid=(FAKE_SK,),
+    ),
+    # -- environment names and YAML that is not a plain value
+    *[
+        Case(f"env-{name}", "value", "launcher", ("tiny", *DRY, "--set", override), expect)
+        for name, override, expect in [
+            ("name-with-space", "job.env={A B=C: x}", ("job.env", "not an environment variable name")),
+            ("name-empty", "job.env={'': x}", ("job.env", "not an environment variable name")),
+            ("contract-name", "job.env.DSPARK_JOB_DIR=/x", ("job.env", "environment contract")),
+            ("path-empty", "job.env.PATH=", ("job.env", "PATH")),
+        ]
+    ],
+    Case(
+        "set-python-tag",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=!!python/name:os.system"),
+        ("trainer.seed", "remove the tag"),
+    ),
+    Case(
+        "set-undefined-alias",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=*nothing"),
+        ("trainer.seed", "anchor"),
+    ),
+    Case(
+        "set-duplicate-key-in-value",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.optimizer={lr: 1e-3, lr: 2e-3}"),
+        ("trainer.optimizer", "duplicate key"),
+    ),
+    *[
+        Case(
+            f"yaml-key-{name}",
+            "message",
+            "launcher",
+            ("{w}/recipes/bad.yaml", "--plan"),
+            ("not a name", "quote"),
+            setup=tiny_with("  name: tiny\n", "  name: tiny\n" + key),
+        )
+        for name, key in [("int", "  123: x\n"), ("null", "  ~: x\n")]
+    ],
+]
+
+
+def test_a_merge_key_works_in_a_recipe(tmp_path: Path) -> None:
+    """``<<: *anchor`` (a YAML merge key) merges, the mapping's own keys winning: the trainer's
+    resources written as the capture's plus its own task count give the very same recipe."""
+    text = TINY.read_text()
+    capture = "  capture:\n    nodes: 1\n    gpus_per_node: 0\n    tasks_per_node: 1\n    cpus_per_task: 1\n"
+    trainer = "  trainer:\n    nodes: 1\n    gpus_per_node: 0\n    tasks_per_node: 4\n    cpus_per_task: 1\n"
+    assert capture in text and trainer in text
+    merged = text.replace(capture, capture.replace("  capture:", "  capture: &resources"), 1)
+    merged = merged.replace(trainer, "  trainer:\n    <<: *resources\n    tasks_per_node: 4\n", 1)
+    (tmp_path / "merged.yaml").write_text(merged)
+    assert load_recipe(tmp_path / "merged.yaml").digest == load_recipe(TINY).digest
+
+
+def test_yaml_reads_digits_dates_and_base_60_as_text() -> None:
+    from runtime.recipe.loader import parse_yaml
+
+    data = parse_yaml("a: 0755\nb: 1:30\nc: 2024-01-01\nd: no\ne: true\nf: 12\ng: 1.5\n")
+    assert data == {"a": "0755", "b": "1:30", "c": "2024-01-01", "d": "no", "e": True, "f": 12, "g": 1.5}
 
 
 # -- running one case ----------------------------------------------------------------------------

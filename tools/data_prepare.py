@@ -38,7 +38,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.user_errors import require_regular_file, run_command
+from runtime.user_errors import credentials_in, redact, require_regular_file, run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
     EmbeddedRegenerator,
@@ -137,6 +137,32 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_server_options(server_url: str, api_key_env: str | None) -> None:
+    """``--server-url`` is an http(s) address without a password in it (the key comes from the
+    environment: ``--api-key-env NAME``), and ``--api-key-env`` names a variable, not the key itself."""
+    scheme = server_url.split("://", 1)[0].lower() if "://" in server_url else ""
+    if scheme not in ("http", "https"):
+        raise DataFileError(
+            f"--server-url {redact(server_url)}: not an http:// or https:// address; fix: give the server's address, "
+            "e.g. http://host:30000"
+        )
+    if credentials_in(server_url):
+        raise DataFileError(
+            f"--server-url {redact(server_url)} carries a password (user:password@); it would be printed and logged. "
+            "Fix: drop it from the URL and pass --api-key-env NAME (export NAME with the key)"
+        )
+    if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
+        raise DataFileError(
+            "--api-key-env takes the NAME of an environment variable, and the value given is not a name (the key "
+            "itself?); fix: export OPENAI_API_KEY=... and pass --api-key-env OPENAI_API_KEY"
+        )
+    if api_key_env is not None and credentials_in(f"x {api_key_env}"):
+        raise DataFileError(
+            "--api-key-env takes the NAME of an environment variable, and the value given looks like a key; fix: "
+            "export OPENAI_API_KEY=... and pass --api-key-env OPENAI_API_KEY"
+        )
+
+
 def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | None:
     """The regeneration back end the options ask for (None for ``none``)."""
     if options.regenerate == "none":
@@ -153,6 +179,7 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
         raise DataFileError(
             "--regenerate openai needs --server-url and --server-model; fix: pass both (the server's address and the model name it serves)"
         )
+    check_server_options(options.server_url, options.api_key_env)
     return OpenAIRegenerator(
         options.server_url,
         options.server_model,

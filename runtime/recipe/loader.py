@@ -265,9 +265,7 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
                 Problem(
                     key,
                     f"cannot parse value {shown!r} as YAML ({problem})",
-                    exc.fix
-                    if isinstance(exc, YamlShapeError)
-                    else "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'",
+                    exc.fix if isinstance(exc, YamlShapeError) else _yaml_fix(problem, set_value=True),
                     f"--set {redact_override(item)}",
                 )
             ],
@@ -406,11 +404,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict[Any, int] = {}
         for key_node, _ in explicit:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if isinstance(key, list | dict | set):
+            if not isinstance(key, str):
+                shown = (
+                    f"a {type(key).__name__} (a '? ' complex key)" if isinstance(key, list | dict | set) else repr(key)
+                )
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
-                    "a key is a list or mapping (a '? ' complex key); keys are plain names",
+                    f"the key {shown} is not a name (a number, null, a list or a mapping); keys are names: quote it "
+                    "if it is one",
                     key_node.start_mark,
                 )
             line = key_node.start_mark.line + 1
@@ -436,6 +438,19 @@ for _first, _resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
             continue
         pattern = re.compile(_YAML12_RESOLVERS[_tag]) if _tag in _YAML12_RESOLVERS else _regexp
         _UniqueKeyLoader.yaml_implicit_resolvers.setdefault(_first, []).append((_tag, pattern))
+
+
+def _yaml_fix(problem: str, set_value: bool = False) -> str:
+    """The fix for a YAML error, from what PyYAML says went wrong."""
+    if "could not determine a constructor for the tag" in problem:
+        return "remove the tag (!!python/..., !name): recipes hold plain values only"
+    if "found undefined alias" in problem:
+        return "define the anchor (&name) before using *name, or quote a value that starts with *"
+    if "is not a name" in problem:
+        return "use a name as the key (quote it: '123': ...)"
+    if set_value:
+        return "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'"
+    return "fix the YAML syntax"
 
 
 def parse_yaml(text: str) -> Any:
@@ -503,7 +518,7 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
             ) from None
         if isinstance(exc, YamlShapeError):
             raise RecipeError(name, [Problem("", f"the YAML {exc.problem}", exc.fix)]) from None
-        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax")]) from exc
+        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", _yaml_fix(problem))]) from None
     if not isinstance(data, dict):
         raise RecipeError(
             name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")]

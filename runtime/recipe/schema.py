@@ -33,9 +33,41 @@ MAX_TIME_LIMIT_MIN = 60 * 24 * 366
 """A year: longer limits are typos (Slurm sites cap jobs at days or weeks)."""
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RESERVED_ENV_NAMES = frozenset(
+    {
+        # runtime/shared/contracts.py's ENV_* (tests/test_hardening_recipes.py keeps the two equal)
+        "DSPARK_JOB_DIR", "DSPARK_RECIPE", "DSPARK_COMPONENT", "DSPARK_TASK_RANK", "DSPARK_REQUEUE_COUNT",
+        "DSPARK_BIND_ADDRESS", "DSPARK_CAPTURE_HOST", "DSPARK_MOONCAKE_MASTER", "DSPARK_MOONCAKE_METADATA",
+        "DSPARK_RDMA_DEVICES", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT", "DSPARK_PARENT_PID",
+        "DSPARK_SLURM_JOB_ID",
+        # torch.distributed's rendezvous (launcher/environment.py RENDEZVOUS_VARIABLES), and PATH
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+        "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "PATH",
+    }
+)  # fmt: skip
+"""Environment names a recipe may not set: the launcher sets them (the environment contract would
+silently override the recipe's value), and an empty PATH breaks every command."""
+
+
 def _refuse_secrets(value: dict[str, str]) -> dict[str, str]:
     """A recipe is a plain file copied into every job folder (``recipe.resolved.json``): credentials
-    never go in it; the components inherit them from the submitting shell's environment."""
+    never go in it; the components inherit them from the submitting shell's environment. Names must
+    be environment variable names, and not the ones the launcher sets itself (the environment
+    contract would silently override them) or PATH (an empty one breaks every command)."""
+    bad = [name for name in value if not _ENV_NAME.fullmatch(str(name))]
+    if bad:
+        raise ValueError(
+            f"{bad[0]!r} is not an environment variable name. Fix: use letters, digits and '_', not starting "
+            "with a digit"
+        )
+    reserved = sorted(n for n in value if n in RESERVED_ENV_NAMES or n.startswith("SLURM_"))
+    if reserved:
+        raise ValueError(
+            f"{', '.join(reserved)}: the launcher sets these itself (the environment contract) or every command "
+            "needs them. Fix: remove them; change the recipe field the variable comes from instead"
+        )
     secret = sorted(name for name in value if SECRET_NAME.search(name))
     if secret:
         names = ", ".join(secret)
