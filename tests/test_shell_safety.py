@@ -2,7 +2,7 @@
 
 Each case renders a script (the launcher's ``--dry-run`` form and the manual ``sbatch/`` form) from
 recipe values and recipe file names full of shell syntax (``$(...)``, backticks, quotes, spaces,
-``;``), then runs it under bash with stub ``srun`` and ``python3`` first on PATH. A ``touch`` hidden
+``;``), then runs it under bash with stub ``srun``, ``python3`` and ``sleep`` first on PATH. A ``touch`` hidden
 in a value would create a marker file; none may appear, and the stubs must receive the job folder
 and the recipe path exactly as typed. Values that cannot be made safe on one script line (a newline
 in an ``#SBATCH`` value, shell syntax in ``job.python``, a non-address ``bind_address``) are refused
@@ -46,6 +46,8 @@ def _stubs(folder: Path) -> Path:
     for name in ("srun", "python3"):
         (bin_dir / name).write_text(STUB)
         (bin_dir / name).chmod(0o755)
+    (bin_dir / "sleep").write_text("#!/bin/sh\n")  # the supervision loop's pauses: no waiting in a test
+    (bin_dir / "sleep").chmod(0o755)
     return bin_dir
 
 
