@@ -420,7 +420,6 @@ def _recorded_digest(path: Path) -> str:
 
 def resolve(argv: list[str]) -> int:
     """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
-    from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
 
     parser = argparse.ArgumentParser(prog="python3 -m launcher resolve")
     _add_recipe_arguments(parser)
@@ -435,6 +434,15 @@ def resolve(argv: list[str]) -> int:
     refuse_repeated_sets(args.overrides, args.recipe)
     loaded = load(args.recipe, args.overrides, args.smoke)
     job_dir = output_place(args.job_dir, "--job-dir", fix="give the job's own folder, e.g. runs/NAME/STAMP")
+    # One resolve at a time per folder: two at once both found no record and both wrote one.
+    with exclusive_lock(job_dir / ".resolve.lock"):
+        return _resolve_into(loaded, job_dir, args.slurm_job_id)
+
+
+def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None) -> int:
+    """``resolve``'s work, under the folder's lock."""
+    from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
+
     path = job_dir / RESOLVED_FILENAME
     if path.exists():
         # A job folder's recorded recipe is what its runtime read: never rewrite it. The same recipe
@@ -450,19 +458,19 @@ def resolve(argv: list[str]) -> int:
     else:
         path = write_resolved(loaded, job_dir, REPO_ROOT)
         print(f"resolved {loaded.source} -> {path} (digest {loaded.digest[:12]})")
-    if args.slurm_job_id:
+    if slurm_job_id:
         components = jobs.components_of(loaded)
         (job_dir / SUBMITIT_DIRNAME).mkdir(parents=True, exist_ok=True)
         layout = f'{{"trainer_world_size": {components["trainer"]}, "capture_tasks": {components["capture"]}}}\n'
         atomic_write_text(job_dir / SUBMITIT_DIRNAME / TASK_LAYOUT_FILENAME, layout)
         write_submission(
             job_dir,
-            args.slurm_job_id,
+            slurm_job_id,
             ComponentJob(str(job_dir)),
             loaded.recipe.job.time_limit_min,
             loaded.recipe.job.max_requeues,
         )
-        record = _record_for(loaded, job_dir, args.slurm_job_id, "slurm", probe=False)
+        record = _record_for(loaded, job_dir, slurm_job_id, "slurm", probe=False)
         jobs.write_record(record, _runs_dir(loaded))
     return 0
 

@@ -1694,6 +1694,42 @@ def test_yaml_reads_digits_dates_and_base_60_as_text() -> None:
     assert data == {"a": "0755", "b": "1:30", "c": "2024-01-01", "d": "no", "e": True, "f": 12, "g": 1.5}
 
 
+CASES += [
+    Case(
+        "set-bool-in-id-list",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "capture.aux_layer_ids=[true, 3, 5]"),
+        ("capture.aux_layer_ids[0]", "true/false is a boolean"),
+    ),
+    *[
+        Case(f"compare-{name}", "data", "compare_runs", ("{w}/m.jsonl", JOB), expect, setup=write("m.jsonl", text))
+        for name, text, expect in [
+            ("loss-text", '{"step": 1, "loss": "high", "lr": 0.001}\n', ("m.jsonl:1", "loss", "not a number")),
+            ("step-negative", '{"step": -4, "loss": 1.0}\n', ("m.jsonl:1", "step -4")),
+        ]
+    ],
+]
+
+
+def test_two_resolves_into_one_folder_at_once_keep_one_recipe(tmp_path: Path) -> None:
+    """Two ``resolve`` with different recipes into one folder: one writes, the other is refused (they
+    both wrote, one after the other, before the folder's lock)."""
+    import subprocess
+    import sys
+
+    job_dir = tmp_path / "job"
+    command = [sys.executable, "-m", "launcher", "resolve", "tiny", "--job-dir", str(job_dir), "--set"]
+    runs = [subprocess.Popen([*command, f"trainer.seed={seed}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]  # fmt: skip
+    results = [
+        (p.wait(timeout=120), p.stdout.read() if p.stdout else "", p.stderr.read() if p.stderr else "") for p in runs
+    ]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    written = json.loads((job_dir / "recipe.resolved.json").read_text())["digest"]
+    (winner,) = [out for code, out, _ in results if code == 0]
+    assert written[:12] in winner
+
+
 # -- running one case ----------------------------------------------------------------------------
 
 

@@ -25,6 +25,15 @@ from runtime.user_errors import UserError, require_regular_file, run_command
 IGNORED_KEYS = {"step", "time", "epoch"}
 
 
+NUMERIC_KEYS = ("loss", "lr", "grad_norm", "tau")
+"""Learning metrics a record must give as numbers when it gives them (a text value would drop out of
+the comparison and let two different runs read as identical)."""
+
+
+def _not_a_number(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int | float)
+
+
 class RunReadError(UserError, ValueError):
     """A run folder or metrics file that cannot be read, naming the file, the line and the fix."""
 
@@ -148,6 +157,18 @@ def load_run(path: Path, label: str | None = None) -> Run:
                 f"{metrics_file}:{number}: not a metrics record with a step ({exc}); each line is one JSON object "
                 "with an integer 'step', as the trainer writes. Fix: remove or repair that line"
             ) from None
+        if step < 1:
+            raise RunReadError(
+                f"{metrics_file}:{number}: step {step}; the trainer numbers optimizer steps from 1. Fix: remove or "
+                "repair that line"
+            )
+        wrong = [k for k in NUMERIC_KEYS if k in record and _not_a_number(record[k])]
+        wrong += [k for k in record if k.startswith("acc@") and _not_a_number(record[k])]
+        if wrong:
+            raise RunReadError(
+                f"{metrics_file}:{number}: {wrong[0]} is {record[wrong[0]]!r}, not a number; a comparison would "
+                "silently leave it out. Fix: remove or repair that line"
+            )
         values = {
             key: float(value)
             for key, value in record.items()

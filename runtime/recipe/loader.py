@@ -680,6 +680,8 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
         ctx = err.get("ctx") or {}
         limit = ctx.get("max_length", ctx.get("min_length"))
         fix = "use " + lengths[kind].format(limit)
+    if kind in {"int_parsing", "float_parsing"} and err.get("input") in {"true", "false"}:
+        fix = "write a number: true/false is a boolean, not a number"
     if kind == "string_type" and isinstance(err.get("input"), int | float | bool):
         fix = (
             "quote it, e.g. '0123' or 'no': YAML reads unquoted digits, numbers and true/false as numbers and "

@@ -8,6 +8,7 @@ fields live in :mod:`runtime.recipe.checks` so that their messages can name both
 from __future__ import annotations
 
 import re
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -101,7 +102,23 @@ class Section(BaseModel):
                 info = cls.model_fields.get(str(name))
                 if isinstance(value, bool) and info is not None and _wants_number_not_bool(info.annotation):
                     data = {**data, name: str(value).lower()}
+                elif isinstance(value, list) and info is not None and _wants_numbers(info.annotation):
+                    # [true, 3, 5] for layer ids read as [1, 3, 5]; the same refusal, per item
+                    data = {**data, name: [str(v).lower() if isinstance(v, bool) else v for v in value]}
         return data
+
+
+def _wants_numbers(annotation: Any) -> bool:
+    """A list of numbers (``list[int]``, optional or not), whose items are never booleans."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for option in typing.get_args(annotation) if union else (annotation,):
+        if typing.get_origin(option) is list:
+            (item,) = typing.get_args(option) or (Any,)
+            if typing.get_origin(item) is Annotated:
+                item = typing.get_args(item)[0]
+            if _wants_number_not_bool(item):
+                return True
+    return False
 
 
 def _wants_number_not_bool(annotation: Any) -> bool:
