@@ -1730,6 +1730,25 @@ def test_two_resolves_into_one_folder_at_once_keep_one_recipe(tmp_path: Path) ->
     assert written[:12] in winner
 
 
+CASES += [
+    Case("verify-fifo", "os", "verify_data", ("{w}/pipe",), ("pipe", "fifo", "not a regular file"), setup=fifo("pipe")),
+    Case(
+        "plan-rate-denormal",
+        "value",
+        "launcher",
+        ("tiny", "--plan", "--set", "plan.link_gbps=5e-324"),
+        ("plan.link_gbps", "0.001"),
+    ),
+    Case(
+        "set-list-index",
+        "flag",
+        "launcher",
+        ("tiny", *DRY, "--set", "capture.aux_layer_ids[1]=4"),
+        ("capture.aux_layer_ids", "whole list"),
+    ),
+]
+
+
 # -- running one case ----------------------------------------------------------------------------
 
 

@@ -246,6 +246,19 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     key, text = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
+    if "[" in key or "]" in key:
+        field = key.split("[", 1)[0]
+        raise RecipeError(
+            file,
+            [
+                Problem(
+                    key,
+                    "--set does not reach into a list by index",
+                    f"give the whole list: --set '{field}=[...]'",
+                    f"--set {redact_override(item)}",
+                )
+            ],
+        )
     if not all(parts):
         raise RecipeError(
             file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {redact_override(item)}")]

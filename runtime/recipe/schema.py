@@ -127,6 +127,9 @@ def _wants_number_not_bool(annotation: Any) -> bool:
 
 
 MAX_EPOCHS = 10_000
+MIN_RATE = 1e-3
+"""The smallest throughput a plan figure may give (GB/s or TFLOP/s): below it is a typo, and the
+plan's times would overflow."""
 MAX_SEED = 2**63 - 1
 """The largest seed torch and numpy take (a 64-bit signed integer)."""
 JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -925,17 +928,17 @@ class PlanSection(Section):
     """Name of the accelerator, for the report."""
     accelerator_memory_bytes: ByteSize = 141 * 10**9
     """Memory of one accelerator (H200: 141 GB)."""
-    accelerator_peak_tflops: float = Field(795.0, gt=0)
+    accelerator_peak_tflops: float = Field(795.0, ge=MIN_RATE)
     """Dense bf16 matmul rate of one accelerator (795 TFLOP/s measured on our H200)."""
     capture_efficiency: float = Field(0.35, gt=0, le=1)
     """Fraction of the peak a long prefill of the target reaches."""
     train_mfu: float = Field(0.45, gt=0, le=1)
     """Model FLOP utilisation the trainer reaches."""
-    link_gbps: float = Field(100.0, gt=0)
+    link_gbps: float = Field(100.0, ge=MIN_RATE)
     """Capture-to-trainer network speed in Gbit/s."""
     link_efficiency: float = Field(0.7, gt=0, le=1)
     """Fraction of the link a Mooncake transfer reaches."""
-    store_put_gbps: float = Field(5.2, gt=0)
+    store_put_gbps: float = Field(5.2, ge=MIN_RATE)
     """GB/s of the capture side's commit: a Mooncake put into the producer's own segment, a local
     copy (5.2 GB/s measured on our H200 host for a 5.25 GiB sample)."""
     capture_host_memory_bytes: ByteSize = 2 * 2**40
@@ -945,21 +948,21 @@ class PlanSection(Section):
     """Host memory of one trainer node (holds its share of the Mooncake segment, if any)."""
     pcie_h2d_bytes_per_s: ByteSize = 50 * 10**9
     """Pinned host-to-device copy rate of one GPU's PCIe link (55 GB/s measured on our H200)."""
-    expert_compute_tflops: float = Field(500.0, gt=0)
+    expert_compute_tflops: float = Field(500.0, ge=MIN_RATE)
     """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
     531 TFLOP/s measured at 64K tokens per GPU on our H200 (tools/bench/moe.py)."""
     trainer_local_disk_bytes: ByteSize = 28 * 10**12
     """Free local disk (NVMe) of one trainer node for ``trainer.feature_cache`` (8-GPU nodes often
     carry 8 x 3.84 TB NVMe drives; an assumption: set your site's number)."""
-    attention_tflops: float = Field(600.0, gt=0)
+    attention_tflops: float = Field(600.0, ge=MIN_RATE)
     """Rate of causal full attention in a long prefill (MLA-like heads: qk 192, v 128, at 64K): 601
     TFLOP/s measured on our H200 with PyTorch's SDPA (torch 2.11; 80% of a bf16 matmul in the same
     run; compiled flex attention reached 314). ``python3 -m tools.bench.attention`` measures it on
     yours. SGLang's own MLA prefill kernel was not measured."""
-    linear_attention_tflops: float = Field(100.0, gt=0)
+    linear_attention_tflops: float = Field(100.0, ge=MIN_RATE)
     """Rate of the KDA linear-attention kernels (chunked delta rule, Triton) in a long prefill. An
     assumption: these kernels reach far less of the peak than matmuls; not measured here."""
-    cache_read_gbps: float = Field(20.0, gt=0)
+    cache_read_gbps: float = Field(20.0, ge=MIN_RATE)
     """GB/s at which the trainer node's ranks together read the feature cache from local disk (an
     assumption for an NVMe RAID, not measured on our machines: measure yours with ``fio`` or ``dd``)."""
     slurm_max_mem_per_node_gib: int | None = Field(None, ge=1)

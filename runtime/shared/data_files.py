@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.files import atomic_write_text
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, require_regular_file
 
 MANIFEST_FORMAT = "dspark-data-manifest/1"
 MANIFEST_SUFFIX = ".manifest.json"
@@ -143,6 +143,7 @@ def check_data_sha256(
     values and the fix.
     """
     data_path = Path(data_path)
+    require_regular_file(data_path, f"{recipe_file}: data.train_path", "give the prepared JSONL file")
     if not data_path.is_file():
         raise DataFileError(
             f"{recipe_file}: data.train_path {data_path} does not exist; fix: run tools/prepare_data "
@@ -260,6 +261,7 @@ def verify_data_file(
 ) -> DataSummary:
     """Check a whole data file (SHA-256, rows, ids, masks, lengths); raise on the first problem."""
     path = Path(path)
+    require_regular_file(path, "data file", "give the prepared JSONL file")
     if not path.is_file():
         raise DataFileError(f"{path}: data file does not exist; fix: run tools/prepare_data")
     actual_sha = sha256_file(path)
