@@ -1748,6 +1748,26 @@ CASES += [
     ),
 ]
 
+CASES.append(
+    Case(
+        "prep-device-missing",
+        "value",
+        "prepare_data",
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            *PREP,
+            "--regenerate",
+            "embedded",
+            "--device",
+            "cuda:7",
+        ),
+        ("--device", "cuda:7", "cuda device"),
+    )
+)
+
 
 # -- running one case ----------------------------------------------------------------------------
 
@@ -1858,3 +1878,22 @@ def test_the_shared_error_path_renders_one_line(
     assert run_command(main, []) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err.lower() for w in words), err
+
+
+def test_an_eval_prompt_of_empty_turns_is_refused() -> None:
+    """An eval set of empty prompts was decoded and reported with acceptance figures."""
+    from runtime.shared.chat_tokenize import ChatFormatError, tokenize_prompt
+
+    empty = [{"role": "user", "content": "  "}, {"role": "assistant", "content": "reference"}]
+    with pytest.raises(ChatFormatError, match="every turn of the prompt is empty"):
+        tokenize_prompt(None, empty, "eval.jsonl: line 1")
+
+
+def test_check_patch_names_a_tree_that_is_a_link_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import patch_check
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    assert patch_check.main(["--tree", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic-link loop" in err and "fix" in err and "Traceback" not in err, err

@@ -137,6 +137,24 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_device(device: str) -> None:
+    """``--device`` is cpu, or a CUDA device this machine has."""
+    import torch
+
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device == "cpu":
+        return
+    if match is None:
+        raise DataFileError(f"--device {device!r}: not cpu, cuda or cuda:N; fix: give one of those")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(match.group(1) or 0)
+    if index >= count:
+        raise DataFileError(
+            f"--device {device}: this machine has {count} CUDA device(s); fix: --device cpu"
+            + (f", or cuda:0..cuda:{count - 1}" if count else "")
+        )
+
+
 def check_server_options(server_url: str, api_key_env: str | None) -> None:
     """``--server-url`` is an http(s) address without a password in it (the key comes from the
     environment: ``--api-key-env NAME``), and ``--api-key-env`` names a variable, not the key itself."""
@@ -168,6 +186,7 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
     if options.regenerate == "none":
         return None
     if options.regenerate == "embedded":
+        check_device(options.device)
         return EmbeddedRegenerator(
             options.target_path or options.tokenizer_path,
             tokenizer,
