@@ -585,7 +585,7 @@ def job_command(command: str, argv: list[str]) -> int:
             raise LaunchError(
                 f"job {record.job_id} ({_display_path(Path(record.job_dir))}) was not a --smoke job: the smoke "
                 f"gate judges only those; nothing was written. Fix: use `python3 -m launcher status {record.job_id}` "
-                f"for this job, or run the gate with `python3 -m launcher {record.recipe_source} --smoke`"
+                f"for this job, or run the gate with `python3 -m launcher {shell_word(record.recipe_source)} --smoke`"
             )
         return _finish_gate(record)
     if command == "plots":
@@ -638,5 +638,5 @@ def _refuse_misspelt_command(argv: list[str]) -> None:
     if close and not is_recipe:
         raise LaunchError(
             f"'{word}' is neither a command nor a recipe in {_display_path(RECIPES_DIR)}/; fix: did you mean "
-            f"`python3 -m launcher {close[0]} {' '.join(argv[1:])}`? Commands: {', '.join(SUBCOMMANDS)}"
+            f"`python3 -m launcher {close[0]} {' '.join(shell_word(a) for a in argv[1:])}`? Commands: {', '.join(SUBCOMMANDS)}"
         )

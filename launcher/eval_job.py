@@ -208,6 +208,6 @@ def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Name
         raise EvalLaunchError(f"sbatch refused the eval job: {done.stderr.strip() or done.stdout.strip()}")
     slurm_id = done.stdout.strip().split(";")[0]
     print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
-    print(f"  follow: tail -f {eval_dir}/slurm-{slurm_id}.out")
+    print(f"  follow: tail -f {shell_word(str(eval_dir / f'slurm-{slurm_id}.out'))}")
     print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
     return 0

@@ -9,7 +9,6 @@ the defaults of the site-settings block.
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,9 @@ from runtime.recipe import Recipe
 from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
+from runtime.user_errors import shell_word
+
+__all__ = ["shell_word"]
 
 PREEMPT_SIGNAL = "USR2"
 CAPTURE_STOP_WAIT_S = 60
@@ -170,17 +172,6 @@ def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> lis
         flags.append(("output", f"{options.job_dir}/logs/batch_%j.out"))
     flags += sorted(resources.extra_sbatch.items())
     return sbatch_lines(flags)
-
-
-def shell_word(value: str) -> str:
-    """``value`` as one shell word that expands to itself: the one quoting function for every value
-    the launcher writes into a batch script or prints as a command (plain words stay as they are).
-
-    A control character cannot be made safe on one script line (a newline starts a new command or
-    ``#SBATCH`` line): the recipe schema refuses those at load time, and this refuses them again."""
-    if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
-        raise ValueError(f"{value!r} holds a control character; it cannot go into a batch script line")
-    return shlex.quote(value)
 
 
 def shell_default(variable: str, word: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import stat
 import sys
 from collections.abc import Callable
@@ -81,6 +82,18 @@ def credentials_in(text: str) -> list[str]:
     found += [f"a credential file ({m.group(1)})" for m in _CREDENTIAL_FILE.finditer(text)]
     found += [f"a token shaped like {m.group(0)[:3]}..." for m in _TOKEN_SHAPES.finditer(text)]
     return found
+
+
+def shell_word(value: str) -> str:
+    """``value`` as one shell word that expands to itself: the one quoting function for every value
+    the launcher writes into a batch script and every command a message prints (plain words stay
+    as they are).
+
+    A control character cannot be made safe on one script line (a newline starts a new command or
+    ``#SBATCH`` line): the recipe schema refuses those at load time, and this refuses them again."""
+    if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
+        raise ValueError(f"{value!r} holds a control character; it cannot go into a batch script line")
+    return shlex.quote(value)
 
 
 REDACTED = "<redacted>"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.files import atomic_write_text
+from runtime.user_errors import shell_word
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,8 @@ JOB_RECORD_FILENAME = "job.json"
 def resume_command(recipe_source: str, job_dir: str | Path, local: bool) -> str:
     """The one command line that resumes a job from its newest checkpoint (every message that tells the
     operator how to go on prints this one)."""
-    return f"python3 -m launcher {recipe_source}{' --local' if local else ''} --resume {job_dir}"
+    local_flag = " --local" if local else ""
+    return f"python3 -m launcher {shell_word(recipe_source)}{local_flag} --resume {shell_word(str(job_dir))}"
 
 
 def resume_command_of(job_dir: Path) -> str:
