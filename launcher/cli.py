@@ -35,7 +35,7 @@ from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, load_recipe, load_resolved, write_resolved
 from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, refuse_repeated_sets
 from runtime.recipe.site_facts import read_site_facts
-from runtime.user_errors import UserError, output_place, run_command
+from runtime.user_errors import UserError, output_place, redact, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -575,7 +575,7 @@ def job_command(command: str, argv: list[str]) -> int:
         try:
             print(control.cancel_job(record))
         except control.CancelError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {redact(str(exc))}", file=sys.stderr)
             return 1
         return 0
     if command == "gate":

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.user_errors import file_kind_problem
+from runtime.user_errors import UserError, file_kind_problem, output_place
 
 PLOTS_DIRNAME = "plots"
 PLOT_TIMEOUT_S = 300.0
@@ -27,6 +27,12 @@ def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT
             f"{job_dir / 'metrics.jsonl'} is {kind}, not a regular file; fix: move it away (the trainer writes a "
             "regular metrics.jsonl)"
         )
+    try:  # plots/ is the job's own: a link that leads out of the folder is not written through
+        output_place(
+            job_dir / PLOTS_DIRNAME, "plots folder", within=job_dir, fix="remove the link; plots/ is made anew"
+        )
+    except UserError as exc:
+        return False, str(exc)
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:
         done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -1768,6 +1768,25 @@ CASES.append(
     )
 )
 
+CASES += [
+    Case(
+        "verify-manifest-is-a-list",
+        "data",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--expected-sha256", "manifest"),
+        ("manifest", "json list", "regenerate"),
+        setup=write("data/train.jsonl.manifest.json", "[1, 2]"),
+    ),
+    Case(
+        "plots-link-leaves-the-job",
+        "damage",
+        "launcher",
+        ("plots", "local-1", *RUNS),
+        ("plots", "outside", "remove the link"),
+        setup=steps(mkdir("outside_plots"), symlink("runs/tiny/done/plots", "../../../outside_plots")),
+    ),
+]
+
 
 # -- running one case ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from runtime.recipe import RecipeError, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.checkpoints import CheckpointError
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, redact
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.txt"
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         SGLangRouteError,
         UserError,
     ) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except Exception:
         traceback.print_exc()

@@ -87,6 +87,7 @@ def manifest_path(data_path: str | Path) -> Path:
 def read_manifest(data_path: str | Path) -> dict[str, Any]:
     """The manifest of ``data_path``; a clear error when it is absent or malformed."""
     path = manifest_path(data_path)
+    require_regular_file(path, "manifest", "regenerate it with tools/prepare_data")
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
@@ -99,7 +100,12 @@ def read_manifest(data_path: str | Path) -> dict[str, Any]:
         raise DataFileError(
             f"{path}: manifest is not valid JSON ({exc}); fix: regenerate it with tools/prepare_data"
         ) from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict):
+        raise DataFileError(
+            f"{path}: the manifest holds a JSON {type(manifest).__name__}, not an object with format, sha256, ...; "
+            "fix: regenerate it with tools/prepare_data"
+        )
+    if manifest.get("format") != MANIFEST_FORMAT:
         raise DataFileError(
             f"{path}: field 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
             f"expected {MANIFEST_FORMAT!r}; fix: regenerate it with tools/prepare_data"
