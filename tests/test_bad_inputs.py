@@ -1712,24 +1712,6 @@ CASES += [
 ]
 
 
-def test_two_resolves_into_one_folder_at_once_keep_one_recipe(tmp_path: Path) -> None:
-    """Two ``resolve`` with different recipes into one folder: one writes, the other is refused (they
-    both wrote, one after the other, before the folder's lock)."""
-    import subprocess
-    import sys
-
-    job_dir = tmp_path / "job"
-    command = [sys.executable, "-m", "launcher", "resolve", "tiny", "--job-dir", str(job_dir), "--set"]
-    runs = [subprocess.Popen([*command, f"trainer.seed={seed}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]  # fmt: skip
-    results = [
-        (p.wait(timeout=120), p.stdout.read() if p.stdout else "", p.stderr.read() if p.stderr else "") for p in runs
-    ]
-    assert sorted(code for code, _, _ in results) == [0, 2], results
-    written = json.loads((job_dir / "recipe.resolved.json").read_text())["digest"]
-    (winner,) = [out for code, out, _ in results if code == 0]
-    assert written[:12] in winner
-
-
 CASES += [
     Case("verify-fifo", "os", "verify_data", ("{w}/pipe",), ("pipe", "fifo", "not a regular file"), setup=fifo("pipe")),
     Case(
@@ -1786,6 +1768,17 @@ CASES += [
         setup=steps(mkdir("outside_plots"), symlink("runs/tiny/done/plots", "../../../outside_plots")),
     ),
 ]
+
+CASES.append(
+    Case(
+        "secret-resolve-url",
+        "secret",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/newjob", "--set", f"data.chat_path=https://u:{FAKE_KEY}@h/chat.jsonl"),
+        ("data.chat_path", "credential"),
+        forbid=(FAKE_KEY,),
+    )
+)
 
 
 # -- running one case ----------------------------------------------------------------------------

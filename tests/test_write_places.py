@@ -9,7 +9,10 @@ bad-input corpus; these tests check what IS written, and where.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,30 @@ def test_output_place_resolves_links_and_refuses_root_and_home(tmp_path: Path) -
             output_place(bad, "--x")
     with pytest.raises(UserError, match="outside"):
         output_place(link, "--x", within=tmp_path / "elsewhere")
+
+
+def test_two_resolves_into_one_folder_at_once_keep_one_recipe(tmp_path: Path) -> None:
+    """Two ``resolve`` with different recipes into one folder: one writes, the other is refused (they
+    both wrote, one after the other, before the folder's lock)."""
+    job_dir = tmp_path / "job"
+    command = [sys.executable, "-m", "launcher", "resolve", "tiny", "--job-dir", str(job_dir), "--set"]
+    runs = [subprocess.Popen([*command, f"trainer.seed={seed}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]  # fmt: skip
+    results = [
+        (p.wait(timeout=120), p.stdout.read() if p.stdout else "", p.stderr.read() if p.stderr else "") for p in runs
+    ]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    written = json.loads((job_dir / "recipe.resolved.json").read_text())["digest"]
+    (winner,) = [out for code, out, _ in results if code == 0]
+    assert written[:12] in winner
+
+
+def test_a_refused_credential_leaves_nothing_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """resolve with a password in a URL: refused before the job folder exists, the password in no output."""
+    password = "pw" + "x7" * 8
+    job_dir = tmp_path / "job"
+    code = launcher_cli.main(
+        ["resolve", "tiny", "--job-dir", str(job_dir), "--set", f"capture.target_revision=https://bob:{password}@h/r"]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and not job_dir.exists()
+    assert password not in captured.out + captured.err and "capture.target_revision" in captured.err
