@@ -18,7 +18,7 @@ from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
 from launcher.slurm_state import ComponentState, SlurmUnreachableError, fold_state, parse_sacct, query_sacct
 from runtime.shared.contracts import resume_command
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, file_kind_problem
 
 TERMINAL_JOB_STATES = {
     "COMPLETED",
@@ -426,6 +426,12 @@ def print_logs(
     def drain() -> None:
         for path in files:
             if not path.exists():
+                continue
+            kind = file_kind_problem(path)
+            if kind is not None:  # a FIFO would block the read for ever
+                if path not in headers_printed:
+                    print(f"==> {path} <==\n(skipped: it is {kind}, not a regular log file)", file=stream)
+                    headers_printed.add(path)
                 continue
             with path.open("rb") as handle:
                 handle.seek(offsets[path])

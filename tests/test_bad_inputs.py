@@ -1909,3 +1909,13 @@ def test_check_patch_names_a_tree_that_is_a_link_loop(tmp_path: Path, capsys: py
     assert patch_check.main(["--tree", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     assert "symbolic-link loop" in err and "fix" in err and "Traceback" not in err, err
+
+
+def test_logs_skip_a_log_that_is_a_fifo(world: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A task log replaced by a FIFO: ``logs`` names it and goes on (reading it would wait for ever)."""
+    log = world / "runs" / "tiny" / "done" / "logs" / "local-1_trainer_1.out"
+    log.unlink()
+    os.mkfifo(log)
+    assert launcher_cli.main(["logs", "local-1", "--runs-dir", str(world / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "FIFO" in out and "trainer 2 done" in out, out
