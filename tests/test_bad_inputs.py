@@ -1780,6 +1780,24 @@ CASES.append(
     )
 )
 
+CASES += [
+    Case(
+        "eval-set-name-newline",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("eval.sets[0].name", "one line"),
+        setup=tiny_with("    - name: tiny-heldout\n", '    - name: "tiny\\nheldout"\n'),
+    ),
+    Case(
+        "store-id-path",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "transport.store_id=../x"),
+        ("transport.store_id", "no '/'"),
+    ),
+]
+
 
 # -- running one case ----------------------------------------------------------------------------
 

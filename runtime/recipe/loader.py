@@ -693,6 +693,14 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
         ctx = err.get("ctx") or {}
         limit = ctx.get("max_length", ctx.get("min_length"))
         fix = "use " + lengths[kind].format(limit)
+    if kind == "string_pattern_mismatch":
+        pattern = str((err.get("ctx") or {}).get("pattern", ""))
+        if "0-9a-f" in pattern:
+            fix = "write the 64 lowercase hex digits of a SHA-256 (sha256sum FILE)" + (
+                ", or manifest" if "manifest" in pattern else ""
+            )
+        elif "A-Za-z0-9_" in pattern:
+            fix = "use letters, digits, '_', '.' and '-' only, on one line (no '/', spaces or newlines)"
     if kind in {"int_parsing", "float_parsing"} and err.get("input") in {"true", "false"}:
         fix = "write a number: true/false is a boolean, not a number"
     if kind == "string_type" and isinstance(err.get("input"), int | float | bool):
