@@ -23,7 +23,7 @@ from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.fit.slurm_request import eval_memory_request
 from runtime.recipe.loader import RESOLVED_FILENAME, refuse_repeated_sets
 from runtime.shared.checkpoint_folders import resolve_draft_source
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, output_place
 
 EVAL_SCRIPT_SUFFIX = ".eval.sbatch"
 
@@ -155,6 +155,8 @@ def main(argv: list[str], repo_root: Path) -> int:
     )
     check_eval_set_names(settings, args.eval_sets, str(resolved.path))
     resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
+    if args.out is not None:
+        output_place(args.out, "--out", fix="give a folder of its own for the results")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise EvalLaunchError(f"--out {args.out} is a file; the results go into a folder. Fix: give a folder's path")
     if args.local:

@@ -1798,6 +1798,25 @@ CASES += [
     ),
 ]
 
+CASES += [
+    Case(
+        "compare-out-links-to-root",
+        "damage",
+        "compare_runs",
+        (JOB, "--out", "{w}/rootlink"),
+        ("--out", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+    Case(
+        "eval-out-links-to-root",
+        "damage",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--local", "--checkpoint", "untrained", "--out", "{w}/rootlink"),
+        ("--out", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+]
+
 
 # -- running one case ----------------------------------------------------------------------------
 

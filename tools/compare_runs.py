@@ -20,7 +20,7 @@ from pathlib import Path
 from runtime.files import DiskFullError, atomic_path
 from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
 from runtime.shared.contracts import JOB_FOLDER_SETTING
-from runtime.user_errors import UserError, require_regular_file, run_command
+from runtime.user_errors import UserError, output_place, require_regular_file, run_command
 
 IGNORED_KEYS = {"step", "time", "epoch"}
 
@@ -428,6 +428,8 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.top < 1:
         raise RunReadError(f"--top is {args.top}; fix: use a value >= 1 (rows of the deviation table)")
+    if args.out is not None:
+        output_place(args.out, "--out", fix="give a folder of its own for the plots")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise RunReadError(f"--out {args.out} is a file; the plots go into a folder. Fix: give a folder's path")
     run_a = load_run(args.run_a, "A")
