@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -29,14 +30,14 @@ from launcher.environment import COMPONENTS
 from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
 from launcher.plots import plot_metrics
-from launcher.render import RenderOptions, environment_references, render_script, sbatch_path
+from launcher.render import RenderOptions, environment_references, render_script, sbatch_path, shell_word
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, continuity, load_recipe, load_resolved, write_resolved
-from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, load_document
+from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, load_document, refuse_repeated_sets
 from runtime.recipe.site_facts import read_site_facts
 from runtime.shared.contracts import resume_command
-from runtime.user_errors import UserError, run_command
+from runtime.user_errors import UserError, output_place, redact, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -258,6 +259,9 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
 
 def submit(args: argparse.Namespace) -> int:
     """Default command: plan, dry-run, smoke gate, local run or Slurm submission of a recipe."""
+    if args.resume is not None and not args.resume.strip():
+        raise LaunchError("--resume is empty; fix: give a job id, a job folder or latest (--resume latest)")
+    refuse_repeated_sets(args.overrides, args.recipe or "the command line")
     parent: dict[str, str] | None = None
     if args.resume and args.fork:
         raise LaunchError(
@@ -297,14 +301,16 @@ def submit(args: argparse.Namespace) -> int:
             repo_dir=str(REPO_ROOT),
         )
         print(render_script(loaded.recipe, options), end="")
-        print(f"# command: sbatch {planned}/submission.sh   (dry run: nothing was submitted)")
+        print(f"# command: sbatch {shell_word(str(planned / 'submission.sh'))}   (dry run: nothing was submitted)")
         settings = loaded.recipe.eval
         if settings is not None and settings.after_training and not args.probe and not loaded.smoke:
             print(f"# ---- eval.after_training: the eval job, submitted with the training job ({planned}/eval/) ----")
             print(eval_job.render_eval_script(loaded.recipe, loaded.source), end="")
+            eval_script = planned / "eval" / f"{loaded.recipe.job.name}{eval_job.EVAL_SCRIPT_SUFFIX}"
             print(
-                f"# command: sbatch --dependency=afterok:<training job id> --export=ALL,DSPARK_JOB_DIR={planned} "
-                f"{planned}/eval/{loaded.recipe.job.name}{eval_job.EVAL_SCRIPT_SUFFIX}   (dry run: nothing was submitted)"
+                "# command: sbatch --dependency=afterok:<training job id> "
+                f"{shell_word(f'--export=ALL,DSPARK_JOB_DIR={planned}')} {shell_word(str(eval_script))}"
+                "   (dry run: nothing was submitted)"
             )
         for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
@@ -451,7 +457,8 @@ def run_local(loaded: LoadedRecipe, job_dir: Path, probe: bool, parent: dict[str
     settings = None if probe else resolved.recipe.eval
     watch = after_training.start_checkpoint_watch(resolved, job_dir, REPO_ROOT) if settings else None
     try:
-        code = LocalRun(resolved, record, probe).run()
+        with exclusive_lock(job_dir / control.SUPERVISOR_LOCK):  # names this folder's supervisor (cancel)
+            code = LocalRun(resolved, record, probe).run()
     finally:
         after_training.finish_checkpoint_watch(watch, job_dir / "logs" / after_training.WATCH_LOG)
     report = control.job_report(record)
@@ -555,15 +562,29 @@ def _recorded_digest(path: Path) -> str:
 
 def resolve(argv: list[str]) -> int:
     """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
-    from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
 
     parser = argparse.ArgumentParser(prog="python3 -m launcher resolve")
     _add_recipe_arguments(parser)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
     args = parser.parse_args(argv)
+    if args.slurm_job_id is not None and not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", args.slurm_job_id):
+        raise LaunchError(
+            f"--slurm-job-id {args.slurm_job_id!r} is not a Slurm job id (digits, or 123_4 for an array task); "
+            'nothing was written. Fix: pass --slurm-job-id "$SLURM_JOB_ID"'
+        )
+    refuse_repeated_sets(args.overrides, args.recipe)
     loaded = load(args.recipe, args.overrides, args.smoke)
-    job_dir = args.job_dir.resolve()
+    job_dir = output_place(args.job_dir, "--job-dir", fix="give the job's own folder, e.g. runs/NAME/STAMP")
+    # One resolve at a time per folder: two at once both found no record and both wrote one.
+    with exclusive_lock(job_dir / ".resolve.lock"):
+        return _resolve_into(loaded, job_dir, args.slurm_job_id)
+
+
+def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None) -> int:
+    """``resolve``'s work, under the folder's lock."""
+    from launcher.hetjob import SUBMITIT_DIRNAME, TASK_LAYOUT_FILENAME, ComponentJob, write_submission
+
     path = job_dir / RESOLVED_FILENAME
     if path.exists():
         # A job folder's recorded recipe is what its runtime read: never rewrite it. The same recipe
@@ -579,19 +600,19 @@ def resolve(argv: list[str]) -> int:
     else:
         path = write_resolved(loaded, job_dir, REPO_ROOT)
         print(f"resolved {loaded.source} -> {path} (digest {loaded.digest[:12]})")
-    if args.slurm_job_id:
+    if slurm_job_id:
         components = jobs.components_of(loaded)
         (job_dir / SUBMITIT_DIRNAME).mkdir(parents=True, exist_ok=True)
         layout = f'{{"trainer_world_size": {components["trainer"]}, "capture_tasks": {components["capture"]}}}\n'
         atomic_write_text(job_dir / SUBMITIT_DIRNAME / TASK_LAYOUT_FILENAME, layout)
         write_submission(
             job_dir,
-            args.slurm_job_id,
+            slurm_job_id,
             ComponentJob(str(job_dir)),
             loaded.recipe.job.time_limit_min,
             loaded.recipe.job.max_requeues,
         )
-        record = _record_for(loaded, job_dir, args.slurm_job_id, "slurm", probe=False)
+        record = _record_for(loaded, job_dir, slurm_job_id, "slurm", probe=False)
         jobs.write_record(record, _runs_dir(loaded))
     return 0
 
@@ -602,6 +623,12 @@ def render(argv: list[str]) -> int:
     parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
     parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
     parser.add_argument("--stdout", action="store_true", help="print instead of writing")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder to write the scripts into (default: sbatch/ for a recipe in recipes/, else the recipe's own "
+        "folder)",
+    )
     args = parser.parse_args(argv)
     names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     stale = []
@@ -620,6 +647,7 @@ def render(argv: list[str]) -> int:
                     eval_job.render_eval_script(loaded.recipe, loaded.source),
                 )
             )
+        scripts = _render_targets(find_recipe_file(name, RECIPES_DIR), scripts, args.out)
         for target, text in scripts:
             if args.stdout:
                 print(text, end="")
@@ -634,6 +662,29 @@ def render(argv: list[str]) -> int:
         print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
         return 1
     return 0
+
+
+def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Path | None) -> list[tuple[Path, str]]:
+    """Where ``render`` writes a recipe's scripts: sbatch/ (the checked-in scripts) only for a recipe
+    in recipes/; a recipe elsewhere gets them next to itself, named after its file
+    (``my.yaml`` -> ``my.sbatch``, ``my.eval.sbatch``); ``--out DIR`` puts them in DIR."""
+    in_repository = recipe_path.resolve().parent == RECIPES_DIR.resolve()
+    if in_repository and out is None:
+        return scripts
+    folder = output_place(out, "--out") if out is not None else recipe_path.resolve().parent
+    if not in_repository and folder == (REPO_ROOT / "sbatch").resolve():
+        raise LaunchError(
+            f"{recipe_path} is not a recipe of {_display_path(RECIPES_DIR)}/, and sbatch/ holds the scripts of those "
+            "only (a golden test keeps them equal); nothing was written. Fix: --out another folder, or copy the "
+            "recipe into recipes/"
+        )
+    stem = recipe_path.stem if not in_repository else None
+    targets = []
+    for target, text in scripts:
+        suffix = eval_job.EVAL_SCRIPT_SUFFIX if target.name.endswith(eval_job.EVAL_SCRIPT_SUFFIX) else ".sbatch"
+        base = stem or target.name[: -len(suffix)]
+        targets.append((folder / f"{base}{suffix}", text))
+    return targets
 
 
 def job_command(command: str, argv: list[str]) -> int:
@@ -666,7 +717,7 @@ def job_command(command: str, argv: list[str]) -> int:
         try:
             print(control.cancel_job(record))
         except control.CancelError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {redact(str(exc))}", file=sys.stderr)
             return 1
         return 0
     if command == "gate":
@@ -676,7 +727,7 @@ def job_command(command: str, argv: list[str]) -> int:
             raise LaunchError(
                 f"job {record.job_id} ({_display_path(Path(record.job_dir))}) was not a --smoke job: the smoke "
                 f"gate judges only those; nothing was written. Fix: use `python3 -m launcher status {record.job_id}` "
-                f"for this job, or run the gate with `python3 -m launcher {record.recipe_source} --smoke`"
+                f"for this job, or run the gate with `python3 -m launcher {shell_word(record.recipe_source)} --smoke`"
             )
         return _finish_gate(record)
     if command == "plots":
@@ -729,5 +780,5 @@ def _refuse_misspelt_command(argv: list[str]) -> None:
     if close and not is_recipe:
         raise LaunchError(
             f"'{word}' is neither a command nor a recipe in {_display_path(RECIPES_DIR)}/; fix: did you mean "
-            f"`python3 -m launcher {close[0]} {' '.join(argv[1:])}`? Commands: {', '.join(SUBCOMMANDS)}"
+            f"`python3 -m launcher {close[0]} {' '.join(shell_word(a) for a in argv[1:])}`? Commands: {', '.join(SUBCOMMANDS)}"
         )

@@ -25,7 +25,7 @@ from launcher.slurm_state import (
     query_sacct,
 )
 from runtime.shared.contracts import resume_command
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, file_kind_problem
 
 TERMINAL_JOB_STATES = {
     "COMPLETED",
@@ -333,6 +333,10 @@ def _process_start_epoch_s(pid: int) -> float | None:
     return boot_s + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in clock ticks
 
 
+SUPERVISOR_LOCK = ".supervisor.lock"
+"""Held open (flock) in the job folder by a ``--local`` supervisor for as long as it runs."""
+
+
 def is_local_supervisor(record: JobRecord) -> bool:
     """The recorded supervisor pid is still this job's supervisor: a launcher process that started
     before the job was recorded. After the run ended the pid may belong to anything else."""
@@ -349,7 +353,18 @@ def is_local_supervisor(record: JobRecord) -> bool:
     # (an editor, a test run of tests/test_launcher_*.py) is not one. The record's time has whole
     # seconds; the supervisor started before it wrote the record.
     runs_launcher = any(a == "-m" and b == "launcher" for a, b in zip(arguments, arguments[1:], strict=False))
-    return runs_launcher and "--local" in arguments and started_s is not None and started_s <= recorded_s + 1.0
+    if not (runs_launcher and "--local" in arguments and started_s is not None and started_s <= recorded_s + 1.0):
+        return False
+    # The supervisor holds SUPERVISOR_LOCK of its own job folder open while it runs: a copy of a
+    # running job's folder (its job.json names the original's supervisor) is not that supervisor's job.
+    lock = Path(record.job_dir) / SUPERVISOR_LOCK
+    if not lock.exists():
+        return True  # a job started before supervisors held the lock
+    try:
+        held = {os.path.realpath(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        return False
+    return os.path.realpath(lock) in held
 
 
 def running_local_jobs(runs_dir: Path) -> list[JobRecord]:
@@ -385,6 +400,14 @@ def cancel_job(record: JobRecord) -> str:
             )
         _stop_groups(leftover)
         return f"the supervisor was gone; stopped {len(leftover)} leftover component task(s): {leftover}"
+    # Ask Slurm first: a job that already ended is reported as such and nothing is signalled (scancel
+    # of an ended job succeeds silently, and the operator would read "cancelled").
+    report = job_report(record)
+    if not report.slurm_unreachable and report.state in TERMINAL_JOB_STATES:
+        raise CancelError(
+            f"job {record.job_id} already ended ({report.state}), so nothing was signalled; fix: none needed "
+            f"(`python3 -m launcher status {record.job_id}` shows how it ended)"
+        )
     # The leader id cancels all het components at once.
     done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
     if "invalid job id" in done.stderr.lower():
@@ -439,6 +462,12 @@ def print_logs(
     def drain() -> None:
         for path in files:
             if not path.exists():
+                continue
+            kind = file_kind_problem(path)
+            if kind is not None:  # a FIFO would block the read for ever
+                if path not in headers_printed:
+                    print(f"==> {path} <==\n(skipped: it is {kind}, not a regular log file)", file=stream)
+                    headers_printed.add(path)
                 continue
             with path.open("rb") as handle:
                 handle.seek(offsets[path])

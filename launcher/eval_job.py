@@ -10,7 +10,6 @@ in as ``sbatch/NAME.eval.sbatch`` for manual submission. Results land in ``<job>
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import signal
 import subprocess
@@ -19,15 +18,15 @@ from pathlib import Path
 
 from launcher import jobs
 from launcher.component import ChildStopped, run_attached
-from launcher.render import container_args, resource_flags, sbatch_lines
+from launcher.render import comment_text, container_args, resource_flags, sbatch_lines, shell_word
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.fit.slurm_request import eval_memory_request
-from runtime.recipe.loader import RESOLVED_FILENAME
+from runtime.recipe.loader import RESOLVED_FILENAME, refuse_repeated_sets
 from runtime.shared.checkpoint_folders import refuse_another_runs_draft, resolve_draft_source
 from runtime.shared.lifecycle import exit_text
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, output_place
 
 EVAL_SCRIPT_SUFFIX = ".eval.sbatch"
 
@@ -56,26 +55,26 @@ def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
         mem_gib=eval_memory_request(recipe).requested_gib,
     )
     flags += [("output", "slurm-%x-%j.out"), *sorted(resources.extra_sbatch.items())]
-    python = job.python
+    python = shell_word(job.python)
     evaluate = [
         "srun",
         "--ntasks=1",
         "--unbuffered",
         *container_args(recipe),
-        *[shlex.quote(a) for a in resources.srun_args],
+        *[shell_word(a) for a in resources.srun_args],
         python,
         "-u",
         "-m",
         "runtime.evaluate",
         f'--recipe "$DSPARK_JOB_DIR/{RESOLVED_FILENAME}"',
-        f"--eval-recipe {shlex.quote(recipe_file)}",
+        f"--eval-recipe {shell_word(recipe_file)}",
         '--checkpoint "$DSPARK_EVAL_CHECKPOINT"',
         "$DSPARK_EVAL_ARGS",
     ]
     lines = [
         "#!/bin/bash",
         f"# DSpark eval of job '{job.name}': speculative decoding of the target with a trained draft, one node",
-        f"# of the capture kind. Rendered by `python3 -m launcher render` from {recipe_file}. Do not edit by hand:",
+        f"# of the capture kind. Rendered by `python3 -m launcher render` from {comment_text(recipe_file)}. Do not edit by hand:",
         "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
         "#",
         "# `python3 -m launcher eval JOB` submits it for you. Manual submission, from the repository root:",
@@ -137,6 +136,7 @@ def eval_arguments(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str], repo_root: Path) -> int:
     """Run or submit one evaluation; returns the exit code."""
     args = _parser().parse_args(argv)
+    refuse_repeated_sets(args.overrides, "launcher eval")
     runs_dir = args.runs_dir or repo_root / "runs"
     record = jobs.find_record(args.job, runs_dir)
     job_dir = Path(record.job_dir)
@@ -149,10 +149,18 @@ def main(argv: list[str], repo_root: Path) -> int:
         )
     # Everything the evaluation would refuse is refused here, before a process starts or a job is
     # submitted: the same checks, the same messages.
-    settings = eval_settings(resolved.recipe.eval, str(repo_root / recipe_file), args.overrides, str(resolved.path))
+    settings = eval_settings(
+        resolved.recipe.eval,
+        str(repo_root / recipe_file),
+        args.overrides,
+        str(resolved.path),
+        vocab_size=resolved.recipe.capture.vocab_size,
+    )
     check_eval_set_names(settings, args.eval_sets, str(resolved.path))
     source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
     refuse_another_runs_draft(source, resolved.checkpoint_dir(), record.job_id, args.out is not None)
+    if args.out is not None:
+        output_place(args.out, "--out", fix="give a folder of its own for the results")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise EvalLaunchError(f"--out {args.out} is a file; the results go into a folder. Fix: give a folder's path")
     if args.local:
@@ -186,7 +194,7 @@ def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Name
     slurm_id = submit_eval_job(recipe, recipe_file, job_dir, repo_root, args.checkpoint, extra)
     eval_dir = job_dir / "eval"
     print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
-    print(f"  follow: tail -f {eval_dir}/slurm-{slurm_id}.out")
+    print(f"  follow: tail -f {shell_word(str(eval_dir / f'slurm-{slurm_id}.out'))}")
     print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
     return 0
 

@@ -26,7 +26,7 @@ from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe
 from runtime.shared.checkpoint_folders import find_latest
 from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, file_kind_problem, output_place
 
 LOCAL_STATUS_FILENAME = "local_status.json"
 CAPTURE_STOP_FILENAME = "capture.stop"
@@ -88,10 +88,18 @@ def runs_root(repo_root: Path, runs_dir: str) -> Path:
 
 def new_job_dir(repo_root: Path, loaded: LoadedRecipe) -> Path:
     """A fresh, unique job folder for a launcher submission (created)."""
-    base = runs_root(repo_root, loaded.recipe.job.runs_dir) / loaded.recipe.job.name
+    runs = runs_root(repo_root, loaded.recipe.job.runs_dir)
+    output_place(runs, JOB_FOLDER_SETTING, fix="set job.runs_dir to a folder of its own, e.g. runs")
+    if runs.resolve() == repo_root.resolve():
+        raise UserError(
+            f"{JOB_FOLDER_SETTING} {loaded.recipe.job.runs_dir!r} is the repository itself; fix: name a folder in it, "
+            "e.g. runs"
+        )
+    base = runs / loaded.recipe.job.name
+    output_place(base, "the job's folder", within=runs, fix=f"remove the link {base} or pick another job.name")
     stamp = utc_stamp() + ("-smoke" if loaded.smoke else "")
     candidate, counter = base / stamp, 1
-    while candidate.exists():
+    while candidate.exists() or candidate.is_symlink():
         counter += 1
         candidate = base / f"{stamp}-{counter}"
     candidate.mkdir(parents=True)
@@ -152,7 +160,9 @@ def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir"
             record = _read_record(record_file)
             record.job_dir = str(folder.resolve())
             return record
-    known = sorted(p.name for p in (runs_dir / INDEX_DIRNAME).glob("*")) if (runs_dir / INDEX_DIRNAME).is_dir() else []
+    index = runs_dir / INDEX_DIRNAME
+    # Links only: the index also holds lock files and a moment's temporary links (dot names).
+    known = sorted(p.name for p in index.glob("[!.]*") if p.is_symlink()) if index.is_dir() else []
     listing = f" Known jobs: {', '.join(known[-10:])}." if known else ""
     raise JobLookupError(
         f"no job '{job}': neither a job folder with {JOB_RECORD_FILENAME} nor an id under "
@@ -163,6 +173,9 @@ def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir"
 
 def _read_json_object(path: Path, what: str, fix: str) -> dict[str, object]:
     """A JSON object from a file the launcher wrote, or one :class:`JobLookupError` naming the file."""
+    kind = file_kind_problem(path)
+    if kind is not None and kind != "a folder":
+        raise JobLookupError(f"{path} is {kind}, not a regular file; it should be {what}. Fix: {fix}")
     try:
         data = json.loads(path.read_text())
     except IsADirectoryError:
@@ -178,7 +191,7 @@ def _read_record(path: Path) -> JobRecord:
     fix = "restore it from a backup, or give the job folder of another run (the launcher writes it at submission)"
     data = _read_json_object(path, "the job record", fix)
     try:
-        return JobRecord(**data)  # type: ignore[arg-type]
+        record = JobRecord(**data)  # type: ignore[arg-type]
     except TypeError:
         wanted = {f.name for f in fields(JobRecord)}
         unknown, missing = (
@@ -192,6 +205,35 @@ def _read_record(path: Path) -> JobRecord:
         raise JobLookupError(
             f"{path} is not a job record (unknown fields {unknown or 'none'}, missing {missing or 'none'}); fix: {fix}"
         ) from None
+    problem = _record_problem(record)
+    if problem:
+        raise JobLookupError(f"{path}: {problem}; it is not a job record the launcher wrote. Fix: {fix}")
+    return record
+
+
+MAX_RECORDED_TASKS = 100_000
+"""More tasks than any Slurm job of this project has: a larger count in a record is damage."""
+
+
+def _record_problem(record: JobRecord) -> str | None:
+    """What in a job record read from disk has the wrong type or an impossible value, or None."""
+    for name in ("job_id", "name", "job_dir", "recipe_source", "recipe_digest", "submitted_at"):
+        if not isinstance(getattr(record, name), str):
+            return f"field {name!r} is {getattr(record, name)!r}, not text"
+    if record.mode not in ("slurm", "local"):
+        return f"field 'mode' is {record.mode!r}, not 'slurm' or 'local'"
+    for name in ("smoke", "probe"):
+        if not isinstance(getattr(record, name), bool):
+            return f"field {name!r} is {getattr(record, name)!r}, not true or false"
+    pid = record.supervisor_pid
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
+        return f"field 'supervisor_pid' is {pid!r}, not a process id (a positive number) or null"
+    if not isinstance(record.components, dict):
+        return f"field 'components' is {record.components!r}, not a mapping of component -> task count"
+    for component, count in record.components.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_RECORDED_TASKS:
+            return f"field 'components' gives {component!r} {count!r} tasks, not a count from 0 to {MAX_RECORDED_TASKS}"
+    return None
 
 
 def read_local_status(job_dir: Path) -> dict[str, dict[str, object]]:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from launcher.component import ChildStopped, run_attached
+from runtime.user_errors import UserError, file_kind_problem, output_place
 
 PLOTS_DIRNAME = "plots"
 PLOT_TIMEOUT_S = 300.0
@@ -22,6 +23,18 @@ def plot_metrics(job_dir: Path, repo_root: Path, timeout_s: float = PLOT_TIMEOUT
             f"no metrics yet: {job_dir / 'metrics.jsonl'} does not exist; fix: wait for the trainer's first logged "
             "step (trainer.log_every_steps), or see why it has none: `python3 -m launcher logs JOB --component trainer`"
         )
+    kind = file_kind_problem(job_dir / "metrics.jsonl")
+    if kind is not None:
+        return False, (
+            f"{job_dir / 'metrics.jsonl'} is {kind}, not a regular file; fix: move it away (the trainer writes a "
+            "regular metrics.jsonl)"
+        )
+    try:  # plots/ is the job's own: a link that leads out of the folder is not written through
+        output_place(
+            job_dir / PLOTS_DIRNAME, "plots folder", within=job_dir, fix="remove the link; plots/ is made anew"
+        )
+    except UserError as exc:
+        return False, str(exc)
     command = [sys.executable, "-m", "tools.compare_runs", str(job_dir), "--out", str(job_dir / PLOTS_DIRNAME)]
     try:
         done = run_attached(command, cwd=repo_root, capture=True, timeout_s=timeout_s)

@@ -9,7 +9,6 @@ the defaults of the site-settings block.
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,9 @@ from runtime.recipe import Recipe
 from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
+from runtime.user_errors import shell_word
+
+__all__ = ["shell_word"]
 
 PREEMPT_SIGNAL = "USR2"
 CAPTURE_STOP_WAIT_S = 60
@@ -77,7 +79,7 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
     lines = [
         "#!/bin/bash",
         f"# DSpark job '{job.name}': one heterogeneous Slurm job, two components.",
-        f"# Rendered by `python3 -m launcher render` from {options.recipe_file}. Do not edit by hand:",
+        f"# Rendered by `python3 -m launcher render` from {comment_text(options.recipe_file)}. Do not edit by hand:",
         "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
     ]
     if manual:
@@ -143,7 +145,7 @@ def resource_flags(
 
 def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
     """``#SBATCH`` lines of ``(flag, value)`` pairs (a None value is a bare flag)."""
-    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_quote(value)}" for key, value in flags]
+    return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={shell_word(value)}" for key, value in flags]
 
 
 def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> list[str]:
@@ -172,20 +174,46 @@ def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> lis
     return sbatch_lines(flags)
 
 
-def _quote(value: str) -> str:
-    return value if re.fullmatch(r"[A-Za-z0-9_@%./:,=+-]+", value) else shlex.quote(value)
+def shell_default(variable: str, word: str) -> str:
+    """``VARIABLE=${VARIABLE:-WORD}``: a site setting that an exported value overrides. ``word`` is
+    shell text already quoted (:func:`shell_word`); a plain one keeps the double-quoted form."""
+    if re.fullmatch(r"[A-Za-z0-9_@%./:,=+${}-]+", word):
+        return f'{variable}="${{{variable}:-{word}}}"'
+    return f"{variable}=${{{variable}:-{word}}}"
+
+
+def comment_text(value: str) -> str:
+    """``value`` as it may appear in a ``#`` comment line: no line break can end the comment."""
+    return value if not re.search(r"[\x00-\x1f\x7f]", value) else repr(value)
+
+
+def _manual_job_dir(recipe: Recipe) -> str:
+    """The manual form's default job folder, as shell text: the runs folder (under ``$DSPARK_REPO``
+    unless absolute or in ``~/``), the job name, the Slurm job id."""
+    runs_dir = recipe.job.runs_dir.rstrip("/") or "/"
+    tail = f"{recipe.job.name}/"
+    if runs_dir == "~" or runs_dir.startswith("~/"):
+        base, folder = '"$HOME"', runs_dir[2:]
+    elif runs_dir.startswith("/"):
+        base, folder = "", runs_dir
+    else:
+        base, folder = "$DSPARK_REPO", runs_dir
+    path = "/".join(part for part in (folder.strip("/"), tail.rstrip("/")) if part)
+    quoted = shell_word(path)
+    if quoted == path and base != '"$HOME"':  # plain: the double-quoted form keeps its old spelling
+        return f"{base}/{path}/$SLURM_JOB_ID"
+    base = '"$DSPARK_REPO"' if base == "$DSPARK_REPO" else base
+    return f'{base}/{quoted}/"$SLURM_JOB_ID"'
 
 
 def _site_settings(recipe: Recipe, options: RenderOptions) -> list[str]:
-    name = recipe.job.name
-    runs_dir = recipe.job.runs_dir
-    repo_default = options.repo_dir or "${SLURM_SUBMIT_DIR:-$PWD}"
-    job_dir_default = options.job_dir or f"$DSPARK_REPO/{runs_dir}/{name}/$SLURM_JOB_ID"
+    repo_default = shell_word(options.repo_dir) if options.repo_dir else "${SLURM_SUBMIT_DIR:-$PWD}"
+    job_dir_default = shell_word(options.job_dir) if options.job_dir else _manual_job_dir(recipe)
     lines = [
         "# ---- site settings: edit here, or export them before sbatch ----",
-        f'DSPARK_REPO="${{DSPARK_REPO:-{repo_default}}}"',
-        f'DSPARK_RECIPE_FILE="${{DSPARK_RECIPE_FILE:-{options.recipe_file}}}"',
-        f'DSPARK_JOB_DIR="${{DSPARK_JOB_DIR:-{job_dir_default}}}"',
+        shell_default("DSPARK_REPO", repo_default),
+        shell_default("DSPARK_RECIPE_FILE", shell_word(options.recipe_file)),
+        shell_default("DSPARK_JOB_DIR", job_dir_default),
         f'DSPARK_RESOLVE_ARGS="${{DSPARK_RESOLVE_ARGS:-{_resolve_args(options)}}}"',
     ]
     references = environment_references(recipe)
@@ -214,7 +242,7 @@ def _preamble(recipe: Recipe, options: RenderOptions) -> list[str]:
     if recipe.job.setup:
         lines.append("# ---- environment setup (job.setup) ----")
         lines += list(recipe.job.setup)
-    python = recipe.job.python
+    python = shell_word(recipe.job.python)
     lines += [
         f'export {contracts.ENV_SLURM_JOB_ID}="$SLURM_JOB_ID"',
         'mkdir -p "$DSPARK_JOB_DIR/logs"',
@@ -233,16 +261,16 @@ def container_args(recipe: Recipe) -> list[str]:
     """``srun`` arguments that run a step in the recipe's container image (none without one)."""
     if not recipe.job.container_image:
         return []
-    args = [f"--container-image={shlex.quote(recipe.job.container_image)}"]
+    args = [f"--container-image={shell_word(recipe.job.container_image)}"]
     if recipe.job.container_mounts:
-        args.append(f"--container-mounts={shlex.quote(','.join(recipe.job.container_mounts))}")
+        args.append(f"--container-mounts={shell_word(','.join(recipe.job.container_mounts))}")
     args.append('--container-workdir="$DSPARK_REPO"')
     return args
 
 
 def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
     lines: list[str] = []
-    python = recipe.job.python
+    python = shell_word(recipe.job.python)
     for index, component in enumerate(COMPONENTS):
         resources: ComponentResources = getattr(recipe.job, component)
         srun = [
@@ -253,7 +281,7 @@ def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
             f'--output="$DSPARK_JOB_DIR/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
         ]
         srun += container_args(recipe)
-        srun += [shlex.quote(a) for a in resources.srun_args]
+        srun += [shell_word(a) for a in resources.srun_args]
         worker = [python, "-u", "-m", "launcher.worker", "--component", component, '--job-dir "$DSPARK_JOB_DIR"']
         if options.probe:
             worker.append("--probe")

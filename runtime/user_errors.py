@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import shlex
+import stat
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 """Exit code of a refused command (argparse uses the same for a bad flag)."""
@@ -23,6 +27,94 @@ EXIT_INTERRUPTED = 130
 """What a shell reports for a program stopped by Ctrl-C (128 + SIGINT)."""
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a program whose reader went away (128 + SIGPIPE)."""
+
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+"""Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
+
+# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
+# ``HF_TOKEN="..."``, ``--export=ALL,HF_TOKEN=...``) or a credential flag with one (``--api-key abc``);
+# a reference to the environment (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job
+# runs, not written down.
+_ASSIGNED = re.compile(r"(?:^|[\s;&|(,'\"])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;,]|$)(?![\"']?\$)([^\s;,&|]*)")
+_FLAG = re.compile(
+    r"--((?:[a-z0-9]+-)*(?:key|token|secret|password|passwd)(?:-[a-z0-9]+)*)(?:=|\s+)(?![\"']?\$)(?=\S)(\S*)",
+    re.IGNORECASE,
+)
+# Values shaped like the tokens of well-known services, wherever they appear (a description, a path).
+_TOKEN_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
+)
+# A password in a URL: scheme://user:password@host.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):([^/\s@'\"]+)@")
+# curl/wget style ``-u user:password`` / ``--user=user:password``.
+_USER_FLAG = re.compile(r"(?:^|\s)(-u|--user|--proxy-user)(?:=|\s+)(?![\"']?\$)([^\s:'\"]+:(?![\"']?\$)[^\s'\"]+)")
+# A netrc entry (``machine api.wandb.ai login me password abc``), e.g. in a here-doc.
+_NETRC_PASSWORD = re.compile(r"\b(password|passwd)\s+(?![\"']?\$)(\S+)", re.IGNORECASE)
+# ``printf -v HF_TOKEN ...`` / ``read HF_TOKEN <<<`` assign a credential variable without ``=``.
+_PRINTF_V = re.compile(r"\b(?:printf\s+-v|read(?:\s+-[a-z]+)*)\s+([A-Za-z_][A-Za-z0-9_]*)")
+# A credential-named key of a mapping given a value (``{HF_TOKEN: abc}``, ``'HF_TOKEN': 'abc'``).
+_MAPPED = re.compile(r"(?:^|[\s{,'\"])([A-Za-z_][A-Za-z0-9_]*)['\"]?\s*:\s+['\"]?(?!\$)([^\s,}'\"]+)")
+# Writing a credential file (``printf KEY > ~/.wandb_key``, ``cat > ~/.netrc <<EOF``).
+_CREDENTIAL_FILE = re.compile(r">>?\s*(\S*(?:netrc|[._-]key\b|token|credential|secret|passw)\S*)", re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable or key name holds a credential (HF_TOKEN, WANDB_API_KEY). A lower-case name
+    whose only credential word is ``token`` is a count or id of the model (``max_new_tokens``,
+    ``stop_token_ids``), never a secret."""
+    if not SECRET_NAME.search(name):
+        return False
+    return not (name.islower() and not SECRET_NAME.search(name.replace("token", "")))
+
+
+def credentials_in(text: str) -> list[str]:
+    """What in ``text`` writes a credential down: ``NAME`` of a credential variable given a literal value
+    (``NAME=...``, ``printf -v NAME``), ``--flag`` of a credential flag given one, a password in a URL,
+    ``-u user:password``, a netrc password, a credential file written, or a value shaped like a token."""
+    found = [m.group(1) for m in _ASSIGNED.finditer(text) if is_secret_name(m.group(1))]
+    found += [m.group(1) for m in _PRINTF_V.finditer(text) if is_secret_name(m.group(1))]
+    found += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
+    found += ["a password in a URL (user:password@)" for _ in _URL_PASSWORD.finditer(text)]
+    found += [f"{m.group(1)} user:password" for m in _USER_FLAG.finditer(text)]
+    found += ["a netrc password" for _ in _NETRC_PASSWORD.finditer(text)]
+    found += [f"a credential file ({m.group(1)})" for m in _CREDENTIAL_FILE.finditer(text)]
+    found += [f"a token shaped like {m.group(0)[:3]}..." for m in _TOKEN_SHAPES.finditer(text)]
+    return found
+
+
+def shell_word(value: str) -> str:
+    """``value`` as one shell word that expands to itself: the one quoting function for every value
+    the launcher writes into a batch script and every command a message prints (plain words stay
+    as they are).
+
+    A control character cannot be made safe on one script line (a newline starts a new command or
+    ``#SBATCH`` line): the recipe schema refuses those at load time, and this refuses them again."""
+    if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
+        raise ValueError(f"{value!r} holds a control character; it cannot go into a batch script line")
+    return shlex.quote(value)
+
+
+REDACTED = "<redacted>"
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential it writes down replaced by ``<redacted>``: the one redaction of
+    every message and every file the launcher and the tools write (names stay, values go)."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
+    text = _TOKEN_SHAPES.sub(REDACTED, text)
+    text = _USER_FLAG.sub(lambda m: m.group(0).replace(m.group(2), REDACTED), text)
+    text = _NETRC_PASSWORD.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+
+    def assigned(m: re.Match[str]) -> str:
+        if not is_secret_name(m.group(1)) or not m.group(2):
+            return m.group(0)
+        return m.group(0)[: m.start(2) - m.start(0)] + REDACTED
+
+    text = _ASSIGNED.sub(assigned, text)
+    text = _MAPPED.sub(assigned, text)
+    return _FLAG.sub(lambda m: m.group(0)[: m.start(2) - m.start(0)] + REDACTED if m.group(2) else m.group(0), text)
 
 
 class UserError(Exception):
@@ -46,6 +138,63 @@ _OS_FIXES: dict[int, str] = {
 }
 
 
+def file_kind_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file, without opening it (a FIFO would block an ``open`` for
+    ever): None for a regular file (or a link to one) and for a path that does not exist (the caller's
+    own message says what is missing); else a short phrase: a folder, a FIFO, a device, a socket, a
+    symbolic-link loop or a link to nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic-link loop"
+        raise
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def require_regular_file(path: Path, what: str, fix: str) -> Path:
+    """``path`` when it is a regular file (or does not exist: the caller reports that); otherwise a
+    :class:`UserError` naming ``what`` (``"recipe file"``), the kind found and ``fix``. Call it before
+    opening anything a user names: reading a FIFO waits for a writer for ever."""
+    kind = file_kind_problem(path)
+    if kind is not None:
+        raise UserError(f"{what} {path} is {kind}, not a regular file; fix: {fix}")
+    return path
+
+
+def output_place(path: Path, what: str, *, within: Path | None = None, fix: str = "give another path") -> Path:
+    """The one rule for where a command may write: ``path`` (a folder or file it was given or made)
+    with its symbolic links resolved, refused when that is the filesystem root or the home folder
+    itself, or, with ``within``, when it leaves ``within`` (a job folder whose link points out of its
+    runs folder). Returns the resolved path, which the caller then writes to."""
+    resolved = path.expanduser().resolve()
+    link = f" ({path} is a symbolic link to it)" if resolved != path.expanduser().absolute() else ""
+    if resolved == Path(resolved.anchor):
+        raise UserError(f"{what} {path} is the filesystem root{link}: nothing is written there; fix: {fix}")
+    if resolved == Path.home().resolve():
+        raise UserError(f"{what} {path} is your home folder itself{link}: nothing is written there; fix: {fix}")
+    if within is not None:
+        place = within.expanduser().resolve()
+        if resolved != place and place not in resolved.parents:
+            raise UserError(
+                f"{what} {path} resolves to {resolved}{link}, outside {place} where it belongs: nothing is written "
+                f"there; fix: {fix}"
+            )
+    return resolved
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for an operating-system error: the path it concerns, what happened, the fix."""
     if type(exc).__str__ is not OSError.__str__:
@@ -64,7 +213,7 @@ def run_command(main: Callable[[list[str] | None], int], argv: list[str] | None 
         sys.stdout.flush()  # here, not at exit, so a reader that left is caught below
         return code
     except UserError as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {redact(str(exc))}")
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         # Nothing more to say, and no traceback. Point stdout at /dev/null so the interpreter's final
@@ -72,7 +221,7 @@ def run_command(main: Callable[[list[str] | None], int], argv: list[str] | None 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except OSError as exc:
-        _say(f"error: {describe_os_error(exc)}")
+        _say(f"error: {redact(describe_os_error(exc))}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         _say("interrupted (Ctrl-C); files are written whole or not at all, so nothing is half-written")

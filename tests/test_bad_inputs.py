@@ -30,7 +30,7 @@ import pytest
 from launcher import cli as launcher_cli
 from launcher.jobs import JobRecord, write_record
 from runtime.recipe import load_recipe, write_resolved
-from tools import compare_runs, data_prepare, data_verify, smoke_data
+from tools import compare_runs, data_prepare, data_verify, smoke_data, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_DATA_SHA256 = re.search(r"expected_sha256: ([0-9a-f]{64})", (REPO / "recipes/tiny.yaml").read_text()).group(1)  # type: ignore[union-attr]
@@ -43,6 +43,7 @@ COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
     "verify_data": data_verify.main,
     "compare_runs": compare_runs.main,
     "derive_smoke_data": smoke_data.main,
+    "make_tiny_target": tiny_target.main,
 }
 
 KINDS = ("damage", "secret", "load-time", "os", "empty", "message", "value", "flag", "job", "data")
@@ -365,7 +366,7 @@ CASES += [
         ("data.expected_sha256", "quote"),
         tiny_with(
             f"expected_sha256: {TINY_DATA_SHA256}",
-            "expected_sha256: " + "0" * 64,
+            "expected_sha256: " + "1" * 64,  # all digits: YAML reads a number (all zeros stay text: YAML 1.2)
         ),
     ),
     Case(
@@ -1091,6 +1092,742 @@ CASES += [
 ]
 
 
+def fifo(relative: str) -> Callable[[Path], None]:
+    """A setup step making a FIFO (a reader that opens it waits for a writer for ever)."""
+    return lambda world: os.mkfifo(world / relative)
+
+
+def symlink(relative: str, target: str) -> Callable[[Path], None]:
+    """A setup step making a symbolic link (``target`` as given: relative to the link's folder)."""
+    return lambda world: (world / relative).symlink_to(target)
+
+
+SHELL_MARK = "touch PWN #"
+CASES += [
+    # -- issue 37: values a batch script line cannot hold safely are refused at load time (the
+    # quoted ones are run under bash in tests/test_shell_safety.py)
+    *[
+        Case(
+            f"script-newline-in-{field.replace('.', '-')}",
+            "value",
+            "launcher",
+            ("{w}/recipes/bad.yaml", *DRY),
+            (field, "control character", "one line"),
+            setup=tiny_with(anchor, anchor + text),
+        )
+        for field, anchor, text in [
+            ("job.partition", "  runs_dir: runs\n", f'  partition: "gpu\\n{SHELL_MARK}"\n'),
+            ("job.account", "  runs_dir: runs\n", f'  account: "acct\\n{SHELL_MARK}"\n'),
+            ("job.qos", "  runs_dir: runs\n", f'  qos: "\\r{SHELL_MARK}"\n'),
+            ("job.trainer.constraint", "    tasks_per_node: 4\n", f'    constraint: "h200\\n{SHELL_MARK}"\n'),
+            (
+                "job.trainer.extra_sbatch",
+                "    tasks_per_node: 4\n",
+                f'    extra_sbatch: {{comment: "x\\n{SHELL_MARK}"}}\n',
+            ),
+            ("job.setup", "  setup:\n", '    - "echo a\\u0000b"\n'),
+            ("job.container_image", "  runs_dir: runs\n", f'  container_image: "img\\n{SHELL_MARK}"\n'),
+        ]
+    ],
+    Case(
+        "script-newline-in-sbatch-key",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.trainer.extra_sbatch", "sbatch option name"),
+        setup=tiny_with(
+            "    tasks_per_node: 4\n", f'    tasks_per_node: 4\n    extra_sbatch: {{"x\\n{SHELL_MARK}": y}}\n'
+        ),
+    ),
+    Case(
+        "script-name-trailing-newline",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.name", "plain folder name"),
+        setup=tiny_with("  name: tiny\n", '  name: "tiny\\n"\n'),
+    ),
+    *[
+        Case(
+            f"script-python-{name}",
+            "value",
+            "launcher",
+            ("tiny", *DRY, "--set", f"job.python={value}"),
+            ("job.python", "plain command name"),
+        )
+        for name, value in [
+            ("command", "python3; touch PWN;"),
+            ("space", "/opt/my env/bin/python3"),
+            ("substitution", "$(touch PWN)"),
+            ("empty", "''"),
+        ]
+    ],
+    *[
+        Case(
+            f"bind-address-{name}",
+            "value",
+            "launcher",
+            ("tiny", *DRY, "--set", f"transport.bind_address={value}"),
+            ("transport.bind_address", "not an address"),
+        )
+        for name, value in [("command", "0.0.0.0; rm -rf /"), ("substitution", "$(touch PWN)"), ("space", "ib0 ib1")]
+    ],
+    Case(
+        "runs-dir-empty",
+        "empty",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.runs_dir", "repository root"),
+        setup=tiny_with("  runs_dir: runs\n", "  runs_dir: ''\n"),
+    ),
+    Case(
+        "runs-dir-other-home",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "job.runs_dir=~nobody/x"),
+        ("job.runs_dir", "another user's home"),
+    ),
+    Case(
+        "recipe-path-newline",
+        "os",
+        "launcher",
+        ("{w}/recipes/r\ntouch PWN.yaml", *DRY),
+        ("control character", "rename"),
+        setup=lambda world: shutil.copy(TINY, world / "recipes" / "r\ntouch PWN.yaml"),
+    ),
+    Case(
+        "recipe-fifo",
+        "os",
+        "launcher",
+        ("{w}/recipes/pipe.yaml", *DRY),
+        ("pipe.yaml", "fifo", "not a regular file"),
+        setup=fifo("recipes/pipe.yaml"),
+    ),
+    Case(
+        "recipe-symlink-loop",
+        "os",
+        "launcher",
+        ("{w}/recipes/loop.yaml", *DRY),
+        ("loop.yaml", "symbolic-link loop"),
+        setup=steps(symlink("recipes/loop.yaml", "loop2.yaml"), symlink("recipes/loop2.yaml", "loop.yaml")),
+    ),
+    # -- issue 37: credentials beyond variable names, refused and never echoed
+    *[
+        Case(
+            f"secret-{name}",
+            "secret",
+            "launcher",
+            ("tiny", *DRY, "--set", override),
+            (field, "credential"),
+            forbid=(FAKE_KEY,),
+        )
+        for name, field, override in [
+            (
+                "netrc-heredoc",
+                "job.setup",
+                f"job.setup=['printf \"machine h login u password {FAKE_KEY}\" > ~/.netrc']",
+            ),
+            ("curl-user", "job.setup", f"job.setup=['curl -u bob:{FAKE_KEY} https://h/x']"),
+            ("printf-v", "job.setup", f"job.setup=['printf -v HF_TOKEN %s {FAKE_KEY}']"),
+            ("key-file", "job.setup", f"job.setup=['printf {FAKE_KEY} > ~/.wandb_key']"),
+            (
+                "srun-export",
+                "job.trainer.srun_args",
+                f"job.trainer.srun_args=['--export=ALL,WANDB_API_KEY={FAKE_KEY}']",
+            ),
+            (
+                "sbatch-export",
+                "job.trainer.extra_sbatch",
+                f"job.trainer.extra_sbatch={{export: 'ALL,HF_TOKEN={FAKE_KEY}'}}",
+            ),
+            ("url-chat-path", "data.chat_path", f"data.chat_path=https://user:{FAKE_KEY}@h/chat.jsonl"),
+            ("url-revision", "capture.target_revision", f"capture.target_revision=https://bob:{FAKE_KEY}@h/r"),
+            ("url-image", "job.container_image", f"job.container_image=https://u:{FAKE_KEY}@registry/img"),
+        ]
+    ],
+    Case(
+        "secret-server-env-got",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", f"capture.sglang.server_env={{HF_TOKEN: {FAKE_KEY}, X: [1]}}"),
+        ("capture.sglang.server_env",),
+        forbid=(FAKE_KEY,),
+    ),
+    Case(
+        "tokens-field-not-redacted",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "eval.max_new_tokens=many"),
+        ("eval.max_new_tokens=many", "eval.max_new_tokens"),
+        forbid=("<redacted>",),
+    ),
+]
+
+CASES += [
+    # -- issue 37: a command writes only where it may (runtime.user_errors.output_place)
+    Case(
+        "tiny-out-is-a-file",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/victim.txt", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "is a file"),
+        setup=write("victim.txt", "keep me\n"),
+        keep=("victim.txt",),
+    ),
+    Case(
+        "tiny-out-is-a-user-folder",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/victim", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "not a tiny target", "nothing was touched"),
+        setup=steps(write("victim/keep.txt", "keep\n"), write("victim/sub/data.bin", b"\x00\x01")),
+        keep=("victim/keep.txt", "victim/sub/data.bin"),
+    ),
+    Case(
+        "tiny-out-links-to-root",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/rootlink", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--out", "filesystem root", "symbolic link"),
+        setup=symlink("rootlink", "/"),
+    ),
+    Case(
+        "tiny-chat-and-eval-one-file",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/data/chat.jsonl", "--eval-out", "{w}/data/./chat.jsonl"),
+        ("--chat-out", "--eval-out", "same file"),
+        keep=("data/chat.jsonl",),
+    ),
+    Case(
+        "tiny-chat-inside-out",
+        "damage",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/t/chat.jsonl", "--eval-out", "{w}/e.jsonl"),
+        ("--chat-out", "inside --out"),
+    ),
+    Case(
+        "tiny-eval-out-fifo",
+        "os",
+        "make_tiny_target",
+        ("--out", "{w}/t", "--chat-out", "{w}/c.jsonl", "--eval-out", "{w}/pipe"),
+        ("--eval-out", "fifo", "not a regular file"),
+        setup=fifo("pipe"),
+    ),
+    Case(
+        "tiny-train-steps-negative",
+        "value",
+        "make_tiny_target",
+        ("--train-steps", "-5"),
+        ("--train-steps", "at least 1"),
+    ),
+    Case(
+        "resolve-job-dir-links-to-root",
+        "damage",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/rootlink"),
+        ("--job-dir", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+    *[
+        Case(
+            f"resolve-slurm-job-id-{name}",
+            "flag",
+            "launcher",
+            ("resolve", "tiny", "--job-dir", "{w}/newjob", "--slurm-job-id", value),
+            ("--slurm-job-id", "not a slurm job id", "nothing was written"),
+        )
+        for name, value in [("path", "../../recipes/tiny.yaml"), ("slash", "a/b"), ("newline", "12\n34")]
+    ],
+]
+
+
+def edit_record(**changes: object) -> Callable[[Path], None]:
+    """A setup step editing job local-1's job.json (a damaged or hand-edited record)."""
+
+    def step(world: Path) -> None:
+        path = world / "runs" / "tiny" / "done" / "job.json"
+        data = json.loads(path.read_text())
+        data.update(changes)
+        path.write_text(json.dumps(data))
+
+    return step
+
+
+def facts(name: str, measured: object, skipped: object = None) -> Callable[[Path], None]:
+    """A setup step writing ``facts/<name>``: a probe facts file with these measured facts."""
+    body = {"component": "trainer", "host": "n1", "time": "t", "measured": measured, "skipped": skipped or {}}
+    return write(f"facts/{name}", json.dumps(body))
+
+
+GOOD_FACT = {"value": 5.0, "how": "a put"}
+CASES += [
+    # -- issue 37: every failure one line (these were tracebacks)
+    *[
+        Case(f"record-{name}", "job", "launcher", (command, "local-1", *RUNS), (field, "job.json", "fix"), setup=edit)
+        for name, command, field, edit in [
+            ("pid-text", "cancel", "supervisor_pid", edit_record(supervisor_pid="123")),
+            ("pid-bool", "cancel", "supervisor_pid", edit_record(supervisor_pid=True)),
+            ("tasks-text", "status", "components", edit_record(components={"capture": 1, "trainer": "4"})),
+            ("components-list", "logs", "components", edit_record(components=["capture", "trainer"])),
+            ("tasks-huge", "logs", "components", edit_record(components={"capture": 1, "trainer": 10**9})),
+            ("mode-weird", "status", "mode", edit_record(mode="weird")),
+        ]
+    ],
+    Case(
+        "record-fifo",
+        "os",
+        "launcher",
+        ("status", "{w}/runs/tiny/fifo", *RUNS),
+        ("job.json", "fifo", "not a regular file"),
+        setup=steps(mkdir("runs/tiny/fifo"), fifo("runs/tiny/fifo/job.json")),
+    ),
+    Case(
+        "local-status-fifo",
+        "os",
+        "launcher",
+        ("status", "local-1", *RUNS),
+        ("local_status.json", "fifo", "not a regular file"),
+        setup=lambda w: (
+            (w / "runs/tiny/done/local_status.json").unlink(),
+            os.mkfifo(w / "runs/tiny/done/local_status.json"),
+        ),
+    ),
+    Case(
+        "plots-metrics-fifo",
+        "os",
+        "launcher",
+        ("plots", "local-1", *RUNS),
+        ("metrics.jsonl", "fifo", "not a regular file"),
+        setup=lambda w: ((w / "runs/tiny/done/metrics.jsonl").unlink(), os.mkfifo(w / "runs/tiny/done/metrics.jsonl")),
+    ),
+    Case(
+        "compare-fifo", "os", "compare_runs", ("{w}/pipe", "{w}/runs/tiny/done"), ("pipe", "fifo"), setup=fifo("pipe")
+    ),
+    Case(
+        "compare-symlink-loop",
+        "os",
+        "compare_runs",
+        ("{w}/loop", "{w}/runs/tiny/done"),
+        ("loop", "symbolic-link loop"),
+        setup=steps(symlink("loop", "loop2"), symlink("loop2", "loop")),
+    ),
+    Case("compare-same-run", "flag", "compare_runs", (JOB, JOB + "/"), ("same run", "two different")),
+    *[
+        Case(
+            f"site-facts-{name}",
+            "load-time",
+            "launcher",
+            (
+                "tiny",
+                "--plan",
+                "--site-facts",
+                "{w}/facts/" + ("facts_b.json" if name == "disagree" else "facts_a.json"),
+            ),
+            expect,
+            setup=setup,
+        )
+        for name, expect, setup in [
+            (
+                "value-list",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": [1], "how": "x"}}),
+            ),
+            ("bare-number", ("store_put_gbps", '"value"'), facts("facts_a.json", {"store_put_gbps": 5})),
+            ("no-how", ("store_put_gbps", '"how"'), facts("facts_a.json", {"store_put_gbps": {"value": 5}})),
+            ("no-value", ("store_put_gbps", '"value"'), facts("facts_a.json", {"store_put_gbps": {"how": "x"}})),
+            (
+                "value-text",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": "fast", "how": "x"}}),
+            ),
+            (
+                "value-bool",
+                ("store_put_gbps", "not a number"),
+                facts("facts_a.json", {"store_put_gbps": {"value": True, "how": "x"}}),
+            ),
+            ("measured-list", ("measured",), facts("facts_a.json", [1, 2])),
+            ("skipped-list", ("skipped",), facts("facts_a.json", {}, [1])),
+        ]
+    ],
+    Case(
+        "site-facts-disagree",
+        "load-time",
+        "launcher",
+        ("tiny", "--plan", "--site-facts", "{w}/facts"),
+        ("facts_a.json", "facts_b.json", "disagree", "store_put_gbps"),
+        setup=steps(
+            facts("facts_a.json", {"store_put_gbps": GOOD_FACT}),
+            facts("facts_b.json", {"store_put_gbps": {"value": 9.0, "how": "a put"}}),
+        ),
+    ),
+    *[
+        Case(
+            f"yaml-{name}",
+            "message",
+            "launcher",
+            ("{w}/recipes/bad.yaml", "--plan"),
+            expect,
+            setup=write("recipes/bad.yaml", text),
+        )
+        for name, expect, text in [
+            ("complex-key", ("complex key", "not a name"), (TINY.read_text() + "? [a, b]\n: 1\n")),
+            (
+                "recursive-alias",
+                ("cycle",),
+                TINY.read_text().replace("smoke:\n", "smoke: &s\n  smoke: *s\nsmoke_old:\n", 1),
+            ),
+            ("deep-nesting", ("nested",), TINY.read_text() + "deep: " + "[" * 5000 + "]" * 5000 + "\n"),
+            (
+                "expansion-bomb",
+                ("expands to more than", "expansion bomb"),
+                "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "lol"] * 9) + "]\n" for i in range(9)),
+            ),
+            ("too-many-aliases", ("aliases",), "a: &a 1\nb: [" + ", ".join(["*a"] * 300) + "]\n"),
+        ]
+    ],
+    Case(
+        "yaml-unquoted-digits",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("job.partition", "quote it"),
+        setup=tiny_with("  runs_dir: runs\n", "  runs_dir: runs\n  partition: 12345\n"),
+    ),
+    Case(
+        "yaml-base-60-epochs",
+        "message",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("trainer.epochs", "1:30"),
+        setup=lambda w: (w / "recipes" / "bad.yaml").write_text(
+            re.sub(r"\n  epochs: \d+\n", "\n  epochs: 1:30\n", TINY.read_text(), count=1)
+        ),
+    ),
+    Case(
+        "checkpoint-copy-named-tmp",
+        "job",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--checkpoint", "{w}/mydraft"),
+        ("mydraft", "step_", "fix"),
+        setup=write("mydraft/trainer_state.json", "{}"),
+    ),
+]
+CASES.append(
+    Case(
+        "checkpoint-tmp-folder-ignored",
+        "job",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--checkpoint", "latest"),
+        ("latest", "no complete checkpoint"),
+        setup=write("runs/tiny/done/checkpoints/step_00000040.tmp/trainer_state.json", "{}"),
+    )
+)
+
+CHAT_ROW = {"id": "r1", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+CASES += [
+    # -- issue 37: values that cannot work are refused at load time, before anything starts
+    *[
+        Case(f"load-{name}", "load-time", "launcher", ("tiny", *DRY, "--set", override), expect)
+        for name, override, expect in [
+            ("seed-beyond-64-bit", f"trainer.seed={10**26}", ("trainer.seed", "9223372036854775807")),
+            ("prompt-seed-negative", "trainer.prompt_seed=-3", ("trainer.prompt_seed", ">= 0")),
+            ("eval-seed-beyond-64-bit", f"eval.seed={2**64}", ("eval.seed",)),
+            ("eos-outside-vocab", "capture.special_tokens.eos_id=99999", ("eos_id", "vocabulary", "2047")),
+            ("stop-id-outside-vocab", "eval.stop_token_ids=[2, 99999]", ("eval.stop_token_ids[1]", "vocabulary")),
+            ("stop-id-negative", "eval.stop_token_ids=[-8]", ("eval.stop_token_ids",)),
+            ("warmup-beyond-run", "trainer.schedule.warmup_steps=100", ("warmup_steps", "32 optimizer steps")),
+        ]
+    ],
+    Case(
+        "eval-stop-id-outside-vocab",
+        "load-time",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--set", "eval.stop_token_ids=[99999]"),
+        ("eval.stop_token_ids[0]", "vocabulary"),
+    ),
+    Case("flag-resume-empty", "flag", "launcher", ("tiny", *DRY, "--resume", ""), ("--resume", "empty")),
+    Case(
+        "flag-set-twice",
+        "flag",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=1", "--set", "trainer.seed=2"),
+        ("trainer.seed", "set twice", "trainer.seed=1", "trainer.seed=2"),
+    ),
+    Case(
+        "eval-set-twice",
+        "flag",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--set", "eval.seed=1", "--set", "eval.seed=2"),
+        ("eval.seed", "set twice"),
+    ),
+    Case(
+        "known-jobs-without-locks",
+        "job",
+        "launcher",
+        ("status", "nope", *RUNS),
+        ("known jobs: latest, local-1, local-2, local-3.",),
+        setup=write("runs/jobs/.local-start.lock", ""),
+        forbid=(".local-start.lock",),
+    ),
+    Case(
+        "prep-duplicate-ids",
+        "data",
+        "prepare_data",
+        ("--input", "{w}/dup.jsonl", "--output", "{w}/o.jsonl", *PREP),
+        ("dup.jsonl", "line 2", "given again", "line 1"),
+        setup=write("dup.jsonl", (json.dumps(CHAT_ROW) + "\n") * 2),
+    ),
+    Case(
+        "prep-input-fifo",
+        "os",
+        "prepare_data",
+        ("--input", "{w}/pipe", "--output", "{w}/o.jsonl", *PREP),
+        ("--input", "fifo", "not a regular file"),
+        setup=fifo("pipe"),
+    ),
+]
+
+
+def test_a_chat_file_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    """A UTF-8 BOM (Windows editors write one) is not data: the rows are the same as without it."""
+    from tools.data_prepare import read_chat_rows
+
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(json.dumps(CHAT_ROW) + "\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    strip = [{k: v for k, v in row.items() if k != "_where"} for row in read_chat_rows(plain)]
+    assert [{k: v for k, v in row.items() if k != "_where"} for row in read_chat_rows(marked)] == strip
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="the eval runner needs torch")
+def test_eval_on_cuda_without_a_gpu_is_one_user_error() -> None:
+    import torch
+
+    from runtime.evaluate.runner import pick_device
+    from runtime.user_errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match="eval.device=cpu"):
+        pick_device("cuda")
+
+
+SERVER = ("--input", "{w}/data/chat.jsonl", "--output", "{w}/o.jsonl", *PREP, "--regenerate", "openai")
+CASES += [
+    # -- issue 37: prepare_data's server address and key, never echoed
+    Case(
+        "prep-server-url-password",
+        "secret",
+        "prepare_data",
+        (*SERVER, "--server-url", f"http://user:{FAKE_KEY}@127.0.0.1:9/v1", "--server-model", "m"),
+        ("--server-url", "password", "--api-key-env"),
+        forbid=(FAKE_KEY,),
+    ),
+    Case(
+        "prep-server-url-file",
+        "value",
+        "prepare_data",
+        (*SERVER, "--server-url", "file:///etc/passwd", "--server-model", "m"),
+        ("--server-url", "http://"),
+    ),
+    Case(
+        "prep-api-key-given-as-name",
+        "secret",
+        "prepare_data",
+        (*SERVER, "--server-url", "http://127.0.0.1:9", "--server-model", "m", "--api-key-env", FAKE_SK),
+        ("--api-key-env", "name of an environment variable"),
+        forbid=(FAKE_SK,),
+    ),
+    # -- environment names and YAML that is not a plain value
+    *[
+        Case(f"env-{name}", "value", "launcher", ("tiny", *DRY, "--set", override), expect)
+        for name, override, expect in [
+            ("name-with-space", "job.env={A B=C: x}", ("job.env", "not an environment variable name")),
+            ("name-empty", "job.env={'': x}", ("job.env", "not an environment variable name")),
+            ("contract-name", "job.env.DSPARK_JOB_DIR=/x", ("job.env", "environment contract")),
+            ("path-empty", "job.env.PATH=", ("job.env", "PATH")),
+        ]
+    ],
+    Case(
+        "set-python-tag",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=!!python/name:os.system"),
+        ("trainer.seed", "remove the tag"),
+    ),
+    Case(
+        "set-undefined-alias",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.seed=*nothing"),
+        ("trainer.seed", "anchor"),
+    ),
+    Case(
+        "set-duplicate-key-in-value",
+        "message",
+        "launcher",
+        ("tiny", *DRY, "--set", "trainer.optimizer={lr: 1e-3, lr: 2e-3}"),
+        ("trainer.optimizer", "duplicate key"),
+    ),
+    *[
+        Case(
+            f"yaml-key-{name}",
+            "message",
+            "launcher",
+            ("{w}/recipes/bad.yaml", "--plan"),
+            ("not a name", "quote"),
+            setup=tiny_with("  name: tiny\n", "  name: tiny\n" + key),
+        )
+        for name, key in [("int", "  123: x\n"), ("null", "  ~: x\n")]
+    ],
+]
+
+
+def test_a_merge_key_works_in_a_recipe(tmp_path: Path) -> None:
+    """``<<: *anchor`` (a YAML merge key) merges, the mapping's own keys winning: the trainer's
+    resources written as the capture's plus its own task count give the very same recipe."""
+    text = TINY.read_text()
+    capture = "  capture:\n    nodes: 1\n    gpus_per_node: 0\n    tasks_per_node: 1\n    cpus_per_task: 1\n"
+    trainer = "  trainer:\n    nodes: 1\n    gpus_per_node: 0\n    tasks_per_node: 4\n    cpus_per_task: 1\n"
+    assert capture in text and trainer in text
+    merged = text.replace(capture, capture.replace("  capture:", "  capture: &resources"), 1)
+    merged = merged.replace(trainer, "  trainer:\n    <<: *resources\n    tasks_per_node: 4\n", 1)
+    (tmp_path / "merged.yaml").write_text(merged)
+    assert load_recipe(tmp_path / "merged.yaml").digest == load_recipe(TINY).digest
+
+
+def test_yaml_reads_digits_dates_and_base_60_as_text() -> None:
+    from runtime.recipe.loader import parse_yaml
+
+    data = parse_yaml("a: 0755\nb: 1:30\nc: 2024-01-01\nd: no\ne: true\nf: 12\ng: 1.5\n")
+    assert data == {"a": "0755", "b": "1:30", "c": "2024-01-01", "d": "no", "e": True, "f": 12, "g": 1.5}
+
+
+CASES += [
+    Case(
+        "set-bool-in-id-list",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "capture.aux_layer_ids=[true, 3, 5]"),
+        ("capture.aux_layer_ids[0]", "true/false is a boolean"),
+    ),
+    *[
+        Case(f"compare-{name}", "data", "compare_runs", ("{w}/m.jsonl", JOB), expect, setup=write("m.jsonl", text))
+        for name, text, expect in [
+            ("loss-text", '{"step": 1, "loss": "high", "lr": 0.001}\n', ("m.jsonl:1", "loss", "not a number")),
+            ("step-negative", '{"step": -4, "loss": 1.0}\n', ("m.jsonl:1", "step -4")),
+        ]
+    ],
+]
+
+
+CASES += [
+    Case("verify-fifo", "os", "verify_data", ("{w}/pipe",), ("pipe", "fifo", "not a regular file"), setup=fifo("pipe")),
+    Case(
+        "plan-rate-denormal",
+        "value",
+        "launcher",
+        ("tiny", "--plan", "--set", "plan.link_gbps=5e-324"),
+        ("plan.link_gbps", "0.001"),
+    ),
+    Case(
+        "set-list-index",
+        "flag",
+        "launcher",
+        ("tiny", *DRY, "--set", "capture.aux_layer_ids[1]=4"),
+        ("capture.aux_layer_ids", "whole list"),
+    ),
+]
+
+CASES.append(
+    Case(
+        "prep-device-missing",
+        "value",
+        "prepare_data",
+        (
+            "--input",
+            "{w}/data/chat.jsonl",
+            "--output",
+            "{w}/o.jsonl",
+            *PREP,
+            "--regenerate",
+            "embedded",
+            "--device",
+            "cuda:7",
+        ),
+        ("--device", "cuda:7", "cuda device"),
+    )
+)
+
+CASES += [
+    Case(
+        "verify-manifest-is-a-list",
+        "data",
+        "verify_data",
+        ("{w}/data/train.jsonl", "--expected-sha256", "manifest"),
+        ("manifest", "json list", "regenerate"),
+        setup=write("data/train.jsonl.manifest.json", "[1, 2]"),
+    ),
+    Case(
+        "plots-link-leaves-the-job",
+        "damage",
+        "launcher",
+        ("plots", "local-1", *RUNS),
+        ("plots", "outside", "remove the link"),
+        setup=steps(mkdir("outside_plots"), symlink("runs/tiny/done/plots", "../../../outside_plots")),
+    ),
+]
+
+CASES.append(
+    Case(
+        "secret-resolve-url",
+        "secret",
+        "launcher",
+        ("resolve", "tiny", "--job-dir", "{w}/newjob", "--set", f"data.chat_path=https://u:{FAKE_KEY}@h/chat.jsonl"),
+        ("data.chat_path", "credential"),
+        forbid=(FAKE_KEY,),
+    )
+)
+
+CASES += [
+    Case(
+        "eval-set-name-newline",
+        "value",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("eval.sets[0].name", "one line"),
+        setup=tiny_with("    - name: tiny-heldout\n", '    - name: "tiny\\nheldout"\n'),
+    ),
+    Case(
+        "store-id-path",
+        "value",
+        "launcher",
+        ("tiny", *DRY, "--set", "transport.store_id=../x"),
+        ("transport.store_id", "no '/'"),
+    ),
+]
+
+CASES += [
+    Case(
+        "compare-out-links-to-root",
+        "damage",
+        "compare_runs",
+        (JOB, "--out", "{w}/rootlink"),
+        ("--out", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+    Case(
+        "eval-out-links-to-root",
+        "damage",
+        "launcher",
+        ("eval", "local-1", *RUNS, "--local", "--checkpoint", "untrained", "--out", "{w}/rootlink"),
+        ("--out", "filesystem root"),
+        setup=symlink("rootlink", "/"),
+    ),
+]
+
+
 # -- running one case ----------------------------------------------------------------------------
 
 
@@ -1200,3 +1937,32 @@ def test_the_shared_error_path_renders_one_line(
     assert run_command(main, []) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err.lower() for w in words), err
+
+
+def test_an_eval_prompt_of_empty_turns_is_refused() -> None:
+    """An eval set of empty prompts was decoded and reported with acceptance figures."""
+    from runtime.shared.chat_tokenize import ChatFormatError, tokenize_prompt
+
+    empty = [{"role": "user", "content": "  "}, {"role": "assistant", "content": "reference"}]
+    with pytest.raises(ChatFormatError, match="every turn of the prompt is empty"):
+        tokenize_prompt(None, empty, "eval.jsonl: line 1")
+
+
+def test_check_patch_names_a_tree_that_is_a_link_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import patch_check
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    assert patch_check.main(["--tree", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic-link loop" in err and "fix" in err and "Traceback" not in err, err
+
+
+def test_logs_skip_a_log_that_is_a_fifo(world: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A task log replaced by a FIFO: ``logs`` names it and goes on (reading it would wait for ever)."""
+    log = world / "runs" / "tiny" / "done" / "logs" / "local-1_trainer_1.out"
+    log.unlink()
+    os.mkfifo(log)
+    assert launcher_cli.main(["logs", "local-1", "--runs-dir", str(world / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "FIFO" in out and "trainer 2 done" in out, out

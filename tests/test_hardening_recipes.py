@@ -185,3 +185,17 @@ def test_cuda_without_gpus_and_more_ranks_than_gpus_are_refused_at_load_time() -
         in crowded
     )
     assert "job.trainer.gpus_per_node: 8" in crowded
+
+
+def test_the_reserved_environment_names_cover_the_contract() -> None:
+    """job.env may not set what the launcher sets itself: the schema's list holds every contract name."""
+    from launcher.environment import RENDEZVOUS_VARIABLES
+    from runtime.recipe.schema import RESERVED_ENV_NAMES
+    from runtime.shared import contracts
+
+    contract = {v for k, v in vars(contracts).items() if k.startswith("ENV_") and isinstance(v, str)}
+    assert contract and contract | set(RENDEZVOUS_VARIABLES) <= RESERVED_ENV_NAMES
+    for name in ("DSPARK_JOB_DIR", "MASTER_ADDR", "PATH"):
+        with pytest.raises(RecipeError, match="environment contract"):
+            load_recipe(TINY, overrides=[f"job.env.{name}=x"])
+    assert load_recipe(TINY, overrides=["job.env.DSPARK_PROBE_HOLD_S=5"]).recipe.job.env == {"DSPARK_PROBE_HOLD_S": "5"}

@@ -274,3 +274,14 @@ def test_the_run_headline_gives_trained_against_untrained_and_the_speed_up(tmp_p
     assert "0       3.25      1.50  +1.75       190.0        100.0    1.90x" in table
     assert "1       3.00      1.10  +1.90       165.0        110.0    1.50x" in table
     assert str(path) in table and "slot_accept_rate.png" in table
+
+
+def test_cancel_of_a_finished_slurm_job_says_so_and_signals_nothing(fake: FakeSlurm, tmp_path: Path) -> None:
+    fake.answer(
+        "sacct",
+        stdout=SACCT_HEADER
+        + "4242+0|tiny|COMPLETED|0:0|00:01:00|node1|None\n4242+1|tiny|COMPLETED|0:0|00:01:00|node2|None\n",
+    )
+    with pytest.raises(CancelError, match=r"job 4242 already ended \(COMPLETED\), so nothing was signalled"):
+        cancel_job(slurm_record(tmp_path))
+    assert fake.calls("scancel") == [], "scancel was not run for an ended job"

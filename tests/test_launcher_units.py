@@ -485,3 +485,57 @@ def test_the_port_clash_check_covers_the_trainer_rendezvous_port() -> None:
         RecipeError, match=r"transport.master_rpc_port.*uses port 29511, already used by job.master_port"
     ):
         load_recipe(TINY, ["transport.master_rpc_port=29511"])
+
+
+def test_cancel_of_a_copied_running_job_folder_leaves_the_original_supervisor_alone(tmp_path: Path) -> None:
+    """The supervisor holds its own folder's lock open: the copy's record names its pid, but the copy
+    is not its job (cancelling the copy once killed the original run)."""
+    import datetime as dt
+    import shutil
+    import time
+
+    from launcher.control import SUPERVISOR_LOCK, CancelError, cancel_job
+    from launcher.jobs import JobRecord
+
+    original = tmp_path / "runs" / "tiny" / "a"
+    original.mkdir(parents=True)
+    lock = original / SUPERVISOR_LOCK
+    holder = (
+        "import fcntl, sys, time; h = open(sys.argv[1], 'w'); fcntl.flock(h, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(120)"
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", holder, str(lock), "-m", "launcher", "tiny", "--local"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert supervisor.stdout is not None and supervisor.stdout.readline().strip() == "held"
+        time.sleep(1.1)  # the record is written after the supervisor started
+
+        def record(folder: Path) -> JobRecord:
+            return JobRecord(
+                job_id=f"local-{folder.name}",
+                mode="local",
+                name="tiny",
+                job_dir=str(folder),
+                recipe_source="recipes/tiny.yaml",
+                recipe_digest="d",
+                smoke=False,
+                probe=False,
+                components={"capture": 1, "trainer": 4},
+                submitted_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                supervisor_pid=supervisor.pid,
+            )
+
+        copy = tmp_path / "runs" / "tiny" / "b"
+        shutil.copytree(original, copy)
+        with pytest.raises(CancelError, match="is not running"):
+            cancel_job(record(copy))
+        time.sleep(0.2)
+        assert supervisor.poll() is None, "the original run's supervisor was signalled through a copy"
+        assert "SIGTERM" in cancel_job(record(original))
+        assert supervisor.wait(timeout=10) != 0
+    finally:
+        supervisor.kill()
+        supervisor.wait()

@@ -20,9 +20,18 @@ from pathlib import Path
 from runtime.files import DiskFullError, atomic_path
 from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
 from runtime.shared.contracts import JOB_FOLDER_SETTING
-from runtime.user_errors import UserError, run_command
+from runtime.user_errors import UserError, output_place, require_regular_file, run_command
 
 IGNORED_KEYS = {"step", "time", "epoch"}
+
+
+NUMERIC_KEYS = ("loss", "lr", "grad_norm", "tau")
+"""Learning metrics a record must give as numbers when it gives them (a text value would drop out of
+the comparison and let two different runs read as identical)."""
+
+
+def _not_a_number(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int | float)
 
 
 class RunReadError(UserError, ValueError):
@@ -116,10 +125,15 @@ class Deviation:
         return self.absolute / scale if scale else 0.0
 
 
+def _metrics_path(path: Path) -> Path:
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
 def load_run(path: Path, label: str | None = None) -> Run:
     """Read a run from a job folder or a metrics.jsonl file; errors name the file and the line."""
     metrics_file = path / "metrics.jsonl" if path.is_dir() else path
     folder = path if path.is_dir() else path.parent
+    require_regular_file(metrics_file, "run", "pass a job folder (with metrics.jsonl) or a metrics.jsonl file")
     if not metrics_file.exists():
         raise RunReadError(
             f"{metrics_file} does not exist; fix: pass a job folder (with metrics.jsonl) or a metrics.jsonl file"
@@ -143,6 +157,18 @@ def load_run(path: Path, label: str | None = None) -> Run:
                 f"{metrics_file}:{number}: not a metrics record with a step ({exc}); each line is one JSON object "
                 "with an integer 'step', as the trainer writes. Fix: remove or repair that line"
             ) from None
+        if step < 1:
+            raise RunReadError(
+                f"{metrics_file}:{number}: step {step}; the trainer numbers optimizer steps from 1. Fix: remove or "
+                "repair that line"
+            )
+        wrong = [k for k in NUMERIC_KEYS if k in record and _not_a_number(record[k])]
+        wrong += [k for k in record if k.startswith("acc@") and _not_a_number(record[k])]
+        if wrong:
+            raise RunReadError(
+                f"{metrics_file}:{number}: {wrong[0]} is {record[wrong[0]]!r}, not a number; a comparison would "
+                "silently leave it out. Fix: remove or repair that line"
+            )
         values = {
             key: float(value)
             for key, value in record.items()
@@ -420,12 +446,20 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.top < 1:
         raise RunReadError(f"--top is {args.top}; fix: use a value >= 1 (rows of the deviation table)")
+    if args.out is not None:
+        output_place(args.out, "--out", fix="give a folder of its own for the plots")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise RunReadError(f"--out {args.out} is a file; the plots go into a folder. Fix: give a folder's path")
     run_a = load_run(args.run_a, "A")
     runs = [run_a]
     if args.run_b:
-        runs.append(load_run(args.run_b, "B"))
+        run_b = load_run(args.run_b, "B")
+        if _metrics_path(args.run_a).resolve() == _metrics_path(args.run_b).resolve():
+            raise RunReadError(
+                f"{args.run_a} and {args.run_b} are the same run ({_metrics_path(args.run_a).resolve()}): comparing it with "
+                "itself proves nothing. Fix: pass two different job folders"
+            )
+        runs.append(run_b)
     for line in filter(None, (lineage(run) for run in runs)):
         print(line)
     if args.run_b:

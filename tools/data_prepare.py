@@ -20,6 +20,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
 import re
@@ -37,7 +38,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.user_errors import run_command
+from runtime.user_errors import credentials_in, redact, require_regular_file, run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
     EmbeddedRegenerator,
@@ -82,9 +83,10 @@ class PrepareResult:
 
 
 def check_chat_path(path: Path) -> None:
-    """Refuse a chat file path that is a folder or names nothing."""
+    """Refuse a chat file path that is a folder, a FIFO or device, or names nothing."""
     if path.is_dir():
         raise DataFileError(f"--input {path} is a folder; it is a chat JSONL file. Fix: give the file inside it")
+    require_regular_file(path, "--input", "give a chat JSONL file")
     if not path.is_file():
         raise DataFileError(f"--input {path}: chat file does not exist; fix: check the path (or set data.chat_path)")
 
@@ -92,10 +94,13 @@ def check_chat_path(path: Path) -> None:
 def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of a chat JSONL file, checked; errors name the file and the line."""
     rows: list[dict[str, Any]] = []
+    first_line: dict[str, int] = {}
     check_chat_path(path)
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path}: line {number}"
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a UTF-8 byte-order mark (Windows editors) is not data
             if not raw.strip():
                 continue
             try:
@@ -116,6 +121,12 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
                     '{"id": ..., "conversations": [{"role": "user", "content": ...}, ...]}'
                 )
             where = f"{path}: line {number} (id {obj['id']!r})"
+            if str(obj["id"]) in first_line:
+                raise DataFileError(
+                    f"{where}: the id is given again (first at line {first_line[str(obj['id'])]}); ids name rows in "
+                    "the prepared data and its manifest. Fix: give each row its own id"
+                )
+            first_line[str(obj["id"])] = number
             try:
                 messages = check_messages(obj["conversations"], where)
             except ChatFormatError as exc:
@@ -126,11 +137,56 @@ def read_chat_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_device(device: str) -> None:
+    """``--device`` is cpu, or a CUDA device this machine has."""
+    import torch
+
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device == "cpu":
+        return
+    if match is None:
+        raise DataFileError(f"--device {device!r}: not cpu, cuda or cuda:N; fix: give one of those")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(match.group(1) or 0)
+    if index >= count:
+        raise DataFileError(
+            f"--device {device}: this machine has {count} CUDA device(s); fix: --device cpu"
+            + (f", or cuda:0..cuda:{count - 1}" if count else "")
+        )
+
+
+def check_server_options(server_url: str, api_key_env: str | None) -> None:
+    """``--server-url`` is an http(s) address without a password in it (the key comes from the
+    environment: ``--api-key-env NAME``), and ``--api-key-env`` names a variable, not the key itself."""
+    scheme = server_url.split("://", 1)[0].lower() if "://" in server_url else ""
+    if scheme not in ("http", "https"):
+        raise DataFileError(
+            f"--server-url {redact(server_url)}: not an http:// or https:// address; fix: give the server's address, "
+            "e.g. http://host:30000"
+        )
+    if credentials_in(server_url):
+        raise DataFileError(
+            f"--server-url {redact(server_url)} carries a password (user:password@); it would be printed and logged. "
+            "Fix: drop it from the URL and pass --api-key-env NAME (export NAME with the key)"
+        )
+    if api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
+        raise DataFileError(
+            "--api-key-env takes the NAME of an environment variable, and the value given is not a name (the key "
+            "itself?); fix: export OPENAI_API_KEY=... and pass --api-key-env OPENAI_API_KEY"
+        )
+    if api_key_env is not None and credentials_in(f"x {api_key_env}"):
+        raise DataFileError(
+            "--api-key-env takes the NAME of an environment variable, and the value given looks like a key; fix: "
+            "export OPENAI_API_KEY=... and pass --api-key-env OPENAI_API_KEY"
+        )
+
+
 def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | None:
     """The regeneration back end the options ask for (None for ``none``)."""
     if options.regenerate == "none":
         return None
     if options.regenerate == "embedded":
+        check_device(options.device)
         return EmbeddedRegenerator(
             options.target_path or options.tokenizer_path,
             tokenizer,
@@ -142,6 +198,7 @@ def make_regenerator(options: PrepareOptions, tokenizer: Any) -> Regenerator | N
         raise DataFileError(
             "--regenerate openai needs --server-url and --server-model; fix: pass both (the server's address and the model name it serves)"
         )
+    check_server_options(options.server_url, options.api_key_env)
     return OpenAIRegenerator(
         options.server_url,
         options.server_model,

@@ -13,6 +13,7 @@ from runtime.sglang_patching.regenerate import regenerate
 from runtime.sglang_patching.tree import check_tree
 from runtime.shared.sglang_patch_check import check_installed, installed_sglang_root
 from runtime.shared.sglang_patch_manifest import MANIFEST_PATH, PatchError
+from runtime.user_errors import file_kind_problem
 
 # ----------------------------------------------------------------------------------------------
 # CLI
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path} and updated {MANIFEST_PATH}; now run tools/check_patch")
             return 0
         if args.tree is not None:
+            kind = file_kind_problem(args.tree)
+            if kind not in (None, "a folder"):
+                raise PatchError(f"--tree {args.tree} is {kind}; fix: give an SGLang tree (a folder)")
             report = check_tree(args.tree, args.target, apply=args.apply)
         elif args.installed or args.apply:
             root = installed_sglang_root()

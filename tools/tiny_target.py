@@ -27,6 +27,7 @@ from typing import Any
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.shared import chat_tokenize
 from runtime.shared.data_files import write_rows
+from runtime.user_errors import UserError, output_place, require_regular_file, run_command
 from tools import tiny_corpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -431,8 +432,41 @@ def make_tiny_target(
         return record
 
 
+def check_outputs(target_dir: Path, chat_path: Path, eval_path: Path) -> None:
+    """Refuse, before anything is built, outputs that would destroy what is not ours: ``--out`` must be
+    a tiny target folder (``build.json`` in it), an empty folder or a new path (the build swaps the
+    whole folder in and deletes the old one); not a file, the filesystem root or the home folder. The
+    chat and eval files must be two different files, outside ``--out``, and regular files when they
+    exist."""
+    target = output_place(target_dir, "--out", fix="give a new folder, e.g. .cache/tiny/target")
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--out {target_dir} is a file; the target is a folder. Fix: give a new folder's path")
+    if target.is_dir() and any(target.iterdir()) and not (target / BUILD_FILE).is_file():
+        raise UserError(
+            f"--out {target_dir} is a folder with files in it that is not a tiny target (no {BUILD_FILE}); a build "
+            "replaces the whole folder, so nothing was touched. Fix: give a new or empty folder"
+        )
+    outputs = {"--chat-out": chat_path, "--eval-out": eval_path}
+    resolved = {flag: output_place(path, flag) for flag, path in outputs.items()}
+    if resolved["--chat-out"] == resolved["--eval-out"]:
+        raise UserError(
+            f"--chat-out and --eval-out name the same file {chat_path}: one would overwrite the other. Fix: give "
+            "two different files"
+        )
+    for flag, path in resolved.items():
+        if path == target or target in path.parents:
+            raise UserError(
+                f"{flag} {outputs[flag]} is inside --out {target_dir}, which a build replaces. Fix: write it elsewhere"
+            )
+        require_regular_file(path, flag, "give a file's path")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point."""
+    """Command line entry point (bad input: one ``error:`` line, exit 2)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tools/make_tiny_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR, help="target folder (HF layout)")
     parser.add_argument("--chat-out", type=Path, default=DEFAULT_CHAT_PATH, help="tiny chat JSONL to write")
@@ -440,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
     args = parser.parse_args(argv)
+    if args.train_steps is not None and args.train_steps < 1:
+        raise UserError(f"--train-steps {args.train_steps}: the target trains for at least 1 step. Fix: give 1 or more")
+    check_outputs(args.out, args.chat_out, args.eval_out)
     spec = TinyTargetSpec()
     if args.train_steps is not None:
         spec = dataclasses.replace(spec, train_steps=args.train_steps)

@@ -27,6 +27,7 @@ from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_r
 from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_export, verify_whole
 from runtime.shared.lifecycle import stop_signals_deferred
 from runtime.trainer.checkpoints import CheckpointError
+from runtime.user_errors import UserError, redact
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.txt"
@@ -49,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         resolved = load_resolved(args.recipe)
-        settings = eval_settings(resolved.recipe.eval, args.eval_recipe, args.overrides, str(resolved.path))
+        settings = eval_settings(
+            resolved.recipe.eval,
+            args.eval_recipe,
+            args.overrides,
+            str(resolved.path),
+            resolved.recipe.capture.vocab_size,
+        )
         check_eval_set_names(settings, args.sets, str(resolved.path))
         source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
         refuse_another_runs_draft(source, resolved.checkpoint_dir(), str(resolved.job_dir), args.out is not None)
@@ -75,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         FileNotFoundError,
         SGLangRouteError,
         CheckpointIntegrityError,
+        UserError,
     ) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): no results were written", file=sys.stderr)

@@ -31,6 +31,7 @@ from runtime.recipe import ResolvedRecipe
 from runtime.recipe.schema import EvalSection
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
 from runtime.trainer.frozen_vocab import load_frozen_vocab
+from runtime.user_errors import UserError
 
 log = logging.getLogger("dspark.evaluate")
 
@@ -74,7 +75,9 @@ def pick_device(setting: str) -> str:
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("eval.device is cuda, but this node has no CUDA GPU; fix: run on a GPU node or set cpu")
+        raise UserError(
+            "eval.device is cuda, but this node has no CUDA GPU; fix: run on a GPU node or --set eval.device=cpu"
+        )
     return setting
 
 

@@ -8,6 +8,7 @@ from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
 from runtime.recipe.fit.slurm_request import memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
+from runtime.recipe.fit.throughput import run_steps
 from runtime.recipe.schema import Recipe, credentials_in
 from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
 from runtime.recipe.units import format_bytes
@@ -30,6 +31,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_trainer(recipe)
     problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
+    problems += _check_token_ids(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
         problems += _check_memory_requests(recipe)
@@ -134,9 +136,10 @@ def _check_credentials(recipe: Recipe) -> list[Problem]:
 
 
 def _variable_name(found: str) -> str:
+    name = found.lstrip("-").upper().replace("-", "_")
     if found.startswith("a token"):
         return "THE_TOKEN_VARIABLE"
-    return found.lstrip("-").upper().replace("-", "_")
+    return name if name.isidentifier() else "THE_CREDENTIAL_VARIABLE"
 
 
 def _check_batch(recipe: Recipe) -> list[Problem]:
@@ -548,7 +551,45 @@ def _check_trainer(recipe: Recipe) -> list[Problem]:
                 "shorten the warmup",
             )
         )
+    out.extend(_warmup_beyond_the_run(recipe))
     return out
+
+
+def _check_token_ids(recipe: Recipe) -> list[Problem]:
+    """Special and stop token ids are inside the target's vocabulary: an id outside it never appears,
+    so generation would never stop on it."""
+    vocab = recipe.capture.vocab_size
+    named = [
+        (f"capture.special_tokens.{n}", getattr(recipe.capture.special_tokens, n))
+        for n in ("bos_id", "eos_id", "pad_id")
+    ]
+    if recipe.eval is not None:
+        named += [(f"eval.stop_token_ids[{i}]", v) for i, v in enumerate(recipe.eval.stop_token_ids)]
+    return [
+        Problem(path, f"is {value}, outside the target's vocabulary (capture.vocab_size {vocab}: ids 0..{vocab - 1})",
+                "use the id the target's tokenizer gives that token")
+        for path, value in named
+        if value is not None and value >= vocab
+    ]  # fmt: skip
+
+
+def _warmup_beyond_the_run(recipe: Recipe) -> list[Problem]:
+    """A warmup as long as the whole run (its length derived from epochs, rows and the global batch;
+    a run cut short by ``max_steps``, a smoke run, is left alone): the LR would never reach its peak."""
+    schedule = recipe.trainer.schedule
+    if schedule.type == "constant" or schedule.total_steps is not None or recipe.trainer.max_steps is not None:
+        return []
+    steps = run_steps(recipe)
+    if not 0 < steps <= schedule.warmup_steps:
+        return []
+    return [
+        Problem(
+            "trainer.schedule.warmup_steps",
+            f"is {schedule.warmup_steps}, but the run has {steps} optimizer steps (data.num_rows x trainer.epochs / "
+            "trainer.global_batch_size): the learning rate would never reach its peak",
+            f"shorten the warmup below {steps}, or set trainer.schedule.total_steps",
+        )
+    ]
 
 
 def _check_feature_cache(recipe: Recipe) -> list[Problem]:

@@ -14,9 +14,35 @@ from runtime.recipe.schema import EvalSection
 
 
 def eval_settings(
+    resolved_eval: EvalSection | None,
+    eval_recipe: str | None,
+    overrides: list[str],
+    where: str,
+    vocab_size: int | None = None,
+) -> EvalSection:
+    """The eval section to run: the job's, else the one of ``eval_recipe``, with ``overrides``; with
+    ``vocab_size`` (the target's), stop token ids outside the vocabulary are refused."""
+    section = _eval_section(resolved_eval, eval_recipe, overrides, where)
+    outside = [(i, t) for i, t in enumerate(section.stop_token_ids) if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise RecipeError(
+            where,
+            [
+                Problem(
+                    f"eval.stop_token_ids[{i}]",
+                    f"is {token}, outside the target's vocabulary (ids 0..{vocab_size - 1 if vocab_size else 0}): "
+                    "generation would never stop on it",
+                    "use the id the target's tokenizer gives that token",
+                )
+                for i, token in outside
+            ],
+        )
+    return section
+
+
+def _eval_section(
     resolved_eval: EvalSection | None, eval_recipe: str | None, overrides: list[str], where: str
 ) -> EvalSection:
-    """The eval section to run: the job's, else the one of ``eval_recipe``, with ``overrides``."""
     section = resolved_eval
     if section is None and eval_recipe and Path(eval_recipe).is_file():
         section = load_recipe(Path(eval_recipe)).recipe.eval

@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 from runtime.files import atomic_write_text
 from runtime.recipe.checks import check_recipe
 from runtime.recipe.errors import Problem, RecipeError
-from runtime.recipe.schema import SECRET_NAME, Recipe, credentials_in
-from runtime.user_errors import UserError
+from runtime.recipe.schema import Recipe, credentials_in
+from runtime.user_errors import REDACTED, UserError, file_kind_problem, is_secret_name, redact
 
 RESOLVED_FORMAT = "dspark-resolved-recipe/1"
 RESOLVED_FILENAME = "recipe.resolved.json"
@@ -105,10 +106,18 @@ def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
     """``tiny`` -> ``recipes/tiny.yaml``; a path is returned as is. Errors list what exists."""
     candidate = Path(name_or_path)
     known = sorted(p.stem for p in recipes_dir.glob("*.y*ml"))
+    if re.search(r"[\x00-\x1f\x7f]", name_or_path):
+        raise RecipeLookupError(
+            f"recipe path {name_or_path!r} holds a control character (a newline?); it is written into batch "
+            "scripts and commands. Fix: rename the file without it"
+        )
     if candidate.is_dir():
         raise RecipeLookupError(f"{candidate} is a folder; fix: give a recipe file (a .yaml) or a recipe name")
     if candidate.is_file():
         return candidate
+    kind = file_kind_problem(candidate)
+    if kind is not None:
+        raise RecipeLookupError(f"recipe file {candidate} is {kind}, not a regular file; fix: give a recipe file")
     if candidate.suffix in {".yaml", ".yml"}:
         raise RecipeLookupError(
             f"recipe file {candidate} does not exist; fix: check the path, or give a recipe name from {recipes_dir} "
@@ -124,6 +133,27 @@ def find_recipe_file(name_or_path: str, recipes_dir: Path) -> Path:
         f"no recipe named '{name_or_path}' in {recipes_dir}.{did_you_mean} Known recipes: {', '.join(known)}; fix: "
         "give one of them, or the path of a recipe file"
     )
+
+
+def refuse_repeated_sets(overrides: list[str], where: str) -> None:
+    """Two ``--set`` of one key on one command line: refused, naming the key (the last would silently win)."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in seen:
+            raise RecipeError(
+                where,
+                [
+                    Problem(
+                        key,
+                        f"is set twice on the command line ({redact_override(seen[key])!r}, then "
+                        f"{redact_override(item)!r}); the last would silently win",
+                        "keep the one you mean",
+                        "--set",
+                    )
+                ],
+            )
+        seen[key] = item
 
 
 def load_recipe(
@@ -224,6 +254,19 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     key, text = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
+    if "[" in key or "]" in key:
+        field = key.split("[", 1)[0]
+        raise RecipeError(
+            file,
+            [
+                Problem(
+                    key,
+                    "--set does not reach into a list by index",
+                    f"give the whole list: --set '{field}=[...]'",
+                    f"--set {redact_override(item)}",
+                )
+            ],
+        )
     if not all(parts):
         raise RecipeError(
             file, [Problem(key, "empty segment in the key path", "write a.b.c=value", f"--set {redact_override(item)}")]
@@ -233,7 +276,7 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
         if _expects_text(parts):
             value = None if text.strip() in {"null", "~"} and _accepts_none(parts) else text
         else:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         shown = redact_override(item).partition("=")[2]
         problem = str(getattr(exc, "problem", None) or exc).strip()
@@ -243,7 +286,7 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
                 Problem(
                     key,
                     f"cannot parse value {shown!r} as YAML ({problem})",
-                    "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'",
+                    exc.fix if isinstance(exc, YamlShapeError) else _yaml_fix(problem, set_value=True),
                     f"--set {redact_override(item)}",
                 )
             ],
@@ -339,13 +382,60 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
 # ----------------------------------------------------------------------------------------------
 
 
+MAX_YAML_ALIASES = 200
+"""More aliases (``*name``) than a recipe needs: past this, a document is refused before it is built."""
+MAX_YAML_VALUES = 200_000
+"""Values a recipe may expand to (aliases counted at each use): a "billion laughs" stops here."""
+MAX_YAML_DEPTH = 60
+"""Nesting a recipe may have (the schema is a few levels deep)."""
+
+
+class YamlShapeError(yaml.YAMLError):
+    """A YAML document that parses but cannot be a recipe value (too large, recursive, an odd key);
+    ``problem`` says what, ``fix`` what to do."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (plain PyYAML keeps the last)."""
+    """A safe loader for recipes and ``--set`` values: it refuses a key given twice in one mapping
+    (plain PyYAML keeps the last), keys that are not plain values, and more than
+    :data:`MAX_YAML_ALIASES` aliases; merge keys (``<<: *defaults``) work. Scalars resolve as in
+    YAML 1.2: only true/false are booleans, and ``0755``, ``1:30`` and ``2024-01-01`` stay text
+    (YAML 1.1 made them octal, base-60 and a date)."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}
+    _aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):  # type: ignore[no-untyped-call]
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise YamlShapeError(
+                    f"more than {MAX_YAML_ALIASES} aliases (*name)",
+                    "write the values out; a recipe needs few aliases (this looks like an expansion bomb)",
+                )
+        return super().compose_node(parent, index)  # type: ignore[no-untyped-call]
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        explicit = [pair for pair in node.value if pair[0].tag != "tag:yaml.org,2002:merge"]
+        self.flatten_mapping(node)  # type: ignore[no-untyped-call]
         seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        for key_node, _ in explicit:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, str):
+                shown = (
+                    f"a {type(key).__name__} (a '? ' complex key)" if isinstance(key, list | dict | set) else repr(key)
+                )
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {shown} is not a name (a number, null, a list or a mapping); keys are names: quote it "
+                    "if it is one",
+                    key_node.start_mark,
+                )
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -353,6 +443,68 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_YAML12_RESOLVERS = {
+    "tag:yaml.org,2002:bool": r"^(?:true|True|TRUE|false|False|FALSE)$",
+    "tag:yaml.org,2002:int": r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$",
+    "tag:yaml.org,2002:float": (
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+}
+for _first, _resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
+    for _tag, _regexp in _resolvers:
+        if _tag == "tag:yaml.org,2002:timestamp":
+            continue
+        pattern = re.compile(_YAML12_RESOLVERS[_tag]) if _tag in _YAML12_RESOLVERS else _regexp
+        _UniqueKeyLoader.yaml_implicit_resolvers.setdefault(_first, []).append((_tag, pattern))
+
+
+def _yaml_fix(problem: str, set_value: bool = False) -> str:
+    """The fix for a YAML error, from what PyYAML says went wrong."""
+    if "could not determine a constructor for the tag" in problem:
+        return "remove the tag (!!python/..., !name): recipes hold plain values only"
+    if "found undefined alias" in problem:
+        return "define the anchor (&name) before using *name, or quote a value that starts with *"
+    if "is not a name" in problem:
+        return "use a name as the key (quote it: '123': ...)"
+    if set_value:
+        return "close the bracket or quote, or quote the whole value: --set 'KEY=\"text\"'"
+    return "fix the YAML syntax"
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document as a recipe value (see :class:`_UniqueKeyLoader`), refused with a
+    :class:`yaml.YAMLError` when it nests deeper than :data:`MAX_YAML_DEPTH`, refers to itself or
+    expands to more than :data:`MAX_YAML_VALUES` values."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise YamlShapeError(
+            "nested too deeply to read", f"a recipe nests a few levels; keep it under {MAX_YAML_DEPTH}"
+        ) from None
+    count = 0
+    stack: list[tuple[Any, int, frozenset[int]]] = [(data, 0, frozenset())]
+    while stack:
+        value, depth, path = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise YamlShapeError(
+                f"expands to more than {MAX_YAML_VALUES} values (aliases counted at each use)",
+                "write the values out; no recipe is this large (this looks like an expansion bomb)",
+            )
+        if depth > MAX_YAML_DEPTH:
+            raise YamlShapeError(
+                f"nested more than {MAX_YAML_DEPTH} levels deep", "flatten it; the schema is a few levels deep"
+            )
+        if isinstance(value, dict | list):
+            if id(value) in path:
+                raise YamlShapeError("an alias refers to the mapping or list it is in (a cycle)", "remove the cycle")
+            inner = path | {id(value)}
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1, inner) for child in children)
+    return data
 
 
 def _read_yaml(path: Path, name: str) -> dict[str, Any]:
@@ -375,7 +527,7 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
             ],
         ) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -385,7 +537,9 @@ def _read_yaml(path: Path, name: str) -> dict[str, Any]:
                 name,
                 [Problem("", f"{problem}, again{where}", "keep one of them: plain YAML would silently take the last")],
             ) from None
-        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax")]) from exc
+        if isinstance(exc, YamlShapeError):
+            raise RecipeError(name, [Problem("", f"the YAML {exc.problem}", exc.fix)]) from None
+        raise RecipeError(name, [Problem("", f"YAML syntax error{where}: {problem}", _yaml_fix(problem))]) from None
     if not isinstance(data, dict):
         raise RecipeError(
             name, [Problem("", "the top level must be a mapping of sections", "start with job:, capture:, ...")]
@@ -471,6 +625,8 @@ def _expects_text(parts: list[str]) -> bool:
     annotation = info.annotation
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     options = [a for a in typing.get_args(annotation) if a is not type(None)] if is_union else [annotation]
+    # A constrained text field (``Annotated[str, validator]``) holds text too.
+    options = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in options]
     return bool(options) and all(
         a is str or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
         for a in options
@@ -524,10 +680,7 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
             f"is a section, not a single value (got {err.get('input')!r})",
             f"set a field inside it, e.g. --set {path}.FIELD=VALUE; its fields: {fields}",
         )
-    given = err.get("input")
-    if isinstance(given, dict) and loc and loc[-1] == "env":
-        given = {k: ("<redacted>" if SECRET_NAME.search(str(k)) else v) for k, v in given.items()}
-    shown = repr(given)
+    shown = redact(repr(_redact_secret_keys(err.get("input"))))
     if len(shown) > 80:
         shown = shown[:77] + "..."
     parent = _model_at(loc[:-1])
@@ -548,6 +701,21 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
         ctx = err.get("ctx") or {}
         limit = ctx.get("max_length", ctx.get("min_length"))
         fix = "use " + lengths[kind].format(limit)
+    if kind == "string_pattern_mismatch":
+        pattern = str((err.get("ctx") or {}).get("pattern", ""))
+        if "0-9a-f" in pattern:
+            fix = "write the 64 lowercase hex digits of a SHA-256 (sha256sum FILE)" + (
+                ", or manifest" if "manifest" in pattern else ""
+            )
+        elif "A-Za-z0-9_" in pattern:
+            fix = "use letters, digits, '_', '.' and '-' only, on one line (no '/', spaces or newlines)"
+    if kind in {"int_parsing", "float_parsing"} and err.get("input") in {"true", "false"}:
+        fix = "write a number: true/false is a boolean, not a number"
+    if kind == "string_type" and isinstance(err.get("input"), int | float | bool):
+        fix = (
+            "quote it, e.g. '0123' or 'no': YAML reads unquoted digits, numbers and true/false as numbers and "
+            "booleans, not text"
+        )
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
@@ -557,10 +725,21 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
 
 
 def redact_override(item: str) -> str:
-    """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential."""
+    """``--set KEY=VALUE`` as it may be shown: the value hidden when KEY names a credential (an
+    environment name such as HF_TOKEN; never a field such as ``eval.max_new_tokens``) or the value
+    writes one down."""
     key, sep, value = item.partition("=")
-    secret = SECRET_NAME.search(key.rsplit(".", 1)[-1]) or credentials_in(value)
-    return f"{key}=<redacted>" if sep and secret else item
+    secret = is_secret_name(key.rsplit(".", 1)[-1]) or credentials_in(value)
+    return f"{key}={REDACTED}" if sep and secret else redact(item)
+
+
+def _redact_secret_keys(value: Any) -> Any:
+    """A value as an error may show it: the values of credential-named keys hidden, at any depth."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret_name(str(k)) else _redact_secret_keys(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_secret_keys(v) for v in value]
+    return value
 
 
 def _describe_type(annotation: Any) -> str:

@@ -8,12 +8,16 @@ fields live in :mod:`runtime.recipe.checks` so that their messages can name both
 from __future__ import annotations
 
 import re
+import types
 import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from runtime.recipe.units import ByteSize
+from runtime.user_errors import SECRET_NAME, credentials_in
+
+__all__ = ["SECRET_NAME", "credentials_in"]
 
 
 def _stringify_scalars(value: Any) -> Any:
@@ -29,33 +33,42 @@ def _stringify_scalars(value: Any) -> Any:
 MAX_TIME_LIMIT_MIN = 60 * 24 * 366
 """A year: longer limits are typos (Slurm sites cap jobs at days or weeks)."""
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
-"""Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
 
-# A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
-# ``HF_TOKEN="..."``) or a credential flag with one (``--api-key abc``); a reference to the environment
-# (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down.
-_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;]|$)(?![\"']?\$)")
-_FLAG = re.compile(r"--([a-z0-9-]*(?:key|token|secret|password)[a-z0-9-]*)(?:=|\s+)(?![\"']?\$)(?=\S)", re.IGNORECASE)
-# Values shaped like the tokens of well-known services, wherever they appear (a description, a path).
-_TOKEN_SHAPES = re.compile(
-    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-    r"|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
-)
-
-
-def credentials_in(text: str) -> list[str]:
-    """What in ``text`` writes a credential down: ``NAME`` of a credential variable given a literal value,
-    ``--flag`` of a credential flag given one, or ``a <service> token`` for a value shaped like one."""
-    found = [m.group(1) for m in _ASSIGNED.finditer(text) if SECRET_NAME.search(m.group(1))]
-    found += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
-    found += [f"a token shaped like {m.group(0)[:3]}..." for m in _TOKEN_SHAPES.finditer(text)]
-    return found
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RESERVED_ENV_NAMES = frozenset(
+    {
+        # runtime/shared/contracts.py's ENV_* (tests/test_hardening_recipes.py keeps the two equal)
+        "DSPARK_JOB_DIR", "DSPARK_RECIPE", "DSPARK_COMPONENT", "DSPARK_TASK_RANK", "DSPARK_REQUEUE_COUNT",
+        "DSPARK_BIND_ADDRESS", "DSPARK_CAPTURE_HOST", "DSPARK_MOONCAKE_MASTER", "DSPARK_MOONCAKE_METADATA",
+        "DSPARK_RDMA_DEVICES", "MC_TCP_BIND_ADDRESS", "MC_TRANSFER_TIMEOUT", "DSPARK_PARENT_PID",
+        "DSPARK_SLURM_JOB_ID",
+        # torch.distributed's rendezvous (launcher/environment.py RENDEZVOUS_VARIABLES), and PATH
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+        "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "PATH",
+    }
+)  # fmt: skip
+"""Environment names a recipe may not set: the launcher sets them (the environment contract would
+silently override the recipe's value), and an empty PATH breaks every command."""
 
 
 def _refuse_secrets(value: dict[str, str]) -> dict[str, str]:
     """A recipe is a plain file copied into every job folder (``recipe.resolved.json``): credentials
-    never go in it; the components inherit them from the submitting shell's environment."""
+    never go in it; the components inherit them from the submitting shell's environment. Names must
+    be environment variable names, and not the ones the launcher sets itself (the environment
+    contract would silently override them) or PATH (an empty one breaks every command)."""
+    bad = [name for name in value if not _ENV_NAME.fullmatch(str(name))]
+    if bad:
+        raise ValueError(
+            f"{bad[0]!r} is not an environment variable name. Fix: use letters, digits and '_', not starting "
+            "with a digit"
+        )
+    reserved = sorted(n for n in value if n in RESERVED_ENV_NAMES or n.startswith("SLURM_"))
+    if reserved:
+        raise ValueError(
+            f"{', '.join(reserved)}: the launcher sets these itself (the environment contract) or every command "
+            "needs them. Fix: remove them; change the recipe field the variable comes from instead"
+        )
     secret = sorted(name for name in value if SECRET_NAME.search(name))
     if secret:
         names = ", ".join(secret)
@@ -89,7 +102,23 @@ class Section(BaseModel):
                 info = cls.model_fields.get(str(name))
                 if isinstance(value, bool) and info is not None and _wants_number_not_bool(info.annotation):
                     data = {**data, name: str(value).lower()}
+                elif isinstance(value, list) and info is not None and _wants_numbers(info.annotation):
+                    # [true, 3, 5] for layer ids read as [1, 3, 5]; the same refusal, per item
+                    data = {**data, name: [str(v).lower() if isinstance(v, bool) else v for v in value]}
         return data
+
+
+def _wants_numbers(annotation: Any) -> bool:
+    """A list of numbers (``list[int]``, optional or not), whose items are never booleans."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for option in typing.get_args(annotation) if union else (annotation,):
+        if typing.get_origin(option) is list:
+            (item,) = typing.get_args(option) or (Any,)
+            if typing.get_origin(item) is Annotated:
+                item = typing.get_args(item)[0]
+            if _wants_number_not_bool(item):
+                return True
+    return False
 
 
 def _wants_number_not_bool(annotation: Any) -> bool:
@@ -98,7 +127,82 @@ def _wants_number_not_bool(annotation: Any) -> bool:
 
 
 MAX_EPOCHS = 10_000
-JOB_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+MIN_RATE = 1e-3
+"""The smallest throughput a plan figure may give (GB/s or TFLOP/s): below it is a typo, and the
+plan's times would overflow."""
+MAX_SEED = 2**63 - 1
+"""The largest seed torch and numpy take (a 64-bit signed integer)."""
+JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A job name (used with ``fullmatch``: a ``$`` anchor would let a trailing newline through)."""
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_./+@%:,=-]+")
+_HOST_OR_INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _one_line(value: str) -> str:
+    """A value written into a batch script line: no newline, NUL or other control character (a newline
+    would start a new ``#SBATCH`` line or shell command of its own)."""
+    found = _CONTROL.search(value)
+    if found:
+        raise ValueError(
+            f"holds the control character {found.group(0)!r}: a batch script line would break at it. "
+            "Fix: write the value on one line, without control characters"
+        )
+    return value
+
+
+def _sbatch_key(value: str) -> str:
+    if not _SBATCH_KEY.fullmatch(value):
+        raise ValueError(
+            "is not an sbatch option name (it becomes #SBATCH --NAME=VALUE). Fix: use the option's "
+            "long name without the dashes, e.g. mail-user"
+        )
+    return value
+
+
+def _plain_command(value: str) -> str:
+    if not _PLAIN_COMMAND.fullmatch(value):
+        raise ValueError(
+            "is not a plain command name or path (spaces, quotes, $, ; and other shell syntax are "
+            "refused: it starts every component's process). Fix: give python3 or a path such as "
+            "/opt/env/bin/python3; activate an environment in job.setup instead"
+        )
+    return value
+
+
+def _runs_folder(value: str) -> str:
+    _one_line(value)
+    if not value.strip():
+        raise ValueError("is empty: job folders would land in the repository root. Fix: name a folder, e.g. runs")
+    if value.startswith("~") and not (value == "~" or value.startswith("~/")):
+        raise ValueError(
+            "names another user's home folder; job folders go into your own. Fix: write ~/FOLDER or an "
+            "absolute path you own"
+        )
+    return value
+
+
+def _bind_address(value: str) -> str:
+    import ipaddress
+
+    if value == "auto":
+        return value
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOST_OR_INTERFACE.fullmatch(value):
+            raise ValueError(
+                "is not an address. Fix: write auto, an IP address (10.0.0.5) or a host or interface name (ib0)"
+            ) from None
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(_one_line)]
+"""Text that goes into one line of a batch script."""
+SbatchKey = Annotated[str, AfterValidator(_sbatch_key)]
+"""An ``#SBATCH --NAME`` option name."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,11 +227,11 @@ class ComponentResources(Section):
     the plan counts, the recipe is refused."""
     exclusive: bool = False
     """Request whole nodes (``--exclusive``)."""
-    constraint: str | None = None
+    constraint: OneLine | None = None
     """Slurm ``--constraint`` feature expression."""
-    extra_sbatch: dict[str, str] = Field(default_factory=dict)
+    extra_sbatch: dict[SbatchKey, OneLine] = Field(default_factory=dict)
     """Further ``#SBATCH --key=value`` lines for this component only."""
-    srun_args: list[str] = Field(default_factory=list)
+    srun_args: list[OneLine] = Field(default_factory=list)
     """Extra arguments for this component's ``srun`` line."""
 
 
@@ -141,18 +245,18 @@ class JobSection(Section):
     @field_validator("name")
     @classmethod
     def _name_is_one_folder(cls, value: str) -> str:
-        if not JOB_NAME.match(value):
+        if not JOB_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a plain folder name (it becomes runs/<name>/). Fix: use letters, digits, "
                 "'_', '.' and '-', starting with a letter, digit or '_'"
             )
         return value
 
-    partition: str | None = None
+    partition: OneLine | None = None
     """Slurm partition; null uses the cluster default."""
-    account: str | None = None
+    account: OneLine | None = None
     """Slurm account; null uses the user's default. Never put credentials here."""
-    qos: str | None = None
+    qos: OneLine | None = None
     """Slurm quality of service."""
     time_limit_min: int = Field(60, ge=1, le=MAX_TIME_LIMIT_MIN)
     """Wall-clock limit of the whole job in minutes."""
@@ -160,15 +264,16 @@ class JobSection(Section):
     """Seconds before the time limit at which Slurm sends USR2 so the job can requeue itself."""
     max_requeues: int = Field(3, ge=0)
     """How many time-outs or preemptions may requeue the job before it gives up."""
-    runs_dir: str = "runs"
-    """Folder (relative to the repository unless absolute) holding one folder per submitted job."""
-    python: str = "python3"
-    """Python interpreter used inside the allocation."""
-    setup: list[str] = Field(default_factory=list)
+    runs_dir: Annotated[str, AfterValidator(_runs_folder)] = "runs"
+    """Folder (relative to the repository unless absolute; ``~/`` is your home) holding one folder per
+    submitted job."""
+    python: Annotated[str, AfterValidator(_plain_command)] = "python3"
+    """Python interpreter used inside the allocation: a command name or a path, no shell syntax."""
+    setup: list[OneLine] = Field(default_factory=list)
     """Shell lines run before each component starts (module loads, venv or conda activation)."""
-    container_image: str | None = None
+    container_image: OneLine | None = None
     """Container image for pyxis/enroot (``srun --container-image``); null runs on the host."""
-    container_mounts: list[str] = Field(default_factory=list)
+    container_mounts: list[OneLine] = Field(default_factory=list)
     """``--container-mounts`` entries, ``src:dst`` each."""
     env: EnvironmentMapping = Field(default_factory=dict)
     """Extra environment variables for both components (never credentials: those come from the
@@ -424,7 +529,7 @@ class TransportSection(Section):
     """Mooncake transfer protocol."""
     rdma_devices: list[str] = Field(default_factory=list)
     """RDMA device names (``mlx5_0`` ...) for ``protocol: rdma``."""
-    bind_address: str = "auto"
+    bind_address: Annotated[str, AfterValidator(_bind_address)] = "auto"
     """Address every Mooncake client and the master bind to: ``auto`` is the node's routable
     address (its Slurm node name resolved), loopback in ``--local`` mode; or an explicit IP."""
     master_rpc_port: int = Field(50051, ge=1024, le=65535)
@@ -652,9 +757,9 @@ class MetricsConfig(Section):
 class TrainerSection(Section):
     """The DSpark trainer."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED)
     """Seed of model init, anchors and every other trainer RNG."""
-    prompt_seed: int | None = None
+    prompt_seed: int | None = Field(None, ge=0, le=MAX_SEED)
     """Seed of the prompt order alone; null uses ``seed``."""
     micro_batch_size: int = Field(1, ge=1)
     """Samples per rank per micro-step."""
@@ -770,12 +875,12 @@ class EvalSection(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     """Sampling temperatures; 0 is greedy verification (longest matching prefix plus the target's
     token), above 0 the rejection rule of speculative sampling. Each is a separate pass."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Tokens that end a generation besides ``capture.special_tokens.eos_id`` (e.g. end of turn)."""
     batch_size: int = Field(1, ge=1)
     """Prompts in flight at once on the SGLang route (concurrent requests). The embedded decoder
     decodes one prompt at a time."""
-    seed: int = 0
+    seed: int = Field(0, ge=-MAX_SEED - 1, le=MAX_SEED)
     """Seed of the sampled passes and of the untrained comparison draft's initialisation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the embedded eval runs: ``auto`` is the first GPU when there is one."""
@@ -831,17 +936,17 @@ class PlanSection(Section):
     """Name of the accelerator, for the report."""
     accelerator_memory_bytes: ByteSize = 141 * 10**9
     """Memory of one accelerator (H200: 141 GB)."""
-    accelerator_peak_tflops: float = Field(795.0, gt=0)
+    accelerator_peak_tflops: float = Field(795.0, ge=MIN_RATE)
     """Dense bf16 matmul rate of one accelerator (795 TFLOP/s measured on our H200)."""
     capture_efficiency: float = Field(0.35, gt=0, le=1)
     """Fraction of the peak a long prefill of the target reaches."""
     train_mfu: float = Field(0.45, gt=0, le=1)
     """Model FLOP utilisation the trainer reaches."""
-    link_gbps: float = Field(100.0, gt=0)
+    link_gbps: float = Field(100.0, ge=MIN_RATE)
     """Capture-to-trainer network speed in Gbit/s."""
     link_efficiency: float = Field(0.7, gt=0, le=1)
     """Fraction of the link a Mooncake transfer reaches."""
-    store_put_gbps: float = Field(5.2, gt=0)
+    store_put_gbps: float = Field(5.2, ge=MIN_RATE)
     """GB/s of the capture side's commit: a Mooncake put into the producer's own segment, a local
     copy (5.2 GB/s measured on our H200 host for a 5.25 GiB sample)."""
     capture_host_memory_bytes: ByteSize = 2 * 2**40
@@ -851,21 +956,21 @@ class PlanSection(Section):
     """Host memory of one trainer node (holds its share of the Mooncake segment, if any)."""
     pcie_h2d_bytes_per_s: ByteSize = 50 * 10**9
     """Pinned host-to-device copy rate of one GPU's PCIe link (55 GB/s measured on our H200)."""
-    expert_compute_tflops: float = Field(500.0, gt=0)
+    expert_compute_tflops: float = Field(500.0, ge=MIN_RATE)
     """Rate of the routed-expert compute (dequant-once MXFP4 + grouped GEMM) at a long prefill:
     531 TFLOP/s measured at 64K tokens per GPU on our H200 (tools/bench/moe.py)."""
     trainer_local_disk_bytes: ByteSize = 28 * 10**12
     """Free local disk (NVMe) of one trainer node for ``trainer.feature_cache`` (8-GPU nodes often
     carry 8 x 3.84 TB NVMe drives; an assumption: set your site's number)."""
-    attention_tflops: float = Field(600.0, gt=0)
+    attention_tflops: float = Field(600.0, ge=MIN_RATE)
     """Rate of causal full attention in a long prefill (MLA-like heads: qk 192, v 128, at 64K): 601
     TFLOP/s measured on our H200 with PyTorch's SDPA (torch 2.11; 80% of a bf16 matmul in the same
     run; compiled flex attention reached 314). ``python3 -m tools.bench.attention`` measures it on
     yours. SGLang's own MLA prefill kernel was not measured."""
-    linear_attention_tflops: float = Field(100.0, gt=0)
+    linear_attention_tflops: float = Field(100.0, ge=MIN_RATE)
     """Rate of the KDA linear-attention kernels (chunked delta rule, Triton) in a long prefill. An
     assumption: these kernels reach far less of the peak than matmuls; not measured here."""
-    cache_read_gbps: float = Field(20.0, gt=0)
+    cache_read_gbps: float = Field(20.0, ge=MIN_RATE)
     """GB/s at which the trainer node's ranks together read the feature cache from local disk (an
     assumption for an NVMe RAID, not measured on our machines: measure yours with ``fio`` or ``dd``)."""
     slurm_max_mem_per_node_gib: int | None = Field(None, ge=1)

@@ -15,10 +15,11 @@ every site figure it rests on as measured (with how and where) or assumed (the r
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, require_regular_file
 
 SITE_FACTS_DIRNAME = "site_facts"
 """The folder of a probe job that holds its fact files."""
@@ -81,9 +82,32 @@ class SiteFacts:
         return None
 
 
+def _check_facts(file: Path, measured: object, skipped: object) -> None:
+    """Every measured fact is ``{"value": <a finite number>, "how": <text>}``; every skipped one has a
+    reason in text. One :class:`SiteFactsError` naming the file and the fact otherwise."""
+    fix = "run the probe again (`python3 -m launcher RECIPE --probe`), or correct the file by hand"
+    if not isinstance(measured, dict) or not isinstance(skipped, dict):
+        raise SiteFactsError(f"{file}: 'measured' and 'skipped' must be mappings of fact name -> ...; fix: {fix}")
+    for name, fact in measured.items():
+        if not isinstance(fact, dict) or "value" not in fact or "how" not in fact:
+            raise SiteFactsError(
+                f'{file}: measured fact {name!r} is {fact!r}, not {{"value": NUMBER, "how": TEXT}}; fix: {fix}'
+            )
+        value = fact["value"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise SiteFactsError(f"{file}: measured fact {name!r} has value {value!r}, not a number >= 0; fix: {fix}")
+        if not isinstance(fact["how"], str):
+            raise SiteFactsError(f"{file}: measured fact {name!r} has 'how' {fact['how']!r}, not text; fix: {fix}")
+    for name, why in skipped.items():
+        if not isinstance(why, str):
+            raise SiteFactsError(f"{file}: skipped fact {name!r} gives {why!r}, not a reason in text; fix: {fix}")
+
+
 def read_site_facts(path: Path) -> SiteFacts:
     """The facts of one file, or of every ``facts_*.json`` in a probe folder."""
     files = sorted(path.glob(FACTS_GLOB)) if path.is_dir() else [path]
+    for file in files:
+        require_regular_file(file, "site facts file", "give a facts_*.json file or a probe's site_facts folder")
     if not files or not all(f.is_file() for f in files):
         raise SiteFactsError(
             f"no site facts at {path}: give a facts_*.json file or the site_facts folder of a probe job "
@@ -96,8 +120,15 @@ def read_site_facts(path: Path) -> SiteFacts:
             measured, skipped = data["measured"], data["skipped"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SiteFactsError(f"{file} is not a probe facts file ({exc}); run the probe again") from None
+        _check_facts(file, measured, skipped)
         where = f"{data.get('host', '?')} {data.get('time', '')}".strip()
         for name, fact in measured.items():
+            earlier = facts.measured.get(name)
+            if earlier is not None and float(earlier["value"]) != float(fact["value"]):  # type: ignore[arg-type]
+                raise SiteFactsError(
+                    f"{earlier['file']} and {file} disagree on {name} ({earlier['value']} against {fact['value']}); "
+                    "fix: give the one file you mean, or measure again with one probe job"
+                )
             facts.measured[name] = {**fact, "where": where, "file": str(file)}
         for name, why in skipped.items():
             facts.skipped.setdefault(name, str(why))

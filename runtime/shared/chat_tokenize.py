@@ -110,4 +110,9 @@ def tokenize_prompt(tokenizer: Any, messages: Any, where: str) -> list[int]:
         raise ChatFormatError(
             f"{where}: conversations holds only an assistant turn, so there is no prompt; drop the row"
         )
+    if not any(str(turn["content"]).strip() for turn in checked):
+        raise ChatFormatError(
+            f"{where}: every turn of the prompt is empty, so there is nothing to answer; fix: write the prompt's text, "
+            "or drop the row"
+        )
     return _encode(tokenizer, render(tokenizer, checked, add_generation_prompt=True))

@@ -32,9 +32,16 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint folder name (``step_00000040`` -> 40); None for any other name (an
+    operator's ``step_00000040.bak`` copy, a ``.tmp`` folder): those are never checkpoints."""
+    match = re.fullmatch(rf"{STEP_PREFIX}(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
 def is_complete(path: Path) -> bool:
     """A final-named folder with its trainer state (the last thing written before the rename)."""
-    return path.is_dir() and path.name.startswith(STEP_PREFIX) and (path / STATE_FILE).is_file()
+    return path.is_dir() and step_of(path.name) is not None and (path / STATE_FILE).is_file()
 
 
 def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -42,7 +49,7 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
     if not checkpoint_dir.is_dir():
         return []
     found = [p for p in checkpoint_dir.iterdir() if is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    return sorted(found, key=lambda p: step_of(p.name) or 0)
 
 
 def find_latest(checkpoint_dir: Path) -> Path | None:
@@ -52,7 +59,7 @@ def find_latest(checkpoint_dir: Path) -> Path | None:
         target = (checkpoint_dir / os.readlink(link)) if link.is_symlink() else link
         if is_complete(target):
             newest = complete_checkpoints(checkpoint_dir)
-            if newest and int(newest[-1].name[len(STEP_PREFIX) :]) > int(target.name[len(STEP_PREFIX) :]):
+            if newest and (step_of(newest[-1].name) or 0) > (step_of(target.name) or 0):
                 return newest[-1]  # a crash between the rename and the link update
             return target
     found = complete_checkpoints(checkpoint_dir)
@@ -103,6 +110,12 @@ def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
     path = Path(value).expanduser()
     if is_complete(path):
         return _checkpoint(path)
+    if path.is_dir() and (path / STATE_FILE).is_file():
+        raise DraftSourceError(
+            f"--checkpoint {value}: {path.name} holds {STATE_FILE}, but a checkpoint folder is named "
+            f"{STEP_PREFIX}NNNNNNNN (its step is read from the name); fix: copy it under its original name, e.g. "
+            f"{step_dir_name(40)}"
+        )
     if (path / EXPORT_CONFIG_FILE).is_file():
         step = re.search(r"step_(\d+)$", path.name)
         return DraftSource("export", path, path.name, int(step.group(1)) if step else None)
@@ -114,7 +127,7 @@ def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
 
 
 def _checkpoint(path: Path) -> DraftSource:
-    return DraftSource("checkpoint", path, path.name, int(path.name.removeprefix(STEP_PREFIX)))
+    return DraftSource("checkpoint", path, path.name, step_of(path.name))
 
 
 def refuse_another_runs_draft(source: DraftSource, checkpoint_dir: Path, job: str, out_given: bool) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.files import atomic_write_text
+from runtime.user_errors import shell_word
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ def resume_command(job_dir: str | Path, local: bool) -> str:
     """The one command line that resumes a job from its newest checkpoint (every message that tells the
     operator how to go on prints this one): the job's own resolved recipe, its --set overrides included,
     so the resumed run is the same run."""
-    return f"python3 -m launcher --resume {job_dir}{' --local' if local else ''}"
+    return f"python3 -m launcher --resume {shell_word(str(job_dir))}{' --local' if local else ''}"
 
 
 def resume_command_of(job_dir: Path) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.files import atomic_write_text
-from runtime.user_errors import UserError
+from runtime.user_errors import UserError, require_regular_file
 
 MANIFEST_FORMAT = "dspark-data-manifest/1"
 MANIFEST_SUFFIX = ".manifest.json"
@@ -87,6 +87,7 @@ def manifest_path(data_path: str | Path) -> Path:
 def read_manifest(data_path: str | Path) -> dict[str, Any]:
     """The manifest of ``data_path``; a clear error when it is absent or malformed."""
     path = manifest_path(data_path)
+    require_regular_file(path, "manifest", "regenerate it with tools/prepare_data")
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
@@ -99,7 +100,12 @@ def read_manifest(data_path: str | Path) -> dict[str, Any]:
         raise DataFileError(
             f"{path}: manifest is not valid JSON ({exc}); fix: regenerate it with tools/prepare_data"
         ) from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict):
+        raise DataFileError(
+            f"{path}: the manifest holds a JSON {type(manifest).__name__}, not an object with format, sha256, ...; "
+            "fix: regenerate it with tools/prepare_data"
+        )
+    if manifest.get("format") != MANIFEST_FORMAT:
         raise DataFileError(
             f"{path}: field 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
             f"expected {MANIFEST_FORMAT!r}; fix: regenerate it with tools/prepare_data"
@@ -143,6 +149,7 @@ def check_data_sha256(
     values and the fix.
     """
     data_path = Path(data_path)
+    require_regular_file(data_path, f"{recipe_file}: data.train_path", "give the prepared JSONL file")
     if not data_path.is_file():
         raise DataFileError(
             f"{recipe_file}: data.train_path {data_path} does not exist; fix: run tools/prepare_data "
@@ -260,6 +267,7 @@ def verify_data_file(
 ) -> DataSummary:
     """Check a whole data file (SHA-256, rows, ids, masks, lengths); raise on the first problem."""
     path = Path(path)
+    require_regular_file(path, "data file", "give the prepared JSONL file")
     if not path.is_file():
         raise DataFileError(f"{path}: data file does not exist; fix: run tools/prepare_data")
     actual_sha = sha256_file(path)
