@@ -1536,7 +1536,7 @@ CASES += [
             ("eos-outside-vocab", "capture.special_tokens.eos_id=99999", ("eos_id", "vocabulary", "2047")),
             ("stop-id-outside-vocab", "eval.stop_token_ids=[2, 99999]", ("eval.stop_token_ids[1]", "vocabulary")),
             ("stop-id-negative", "eval.stop_token_ids=[-8]", ("eval.stop_token_ids",)),
-            ("warmup-beyond-run", "trainer.schedule.warmup_steps=100", ("warmup_steps", "32 optimizer steps")),
+            ("warmup-beyond-run", "trainer.schedule.warmup_steps=100", ("warmup_steps", "96 optimizer steps")),
         ]
     ],
     Case(

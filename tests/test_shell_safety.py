@@ -162,15 +162,14 @@ def test_the_checked_in_scripts_still_parse() -> None:
 
 
 def test_the_printed_resume_command_is_one_word_per_argument(tmp_path: Path) -> None:
-    """The resume line every stop and failure prints, pasted into bash, runs nothing hidden in the
-    recipe path or the job folder and hands the launcher both exactly."""
+    """The resume line every stop and failure prints, pasted into bash, runs nothing hidden in the job
+    folder's name and hands the launcher the folder exactly (the job's own recipe is read from it)."""
     from runtime.shared.contracts import resume_command
 
     marks = tmp_path / "marks"
     marks.mkdir()
-    recipe = f"my recipes/r$(touch {marks}/PWN_recipe).yaml"
-    job_dir = tmp_path / f"runs/x`touch {marks}/PWN_job`"
-    line = resume_command(recipe, job_dir, local=True)
+    job_dir = tmp_path / f"runs/my x$(touch {marks}/PWN_dollar)`touch {marks}/PWN_job`"
+    line = resume_command(job_dir, local=True)
     calls = _run_script(line + "\n", tmp_path, {})
     assert not _markers(tmp_path), line
-    assert calls == [["-m", "launcher", recipe, "--local", "--resume", str(job_dir)]], calls
+    assert calls == [["-m", "launcher", "--resume", str(job_dir), "--local"]], calls
