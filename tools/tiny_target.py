@@ -3,10 +3,12 @@ with a word-level tokenizer made here (no hub download), trained briefly on the 
 chat corpus of :mod:`tools.tiny_corpus` so that its next-token distributions are peaked.
 
 Also writes the tiny chat JSONL (``data.chat_path`` of the tiny recipe) that ``tools/prepare_data``
-tokenizes. Both are cached by a content hash of the build spec and of the code that builds them:
-a second run with nothing changed returns at once.
+tokenizes: the corpus prompts with the target's own greedy answers (``tools/tiny_chat.jsonl``, checked in
+and rewritten by ``--regenerate-chat``), since a draft must learn what its target says, and the held-out
+eval prompts. The target is cached by a content hash of the build spec: a second run with nothing
+changed returns at once.
 
-Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl]``
+Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl] [--regenerate-chat]``
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.files import atomic_write_text, exclusive_lock
+from runtime.files import atomic_write_bytes, atomic_write_text, exclusive_lock
 from runtime.shared import chat_tokenize
 from runtime.shared.data_files import write_rows
 from runtime.user_errors import UserError, output_place, require_regular_file, run_command
@@ -275,7 +277,9 @@ REGENERATE_MAX_NEW_TOKENS = 64
 """Longest regenerated answer (the longest corpus answer is 38 tokens)."""
 
 
-def regenerate_answers(model: Any, tokenizer: Any, rows: list[dict[str, Any]], log: Any = print) -> list[dict[str, Any]]:
+def regenerate_answers(
+    model: Any, tokenizer: Any, rows: list[dict[str, Any]], log: Any = print, sample_seed: int | None = None
+) -> list[dict[str, Any]]:
     """``rows`` with every assistant turn replaced by the target's own greedy answer to the conversation so
     far (its earlier answers included), what a draft must learn to propose: the target's behaviour, not
     the corpus author's. Turn by turn, batched over the rows (left-padded), on the CPU in seconds."""
@@ -295,17 +299,24 @@ def regenerate_answers(model: Any, tokenizer: Any, rows: list[dict[str, Any]], l
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) :] = 1
+        if sample_seed is not None:
+            torch.manual_seed(sample_seed + round_index)
         with torch.no_grad():
             generated = model.generate(
                 input_ids=ids,
                 attention_mask=attention,
                 max_new_tokens=REGENERATE_MAX_NEW_TOKENS,
-                do_sample=False,
+                do_sample=sample_seed is not None,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
                 eos_token_id=[end_id, tiny_corpus.EOS_ID],
                 pad_token_id=tiny_corpus.PAD_ID,
             )[:, width:]
         for (r, turn), tokens in zip(todo, generated.tolist(), strict=True):
-            stop = next((i for i, t in enumerate(tokens) if t in (end_id, tiny_corpus.EOS_ID, tiny_corpus.PAD_ID)), len(tokens))
+            stop = next(
+                (i for i, t in enumerate(tokens) if t in (end_id, tiny_corpus.EOS_ID, tiny_corpus.PAD_ID)), len(tokens)
+            )
             out[r]["conversations"][turn]["content"] = tokenizer.decode(tokens[:stop]).strip()
         log(f"[make_tiny_target] regenerated answer {round_index + 1} of {len(todo)} conversations")
     return out
@@ -353,12 +364,47 @@ def cached_build(target_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+REGENERATED_CHAT = Path(__file__).resolve().parent / "tiny_chat.jsonl"
+"""The tiny chat rows with the tiny target's own greedy answers (``--regenerate-chat`` writes it): checked
+in, so that the pinned data is the same bytes on every machine, whatever its CPU makes of the target's
+last digits."""
+
+
 def write_chat_corpus(spec: TinyTargetSpec, chat_path: Path) -> str:
-    """Write the tiny chat JSONL (deterministic); returns its SHA-256."""
+    """Write the tiny chat JSONL that the draft trains on: the corpus prompts with the target's own
+    answers (:data:`REGENERATED_CHAT`); returns its SHA-256. Refused when that file no longer fits the
+    corpus (its prompts differ from the generated conversations: the spec changed)."""
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    expected = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
+    data = REGENERATED_CHAT.read_bytes()
+    rows = [json.loads(line) for line in data.decode().splitlines()]
+
+    def prompts(row: dict[str, Any]) -> list[Any]:
+        return [row["id"], *(turn for turn in row["conversations"] if turn["role"] != "assistant")]
+
+    if [prompts(r) for r in rows] != [prompts(r) for r in expected]:
+        raise RuntimeError(
+            f"{REGENERATED_CHAT} no longer fits the tiny corpus (its prompts differ from the generated ones); fix: "
+            "tools/make_tiny_target --regenerate-chat, then update data.expected_sha256 in recipes/tiny.yaml"
+        )
+    chat_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(chat_path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_regenerated_chat(spec: TinyTargetSpec, target_dir: Path, log: Any = print) -> str:
+    """Regenerate :data:`REGENERATED_CHAT` with the built target's greedy answers; returns its SHA-256."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(spec.init_seed)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
     rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
-    write_rows(chat_path, rows)
-    return hashlib.sha256(chat_path.read_bytes()).hexdigest()
+    regenerated = regenerate_answers(model, tokenizer, rows, log)
+    write_rows(REGENERATED_CHAT, regenerated)
+    return hashlib.sha256(REGENERATED_CHAT.read_bytes()).hexdigest()
 
 
 def eval_prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -415,62 +461,72 @@ def make_tiny_target(
     eval_path: Path = DEFAULT_EVAL_PATH,
     force: bool = False,
     log: Any = print,
+    regenerate_chat: bool = False,
 ) -> dict[str, Any]:
-    """Build (or reuse) the tiny target and its chat corpus; returns the build record."""
-    log("[make_tiny_target] loading torch and transformers")
-    import torch
-
+    """Build (or reuse) the tiny target and write its chat corpus (with ``regenerate_chat``, after
+    regenerating :data:`REGENERATED_CHAT` with it); returns the build record."""
     spec = spec or TinyTargetSpec()
     target_dir, chat_path = target_dir.resolve(), chat_path.resolve()
     key = spec.cache_key()
     # Builds are serialised: tests and helpers may ask for the tiny target at the same time.
     with exclusive_lock(target_dir.parent / ".make_tiny_target.lock"):
-        chat_sha = write_chat_corpus(spec, chat_path)
         write_eval_set(spec, eval_path.resolve())
         record = cached_build(target_dir)
         if record and record.get("cache_key") == key and not force:
             log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
-            return record
-        log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
-        started, started_cpu = time.monotonic(), time.process_time()
-        tokenizer = build_tokenizer(spec)
-        model = train_model(spec, tokenizer, log)
-        vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
-        chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
-        log(f"[make_tiny_target] evaluating on the {len(chat_rows)} chat rows, then saving")
-        quality = evaluate_peakedness(model, chat_rows, tokenizer, spec.max_position_embeddings)
-        target_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp", dir=target_dir.parent))
-        staging.chmod(0o755)  # mkdtemp makes it private; the target is shared by every component
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        _fix_config_keys(staging, spec)
-        record = {
-            "cache_key": key,
-            "spec": dataclasses.asdict(spec),
-            "quality": quality,
-            "chat_sha256": chat_sha,
-            "build_seconds": round(time.monotonic() - started, 1),
-            # CPU seconds of this process (all its threads): what the build costs on a loaded machine.
-            "build_cpu_seconds": round(time.process_time() - started_cpu, 1),
-            "torch": torch.__version__,
-        }
-        atomic_write_text(staging / BUILD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
-        # Swap the finished folder in; a reader never sees a half-written target.
-        previous = None
-        if target_dir.exists():
-            previous = target_dir.with_name(f".{target_dir.name}.old{time.time_ns()}")
-            target_dir.rename(previous)
-        staging.rename(target_dir)
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
-        log(
-            f"[make_tiny_target] done in {record['build_seconds']} s ({record['build_cpu_seconds']} CPU s): "
-            "assistant top-1 accuracy "
-            f"{quality['assistant_top1_accuracy']:.3f}, mean top-1 probability "
-            f"{quality['assistant_mean_top1_probability']:.3f}"
-        )
+        else:
+            record = _build(spec, key, target_dir, log)
+        if regenerate_chat:
+            log(f"[make_tiny_target] regenerating {REGENERATED_CHAT} with the target's greedy answers")
+            write_regenerated_chat(spec, target_dir, log)
+        write_chat_corpus(spec, chat_path)
         return record
+
+
+def _build(spec: TinyTargetSpec, key: str, target_dir: Path, log: Any) -> dict[str, Any]:
+    """Train the tiny target and swap it into ``target_dir``; returns its build record."""
+    log("[make_tiny_target] loading torch and transformers")
+    import torch
+
+    log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
+    started, started_cpu = time.monotonic(), time.process_time()
+    tokenizer = build_tokenizer(spec)
+    model = train_model(spec, tokenizer, log)
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
+    log(f"[make_tiny_target] evaluating on the {len(chat_rows)} chat rows, then saving")
+    quality = evaluate_peakedness(model, chat_rows, tokenizer, spec.max_position_embeddings)
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp", dir=target_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the target is shared by every component
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    _fix_config_keys(staging, spec)
+    record = {
+        "cache_key": key,
+        "spec": dataclasses.asdict(spec),
+        "quality": quality,
+        "build_seconds": round(time.monotonic() - started, 1),
+        # CPU seconds of this process (all its threads): what the build costs on a loaded machine.
+        "build_cpu_seconds": round(time.process_time() - started_cpu, 1),
+        "torch": torch.__version__,
+    }
+    atomic_write_text(staging / BUILD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    # Swap the finished folder in; a reader never sees a half-written target.
+    previous = None
+    if target_dir.exists():
+        previous = target_dir.with_name(f".{target_dir.name}.old{time.time_ns()}")
+        target_dir.rename(previous)
+    staging.rename(target_dir)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    log(
+        f"[make_tiny_target] done in {record['build_seconds']} s ({record['build_cpu_seconds']} CPU s): "
+        "assistant top-1 accuracy "
+        f"{quality['assistant_top1_accuracy']:.3f}, mean top-1 probability "
+        f"{quality['assistant_mean_top1_probability']:.3f}"
+    )
+    return record
 
 
 def check_outputs(target_dir: Path, chat_path: Path, eval_path: Path) -> None:
@@ -514,6 +570,11 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--eval-out", type=Path, default=DEFAULT_EVAL_PATH, help="held-out eval JSONL to write")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
+    parser.add_argument(
+        "--regenerate-chat",
+        action="store_true",
+        help=f"rewrite {REGENERATED_CHAT.name} with the target's own greedy answers (after a change of the spec)",
+    )
     args = parser.parse_args(argv)
     if args.train_steps is not None and args.train_steps < 1:
         raise UserError(f"--train-steps {args.train_steps}: the target trains for at least 1 step. Fix: give 1 or more")
@@ -521,7 +582,9 @@ def _main(argv: list[str] | None) -> int:
     spec = TinyTargetSpec()
     if args.train_steps is not None:
         spec = dataclasses.replace(spec, train_steps=args.train_steps)
-    make_tiny_target(args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force)
+    make_tiny_target(
+        args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force, regenerate_chat=args.regenerate_chat
+    )
     return 0
 
 
