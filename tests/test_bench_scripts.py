@@ -272,3 +272,20 @@ def test_checkpoint_bench_saves_with_the_trainers_code_and_accounts_for_its_part
     assert written_gib >= state_gib > 0  # what is on disk holds at least the tensors
     assert "ratio to the plain write" in out and "at 4 ranks, rank 0's save" in out
     assert not any(scratch.rglob("*.distcp")) and not (scratch / "plain.bin").exists()
+
+
+def test_speedup_synthetic_quick_times_the_three_costs_and_derives_the_break_even(tmp_path: Path) -> None:
+    """``tools.bench.speedup --synthetic --quick``: a plain decode step, a verify forward over the block
+    and a block proposal, each timed; the speed-ups it prints follow from them."""
+    path = tmp_path / "speedup.json"
+    done = run_cmd(
+        [sys.executable, "-m", "tools.bench.speedup", "--synthetic", "--quick", "--repeats", "2", "--json", str(path)]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(path.read_text())
+    plain, verify, propose = result["plain_step_ms"], result["verify_forward_ms"], result["propose_ms"]
+    assert min(plain, verify, propose) > 0 and result["block_size"] == 7
+    assert result["break_even_acceptance"] == pytest.approx((verify + propose) / plain)
+    for acceptance, speedup in result["speedup_at"].items():
+        assert speedup == pytest.approx(float(acceptance) * plain / (verify + propose))
+    assert "break-even acceptance length" in done.stdout
