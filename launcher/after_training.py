@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.component import spawn_component, stop_process
+from launcher.eval_job import local_eval_command
 from runtime.recipe import ResolvedRecipe
 from runtime.recipe.loader import RESOLVED_FILENAME
 
@@ -58,18 +59,7 @@ def evaluate_after_training(job_dir: Path, recipe_file: str, repo_root: Path) ->
     """Evaluate the run's newest checkpoint against the untrained floor (``runtime.evaluate``), its
     progress on the console as ``[eval]`` lines and all of it in ``logs/eval_after_training.log``;
     returns its exit code."""
-    command = [
-        sys.executable,
-        "-u",
-        "-m",
-        "runtime.evaluate",
-        "--recipe",
-        str(job_dir / RESOLVED_FILENAME),
-        "--eval-recipe",
-        recipe_file,
-        "--checkpoint",
-        "latest",
-    ]
+    command = local_eval_command(job_dir, recipe_file, "latest", [])
     log_path = job_dir / "logs" / AFTER_TRAINING_LOG
     print(
         f"[local] evaluating the final draft on the held-out prompts (eval.after_training; log {log_path})", flush=True

@@ -121,6 +121,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def local_eval_command(job_dir: Path, recipe_file: str, checkpoint: str, extra: list[str]) -> list[str]:
+    """The ``runtime.evaluate`` command of a job's evaluation on this machine (unbuffered: its progress
+    lines reach the console as they come)."""
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "runtime.evaluate",
+        "--recipe",
+        str(job_dir / RESOLVED_FILENAME),
+        "--eval-recipe",
+        recipe_file,
+        "--checkpoint",
+        checkpoint,
+        *extra,
+    ]
+
+
 def eval_arguments(args: argparse.Namespace) -> list[str]:
     """The ``runtime.evaluate`` arguments after ``--checkpoint`` (eval sets, overrides)."""
     out: list[str] = []
@@ -164,18 +182,7 @@ def main(argv: list[str], repo_root: Path) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise EvalLaunchError(f"--out {args.out} is a file; the results go into a folder. Fix: give a folder's path")
     if args.local:
-        command = [
-            sys.executable,
-            "-m",
-            "runtime.evaluate",
-            "--recipe",
-            str(job_dir / RESOLVED_FILENAME),
-            "--eval-recipe",
-            recipe_file,
-            "--checkpoint",
-            args.checkpoint,
-            *eval_arguments(args),
-        ]
+        command = local_eval_command(job_dir, recipe_file, args.checkpoint, eval_arguments(args))
         try:
             return run_attached(command, cwd=repo_root).returncode
         except ChildStopped as exc:

@@ -25,14 +25,13 @@ from runtime.evaluate.decoder import speculative_generate
 from runtime.evaluate.draft import DraftProposer, build_draft
 from runtime.evaluate.eval_sets import EvalSetError, load_prompts
 from runtime.evaluate.report import pass_figures
-from runtime.evaluate.runner import load_tokenizer
+from runtime.evaluate.runner import load_tokenizer, target_vocab
 from runtime.evaluate.target import TargetDecoder, TargetLoadError, load_causal_lm
 from runtime.files import append_text
 from runtime.recipe import RecipeError, ResolvedRecipe, load_resolved
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource, DraftSourceError, complete_checkpoints
 from runtime.shared.lifecycle import die_with_parent
 from runtime.trainer.checkpoints import CheckpointError
-from runtime.trainer.frozen_vocab import load_frozen_vocab
 
 log = logging.getLogger("dspark.evaluate.during_training")
 
@@ -67,15 +66,7 @@ def checkpoint_acceptance(resolved: ResolvedRecipe, num_prompts: int) -> None:
     prompts = load_prompts(eval_set, 0, resolved.resolve_path, load_tokenizer(target_path), recipe.capture.vocab_size)
     prompts = prompts[:num_prompts]
     target = TargetDecoder(load_causal_lm(target_path, dtype, "cpu"), recipe.capture.aux_layer_ids)
-    embed, lm_head = load_frozen_vocab(
-        target_path,
-        embed_tensor_name=recipe.trainer.embed_tensor_name,
-        lm_head_tensor_name=recipe.trainer.lm_head_tensor_name,
-        vocab_size=recipe.capture.vocab_size,
-        hidden_size=recipe.capture.hidden_size,
-        dtype=dtype,
-        device=torch.device("cpu"),
-    )
+    embed, lm_head = target_vocab(recipe, target_path, dtype, "cpu")
     stop_ids = {recipe.capture.special_tokens.eos_id, *settings.stop_token_ids}
     out_path = resolved.job_dir / "eval" / RESULTS_FILE
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figure
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.evaluate.teacher_forced import teacher_forced_tau
 from runtime.recipe import ResolvedRecipe
-from runtime.recipe.schema import EvalSection
+from runtime.recipe.schema import EvalSection, Recipe
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.user_errors import UserError
@@ -92,6 +92,21 @@ def load_tokenizer(target_path: Path) -> Any:
         return None
 
 
+def target_vocab(
+    recipe: Recipe, target_path: Path, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's frozen embedding and lm_head, which every draft of the evaluation shares."""
+    return load_frozen_vocab(
+        target_path,
+        embed_tensor_name=recipe.trainer.embed_tensor_name,
+        lm_head_tensor_name=recipe.trainer.lm_head_tensor_name,
+        vocab_size=recipe.capture.vocab_size,
+        hidden_size=recipe.capture.hidden_size,
+        dtype=dtype,
+        device=torch.device(device),
+    )
+
+
 def _prompts(inputs: EvalInputs, target_path: Path) -> dict[str, list[Prompt]]:
     """The chosen eval sets' prompts, by set name."""
     tokenizer = load_tokenizer(target_path)
@@ -135,15 +150,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
     prompts = _prompts(inputs, target_path)
     log.info("eval: loading the target from %s on %s (%s)", target_path, device, recipe.capture.compute_dtype)
     target = TargetDecoder(load_causal_lm(target_path, dtype, device), recipe.capture.aux_layer_ids)
-    embed, lm_head = load_frozen_vocab(
-        target_path,
-        embed_tensor_name=recipe.trainer.embed_tensor_name,
-        lm_head_tensor_name=recipe.trainer.lm_head_tensor_name,
-        vocab_size=recipe.capture.vocab_size,
-        hidden_size=recipe.capture.hidden_size,
-        dtype=dtype,
-        device=torch.device(device),
-    )
+    embed, lm_head = target_vocab(recipe, target_path, dtype, device)
     sources = [inputs.source]
     if settings.compare_untrained and inputs.source.kind != UNTRAINED:
         sources.append(DraftSource(UNTRAINED, None, UNTRAINED, 0))

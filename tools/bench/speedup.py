@@ -41,11 +41,10 @@ def _decoders(job_dir: Path, checkpoint: str, device: str) -> tuple[Any, dict[st
     eval set's prompts, the stop ids and the eval settings."""
     from runtime.evaluate.draft import build_draft
     from runtime.evaluate.eval_sets import load_prompts
-    from runtime.evaluate.runner import load_tokenizer
+    from runtime.evaluate.runner import load_tokenizer, target_vocab
     from runtime.evaluate.target import TargetDecoder, load_causal_lm
     from runtime.recipe import load_resolved
     from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource, resolve_draft_source
-    from runtime.trainer.frozen_vocab import load_frozen_vocab
 
     resolved = load_resolved(job_dir / "recipe.resolved.json")
     recipe = resolved.recipe
@@ -54,15 +53,7 @@ def _decoders(job_dir: Path, checkpoint: str, device: str) -> tuple[Any, dict[st
     dtype = getattr(torch, recipe.capture.compute_dtype)
     target_path = resolved.resolve_path(recipe.capture.target_path)
     target = TargetDecoder(load_causal_lm(target_path, dtype, device), recipe.capture.aux_layer_ids)
-    embed, lm_head = load_frozen_vocab(
-        target_path,
-        embed_tensor_name=recipe.trainer.embed_tensor_name,
-        lm_head_tensor_name=recipe.trainer.lm_head_tensor_name,
-        vocab_size=recipe.capture.vocab_size,
-        hidden_size=recipe.capture.hidden_size,
-        dtype=dtype,
-        device=torch.device(device),
-    )
+    embed, lm_head = target_vocab(recipe, target_path, dtype, device)
     drafts = {}
     for source in (
         resolve_draft_source(checkpoint, resolved.checkpoint_dir()),
