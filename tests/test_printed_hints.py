@@ -14,7 +14,7 @@ from launcher.cli import SUBCOMMANDS
 REPO = Path(__file__).resolve().parent.parent
 SCANNED = ("launcher", "runtime", "tools")
 MODULE_COMMAND = re.compile(r"\b(python3?) -m ([A-Za-z_][\w.]*)(?: +([A-Za-z_{][\w{}.-]*))?")
-TOOL_PATH = re.compile(r"(?<![\w./-])tools/([a-z_]+)\b")
+TOOL_PATH = re.compile(r"(?<![\w./-])tools/([a-z_]+(?:\.[a-z]+)?)\b")
 OURS = ("launcher", "runtime", "tools")
 """Top-level packages of this repository; other modules (sglang, torch.distributed) are external."""
 
