@@ -119,9 +119,11 @@ def test_a_corrupt_checkpoint_is_refused_in_one_console_line(tmp_path: Path, tin
     assert done.returncode != 0, console[-3000:]
     assert "Traceback" not in console, console[-3000:]
     said = [line for line in console.splitlines() if f"{shard.name} is corrupt: sha256" in line]
-    # Said once, by the trainer; the supervisor's lines point at it, and only the status table the run ends
-    # with (what `status` shows later) keeps the reason as its note.
-    refusals = [line for line in said if not line.strip().startswith("note:")]
+    # Said once, by the trainer; the supervisor's lines point at it, the status table the run ends with
+    # (what `status` shows later) keeps the reason as its note, and the closing line names the cause again.
+    closing = "[local] the cause, above: trainer rank 0 exited with code 1: checkpoint file "
+    assert any(line.startswith(closing) for line in said), console[-3000:]
+    refusals = [line for line in said if not line.strip().startswith("note:") and not line.startswith(closing)]
     assert len(refusals) == 1, console[-3000:]
     assert refusals[0].startswith("[trainer rank 0] error: checkpoint file ") and "Fix:" in refusals[0], refusals
     failed = "[local] FAILED: trainer rank 0 exited with code 1; its error line above says why and the fix"

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from launcher.control import SUPERVISOR_LOCK
 from launcher.deaths import Death, claim_first_death, first_cause, last_words, order_deaths
 from launcher.jobs import JobRecord
 from launcher.local import LocalRun, LocalTask
@@ -297,7 +298,9 @@ def test_kill_9_of_the_mooncake_master_is_one_line_within_seconds(tmp_path: Path
     assert status["capture"]["state"] == "FAILED" and "mooncake_master" in status["capture"]["reason"], status
     assert status["trainer"]["state"] == "CANCELLED" and "after capture rank 0 died" in status["trainer"]["reason"]
     # (A stopped trainer may keep its last finished step: DCP names its own metadata file .metadata.)
-    leftovers = [p for p in job_dir.rglob(".*") if p.is_file() and p.name != ".metadata"]
+    # (The supervisor's lock file names who supervises the folder, for cancel; it stays, empty.)
+    kept = {".metadata", SUPERVISOR_LOCK}
+    leftovers = [p for p in job_dir.rglob(".*") if p.is_file() and p.name not in kept]
     assert not leftovers, "no temporary or reserve file is left"
     print(
         f"kill -9 -> capture line {watch[0][0] - killed_at:.1f} s; -> supervisor line {failed[0][0] - killed_at:.1f} s"
