@@ -27,6 +27,9 @@ from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
 from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
+PEER_REFUSAL_WAIT_S = 5.0
+"""How long the supervisor lets the other ranks of a component finish refusing after one rank refused:
+every rank refuses a corrupt checkpoint together, and the rank whose exit is seen first is a race."""
 _TRACEBACK_START = re.compile(
     r"^(Traceback \(most recent call last\):|Exception in |Exception ignored (in|on) "
     r"|During handling of the above exception|The above exception was the direct cause)"
@@ -328,6 +331,19 @@ class LocalRun:
             flush=True,
         )
 
+    def _let_peers_refuse(self, component: str) -> None:
+        """When a rank of ``component`` refused in its own words, give its running peers up to
+        :data:`PEER_REFUSAL_WAIT_S` to end on their own: those refusing the same thing then count as one
+        cause, named by the lowest rank (whose line the console shows), instead of whichever exit won."""
+        if not any(d.component == component and d.refused() for d in self.deaths.values()):
+            return
+        deadline = time.monotonic() + PEER_REFUSAL_WAIT_S
+        tasks = self._component_tasks(component)
+        while time.monotonic() < deadline and any(t.process.poll() is None for t in tasks):
+            time.sleep(0.1)
+        self._echo_logs()
+        self._note_deaths()
+
     def _supervise(self) -> int:
         while True:
             self._echo_logs()
@@ -336,6 +352,8 @@ class LocalRun:
             self._note_deaths()
             trainer_code = self._component_exit("trainer")
             if trainer_code is not None:
+                if trainer_code != 0:
+                    self._let_peers_refuse("trainer")
                 first = self._report_first_death() if trainer_code != 0 else None
                 self._finish("trainer", trainer_code)
                 capture_code = self._component_exit("capture")
