@@ -116,7 +116,8 @@ def headline(results: dict[str, Any], results_path: Path, display: Any = str) ->
             f"{_fmt(rate, 1):>11} {_fmt(plain, 1):>12} {_fmt(speedup, 2) + 'x' if speedup else '-':>8}"
         )
     lines.append(
-        "  accept len: tokens committed per verify step (the drafted tokens the target accepted, plus its own)"
+        "  accept len: tokens emitted per verify step (SGLang's spec_accept_length; the prompt's first token "
+        "counts, nothing after a stop does)"
     )
     lines.append(f"  results  {display(results_path)} (summary.txt beside it)")
     plots = sorted(results_path.parent.glob("*.png")) + sorted(results_path.parent.parent.glob("*.png"))

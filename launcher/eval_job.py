@@ -202,7 +202,7 @@ def _submit(recipe: Recipe, recipe_file: str, job_dir: Path, args: argparse.Name
     eval_dir = job_dir / "eval"
     print(f"submitted eval job {slurm_id} for {job_dir} (draft {args.checkpoint})")
     print(f"  follow: tail -f {shell_word(str(eval_dir / f'slurm-{slurm_id}.out'))}")
-    print(f"  results: {eval_dir}/<draft>/results.json and summary.txt")
+    print(f"  results: {eval_dir}/<draft>/results.json, summary.txt and decodes.jsonl (every decode)")
     return 0
 
 

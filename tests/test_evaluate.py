@@ -145,6 +145,55 @@ def test_every_acceptance_length_commits_the_right_tokens_and_rolls_the_cache_ba
     assert len(spec.steps) >= 40 // (right + 1) - 1
 
 
+def test_acceptance_length_counts_committed_tokens_not_those_after_the_stop() -> None:
+    """A draft right in every slot; the stop token is the third output token. The decode commits the
+    prefill's token and two more, the stop included, in one verify step: 3 tokens per verify step, as
+    SGLang counts it (completion_tokens / spec_verify_ct). The step offered 5 (4 drafted + the
+    target's own); the two after the stop are never emitted and do not count. The same decode as
+    SGLang answers it gives the same figure on the SGLang route."""
+    from runtime.evaluate.decodes import generation_lines
+    from runtime.evaluate.eval_sets import Prompt
+    from runtime.evaluate.sglang_route import RequestOutcome, outcome_figures
+
+    pair = toy_pair(VOCAB, BLOCK, seed=4, logit_scale=4.0)
+    prompt = [3, 1, 4, 1, 5]
+    truth = plain_generate(
+        pair.target, "p", prompt, max_new_tokens=40, temperature=0.0, stop_ids=set(), generator=torch.Generator()
+    ).output_ids
+    stop = next(i for i in range(2, len(truth)) if truth[i] not in truth[:i])
+    spec = speculative_generate(
+        pair.target,
+        _ScriptedProposer(pair.proposer, truth, len(prompt), BLOCK),
+        "p",
+        prompt,
+        max_new_tokens=40,
+        temperature=0.0,
+        stop_ids={truth[stop]},  # type: ignore[arg-type]
+        generator=torch.Generator(),
+    )
+    assert spec.output_ids == truth[: stop + 1] and spec.stopped_by == "stop_token"
+    steps = len(spec.steps)
+    figures = pass_figures([spec], block_size=BLOCK)
+    assert figures["mean_acceptance_length"] == pytest.approx((stop + 1) / steps)
+    assert figures["mean_acceptance_length"] < sum(s.accepted + 1 for s in spec.steps) / steps  # offered > emitted
+    (line,) = generation_lines(0.0, "d", "s", [Prompt("p", prompt)], [spec])
+    assert line["acceptance_length"] == figures["mean_acceptance_length"] and line["output_ids"] == spec.output_ids
+
+    # SGLang 0.5.23's answer for this decode: meta_info as its tokenizer manager writes it
+    meta = {"completion_tokens": stop + 1, "spec_verify_ct": steps, "spec_accept_length": (stop + 1) / steps}
+    histogram = [0] * (BLOCK + 1)
+    for record in spec.steps:
+        histogram[record.accepted] += 1
+    outcome = RequestOutcome("p", spec.output_ids, meta["completion_tokens"], meta["spec_verify_ct"], histogram, 0.1)
+    served = outcome_figures([outcome], block_size=BLOCK, wall_s=0.1)
+    assert (
+        served["mean_acceptance_length"]
+        == figures["mean_acceptance_length"]
+        == pytest.approx(meta["spec_accept_length"])
+    )
+    assert [s["accept_rate"] for s in served["slots"]] == [s["accept_rate"] for s in figures["slots"]]
+
+
 def test_the_drafts_proposal_equals_the_trainers_teacher_forced_forward() -> None:
     """At an anchor, the decoder's greedy block (Markov head fed the drafted tokens) equals the
     trainer's forward over the full sequence (block mask, Markov head fed the true tokens) wherever
@@ -194,7 +243,8 @@ def test_pass_figures_count_acceptance_length_per_slot_rates_and_calibration() -
     gens = [_generation([0, 2, 3], [0.9, 0.5, 0.25]), _generation([1], [0.9, 0.5, 0.25], tokens=3)]
     figures = pass_figures(gens, block_size=3)
     assert figures["verify_steps"] == 4
-    assert figures["mean_acceptance_length"] == pytest.approx((1 + 3 + 4 + 2) / 4)
+    # committed tokens (5 + 3) per verify step: what was emitted, not what the steps offered (1+3+4+2)
+    assert figures["mean_acceptance_length"] == pytest.approx(8 / 4)
     slots = figures["slots"]
     # slot 1 verified in all 4 steps, accepted in 3; slot 2 reached 3 times, accepted 2; slot 3: 2 and 1
     assert [(s["reached"], s["accept_rate"]) for s in slots] == [(4, 0.75), (3, pytest.approx(2 / 3)), (2, 0.5)]
@@ -302,3 +352,22 @@ def test_eval_settings_do_not_change_the_training_runs_digest() -> None:
     same = [load_recipe(tiny, ["eval.max_new_tokens=7"]).recipe, base.model_copy(update={"eval": None})]
     assert all(recipe_digest(r) == recipe_digest(base) for r in same)
     assert recipe_digest(load_recipe(tiny, ["trainer.seed=8"]).recipe) != recipe_digest(base)
+
+
+def test_the_replay_tool_recomputes_the_figures_and_names_a_difference() -> None:
+    """tools/replay_decodes sums committed tokens over verify steps from decodes.jsonl's lines and names
+    any figure of results.json that does not follow from them."""
+    from tools.replay_decodes import recomputed_figures
+
+    lines = [
+        {"temperature": 0.0, "decoder": "d", "set": "a", "output_ids": [1, 2, 3], "verify_steps": 2},
+        {"temperature": 0.0, "decoder": "d", "set": "b", "output_ids": [1, 2, 3, 4, 5], "verify_steps": 2},
+        {"temperature": 0.0, "decoder": "target alone", "set": "a", "output_ids": [1, 2, 3]},
+    ]
+    figures = {"overall": {"mean_acceptance_length": 2.0}, "sets": {"a": {"mean_acceptance_length": 1.5},
+                                                                    "b": {"mean_acceptance_length": 2.5}}}  # fmt: skip
+    results = {"passes": [{"temperature": 0.0, "drafts": {"d": figures}}]}
+    assert recomputed_figures(results, lines) == []
+    figures["sets"]["b"]["mean_acceptance_length"] = 3.0  # e.g. counting the tokens the steps offered
+    (difference,) = recomputed_figures(results, lines)
+    assert difference == "T=0 d b: results.json says 3.0, the decodes give 5 tokens / 2 verify steps = 2.5"

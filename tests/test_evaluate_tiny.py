@@ -6,10 +6,13 @@ and the plots. The reference run is read, never written: results go to a tempora
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.support.launcher_cli import launch
 
 pytestmark = pytest.mark.slow
@@ -55,6 +58,24 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
     for plot in ("slot_accept_rate.png", "calibration.png", "acceptance_over_steps.png"):
         assert (tmp_path / "checkpoint" / plot).stat().st_size > 1000
     assert not (tiny_reference_run / "eval").exists()
+
+    # Every decode is on record, and an independent replay agrees: the figures are sums over the lines,
+    # and plain transformers greedy decoding gives every recorded greedy output (replayed for 6 prompts).
+    from runtime.evaluate.decodes import read_decodes
+
+    lines = read_decodes(tmp_path / "checkpoint" / "decodes.jsonl")
+    assert len(lines) == 32 * 2 * 3  # prompts x temperatures x (target alone, trained, untrained)
+    assert {line["decoder"] for line in lines} == {"target alone", TRAINED, "untrained"}
+    replay = subprocess.run(
+        [sys.executable, "-m", "tools.replay_decodes", str(tmp_path / "checkpoint"), "--limit", "6"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    assert "figures: 0 of results.json's acceptance lengths differ" in replay.stdout
+    assert "greedy: 18/18 recorded outputs identical to transformers greedy" in replay.stdout
 
     # The exported draft (what SGLang would serve) is the same draft: the same weights, read both ways.
     import torch

@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         inputs = EvalInputs(resolved, settings, source, args.sets)
         if route_of(inputs) == "sglang":
             out_dir.mkdir(parents=True, exist_ok=True)
-            results = evaluate_with_sglang(inputs, out_dir)
+            results, decodes = evaluate_with_sglang(inputs, out_dir)
         else:
-            results = evaluate(inputs)
+            results, decodes = evaluate(inputs)
     except (
         RecipeError,
         DraftSourceError,
@@ -93,20 +93,22 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     with stop_signals_deferred():  # a stop now comes after every file: the results are whole, or none is new
-        _write_results(results, out_dir, resolved.job_dir / "eval" if args.out is None else out_dir)
+        _write_results(results, decodes, out_dir, resolved.job_dir / "eval" if args.out is None else out_dir)
     return 0
 
 
-def _write_results(results: dict, out_dir: Path, eval_root: Path) -> None:
-    """results.json, summary.txt and the plots of one evaluation."""
+def _write_results(results: dict, decodes: list[dict], out_dir: Path, eval_root: Path) -> None:
+    """decodes.jsonl, results.json, summary.txt and the plots of one evaluation."""
+    from runtime.evaluate.decodes import write_decodes
     from runtime.evaluate.report import results_table
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_decodes(decodes, out_dir)
     atomic_write_text(out_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     summary = results_table(results)
     atomic_write_text(out_dir / SUMMARY_FILE, summary + "\n")
     print(summary)
-    print(f"\nresults: {out_dir / RESULTS_FILE}")
+    print(f"\nresults: {out_dir / RESULTS_FILE}; every decode, replayable: {out_dir / 'decodes.jsonl'}")
     from runtime.evaluate.plots import draw_eval_plots
 
     # A results folder of the operator's choosing keeps every plot inside it (the job folder is not touched).

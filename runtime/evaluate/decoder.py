@@ -10,10 +10,11 @@ The loop, as SGLang's DSpark decode runs it for one request:
 4. The cache is cut back to the anchor and the ``n`` accepted tokens; their aux states join the
    draft's context; the target's token is the next anchor. Repeat from 2.
 
-A verify step's acceptance length is ``n + 1`` (the accepted tokens plus the target's own), the
-figure SGLang (``spec_accept_length``) and DeepSpec report. Generation ends at a stop token, at
-``max_new_tokens`` (tokens past either are not committed) or when the next verify block would pass
-the position limit of the target or the draft.
+A verify step offers ``n + 1`` tokens (the accepted ones plus the target's own); the acceptance
+length reported is tokens committed per verify step
+(:func:`runtime.evaluate.report.acceptance_length`, SGLang's ``spec_accept_length``). Generation
+ends at a stop token, at ``max_new_tokens`` (tokens past either are not committed, and do not count)
+or when the next verify block would pass the position limit of the target or the draft.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class VerifyRecord:
     """One verify step."""
 
     accepted: int
-    """Drafted tokens accepted (0..S); the step's acceptance length is ``accepted + 1``."""
+    """Drafted tokens accepted (0..S); the step offers ``accepted + 1`` tokens, fewer are committed
+    when a stop token or ``max_new_tokens`` comes first."""
     confidence: list[float] | None
     """The confidence head's predicted acceptance per slot, or None without one."""
 

@@ -1,7 +1,7 @@
 """The figures of an eval pass, from its generations.
 
-- ``mean_acceptance_length``: committed tokens per verify step, ``accepted + 1`` averaged over steps
-  (SGLang's ``spec_accept_length``, DeepSpec's acceptance length).
+- ``mean_acceptance_length``: see :func:`acceptance_length` (the one definition every route, figure,
+  plot and document uses).
 - Per slot ``k = 1..block_size``: ``reached`` (steps that verified slot k: every earlier slot was
   accepted), ``accept_rate`` (accepted / reached: the conditional rate, what the confidence head
   predicts) and ``cumulative_rate`` (accepted / steps: how often the step got that far).
@@ -21,6 +21,18 @@ from runtime.evaluate.decoder import Generation
 CALIBRATION_BINS = 10
 
 
+def acceptance_length(committed_tokens: int, verify_steps: int) -> float | None:
+    """Acceptance length: tokens committed to the output per verify step, as SGLang serves it
+    (``spec_accept_length`` = ``completion_tokens / spec_verify_ct``).
+
+    ``committed_tokens`` are the tokens the decode emitted: the first one, which the target picks
+    from the prompt's prefill before any verify step, counts; a token past the stop token or past
+    ``max_new_tokens`` does not (a verify step's bonus token after a stop is never emitted). Over
+    several decodes it is their committed tokens summed over their verify steps summed. None without
+    a verify step."""
+    return _ratio(committed_tokens, verify_steps)
+
+
 def pass_figures(generations: Sequence[Generation], block_size: int) -> dict[str, Any]:
     """Acceptance length, per-slot rates, calibration and speed of speculative ``generations``."""
     steps = [step for generation in generations for step in generation.steps]
@@ -29,6 +41,8 @@ def pass_figures(generations: Sequence[Generation], block_size: int) -> dict[str
     predicted = [0.0] * block_size
     bins = [[0, 0.0, 0] for _ in range(CALIBRATION_BINS)]  # [count, predicted sum, accepted count]
     has_confidence = any(step.confidence is not None for step in steps)
+    tokens = sum(len(g.output_ids) for g in generations)
+    seconds = sum(g.seconds for g in generations)
     for step in steps:
         for k in range(min(step.accepted + 1, block_size)):
             hit = k < step.accepted
@@ -41,13 +55,11 @@ def pass_figures(generations: Sequence[Generation], block_size: int) -> dict[str
                 cell[0] += 1
                 cell[1] += p
                 cell[2] += hit
-    tokens = sum(len(g.output_ids) for g in generations)
-    seconds = sum(g.seconds for g in generations)
     figures: dict[str, Any] = {
         "prompts": len(generations),
         "generated_tokens": tokens,
         "verify_steps": len(steps),
-        "mean_acceptance_length": _ratio(sum(s.accepted + 1 for s in steps), len(steps)),
+        "mean_acceptance_length": acceptance_length(tokens, len(steps)),
         "slots": [
             {
                 "slot": k + 1,

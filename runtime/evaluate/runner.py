@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from runtime.evaluate.decoder import Generation, plain_generate, speculative_generate
+from runtime.evaluate.decodes import PLAIN_DECODER, generation_lines, outcome_lines
 from runtime.evaluate.draft import DraftProposer, build_draft
 from runtime.evaluate.eval_sets import Prompt, load_prompts
 from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figures
@@ -135,8 +136,9 @@ def _decode_sets(
     return out
 
 
-def evaluate(inputs: EvalInputs) -> dict[str, Any]:
-    """Run the evaluation; returns the results document."""
+def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the evaluation; returns the results document and every decode's line
+    (:mod:`runtime.evaluate.decodes`)."""
     started = time.monotonic()
     recipe = inputs.resolved.recipe
     settings = inputs.eval
@@ -164,6 +166,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
     total_prompts = sum(len(p) for p in prompts.values())
     progress = Progress(total_prompts * len(settings.temperatures) * (1 + len(drafts)))
     passes = []
+    decodes: list[dict[str, Any]] = []
     greedy_answers: dict[str, list[Generation]] = {}
     for temperature in settings.temperatures:
         common = {"max_new_tokens": settings.max_new_tokens, "temperature": temperature, "stop_ids": stop_ids}
@@ -176,6 +179,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
         )
         if temperature == 0.0:
             greedy_answers = plain
+        decodes += _lines(temperature, PLAIN_DECODER, prompts, plain)
         entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
         for label, model in drafts.items():
             proposer = DraftProposer(model)
@@ -188,6 +192,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
                 progress,
                 f"draft {label}, T={temperature:g}",
             )
+            decodes += _lines(temperature, label, prompts, generated)
             figures = _per_set(generated, lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
             if temperature == 0.0:
                 figures["greedy_agreement"] = greedy_agreement(
@@ -209,7 +214,7 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
             teacher[label] = teacher_forced_tau(target, model, pairs, recipe)
     target.close()
     source = inputs.source
-    return {
+    results = {
         "format": RESULTS_FORMAT,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "job_dir": str(inputs.resolved.job_dir),
@@ -231,6 +236,18 @@ def evaluate(inputs: EvalInputs) -> dict[str, Any]:
         "teacher_forced": teacher,
         "seconds": round(time.monotonic() - started, 2),
     }
+    return results, decodes
+
+
+def _lines(
+    temperature: float, decoder: str, prompts: dict[str, list[Prompt]], generated: dict[str, list[Generation]]
+) -> list[dict[str, Any]]:
+    """Every set's decode lines, in set order."""
+    return [
+        line
+        for name, rows in prompts.items()
+        for line in generation_lines(temperature, decoder, name, rows, generated[name])
+    ]
 
 
 WARM_UP_TOKENS = 8
@@ -262,9 +279,10 @@ def route_of(inputs: EvalInputs) -> str:
     return inputs.resolved.recipe.capture.engine if route == "auto" else route
 
 
-def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
+def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The SGLang route (see :mod:`runtime.evaluate.sglang_route`): export the draft if it is a
-    checkpoint, serve the target with it, send every prompt at each temperature, read the figures."""
+    checkpoint, serve the target with it, send every prompt at each temperature, read the figures;
+    returns the results document and every decode's line."""
     from runtime.capture.engine_sglang import ServerProcess, SGLangEngine
     from runtime.evaluate.sglang_route import (
         EvalClient,
@@ -312,6 +330,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
     engine.env = serving_environment(engine.env, settings.sglang_verify_mode)
     stop_ids = sorted({recipe.capture.special_tokens.eos_id, *settings.stop_token_ids})
     passes = []
+    decodes: list[dict[str, Any]] = []
     try:
         engine.check_patch()
         engine.process = ServerProcess(engine.command, engine.env, engine.log_path)
@@ -329,6 +348,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
                     stop_ids=stop_ids,
                 )
                 by_set[name] = outcome_figures(outcomes, block_size, wall_s)
+                decodes += outcome_lines(temperature, source.label, name, rows, outcomes)
                 every += outcomes
                 total_s += wall_s
                 log.info("eval: SGLang, T=%g, set %s: %d prompts in %.0f s", temperature, name, len(rows), wall_s)
@@ -338,7 +358,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
             passes.append({"temperature": temperature, "plain": None, "drafts": {source.label: figures}})
     finally:
         engine.close()
-    return {
+    results = {
         "format": RESULTS_FORMAT,
         "route": "sglang",
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -357,3 +377,4 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> dict[str, Any]:
         "teacher_forced": {},
         "seconds": round(time.monotonic() - started, 2),
     }
+    return results, decodes

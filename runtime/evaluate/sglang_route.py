@@ -31,6 +31,7 @@ from typing import Any
 
 from runtime.capture.engine_sglang import SERVER_MODULE, _find_key, http_request, serving_arguments
 from runtime.evaluate.eval_sets import Prompt
+from runtime.evaluate.report import acceptance_length
 from runtime.recipe.schema import Recipe
 
 VERIFY_MODE_VARIABLE = "SGLANG_RAGGED_VERIFY_MODE"
@@ -191,7 +192,7 @@ def outcome_figures(outcomes: Sequence[RequestOutcome], block_size: int, wall_s:
         "prompts": len(outcomes),
         "generated_tokens": tokens,
         "verify_steps": steps,
-        "mean_acceptance_length": round(tokens / steps, 6) if steps else None,
+        "mean_acceptance_length": acceptance_length(tokens, steps),
         "slots": slots,
         "seconds": round(wall_s, 4),
         "tokens_per_s": round(tokens / wall_s, 6) if wall_s > 0 else None,

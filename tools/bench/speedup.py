@@ -75,6 +75,7 @@ def bench_job(
     """Acceptance and tokens/s of each draft against the target alone, interleaved per prompt."""
     from runtime.evaluate.decoder import plain_generate, speculative_generate
     from runtime.evaluate.draft import DraftProposer
+    from runtime.evaluate.report import acceptance_length
 
     if device == "cpu":
         torch.set_num_threads(1)  # one sequence: a chain of small operations (what the evaluation does)
@@ -87,7 +88,7 @@ def bench_job(
         for label, model in drafts.items():
             proposer = DraftProposer(model)
             plain_s = spec_s = 0.0
-            plain_tokens = spec_tokens = steps = committed = 0
+            plain_tokens = spec_tokens = steps = 0
             same = 0
             for index, prompt in enumerate(prompts):
                 seed = settings.seed + index
@@ -107,10 +108,9 @@ def bench_job(
                 plain_tokens += len(plain.output_ids)
                 spec_tokens += len(spec.output_ids)
                 steps += len(spec.steps)
-                committed += sum(s.accepted + 1 for s in spec.steps)
                 same += plain.output_ids == spec.output_ids
             row["drafts"][label] = {
-                "mean_acceptance_length": committed / steps if steps else None,
+                "mean_acceptance_length": acceptance_length(spec_tokens, steps),
                 "tokens_per_s": spec_tokens / spec_s,
                 "plain_tokens_per_s": plain_tokens / plain_s,
                 "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),

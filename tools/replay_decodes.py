@@ -1,0 +1,170 @@
+"""Check an evaluation's results from its own records, with nothing of the evaluation's decoder.
+
+``python3 -m tools.replay_decodes RESULTS_FOLDER [--target DIR] [--limit N] [--device cpu]``
+
+1. The figures: every acceptance length in ``results.json`` is recomputed from ``decodes.jsonl``
+   (committed tokens summed over verify steps summed, per temperature, draft and set).
+2. The greedy outputs: every temperature-0 prompt is decoded again with plain transformers
+   ``generate`` (greedy, its own KV cache, no draft) from the recorded ``prompt_ids``, and every
+   decoder's recorded ``output_ids`` for that prompt (the target alone and each draft) is compared
+   with it token for token. A decode the evaluation cut at the position limit is compared on the
+   tokens it has.
+
+The target is the job's ``capture.target_path`` unless ``--target`` names another folder. Prints one
+line per difference and a verdict; exit 0 when everything agrees, 1 when something differs, 2 on bad
+input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+DECODES_FILE = "decodes.jsonl"
+RESULTS_FILE = "results.json"
+
+
+class ReplayInputError(Exception):
+    """A results folder this tool cannot read; the message names the file and the fix."""
+
+
+def _read_folder(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    results_path, decodes_path = folder / RESULTS_FILE, folder / DECODES_FILE
+    for path in (results_path, decodes_path):
+        if not path.is_file():
+            raise ReplayInputError(
+                f"{path} does not exist; fix: give the folder an evaluation wrote (runs/<job>/eval/<draft>), "
+                f"evaluated again if it predates {DECODES_FILE}"
+            )
+    try:
+        results = json.loads(results_path.read_text(encoding="utf-8"))
+        lines = [json.loads(t) for t in decodes_path.read_text(encoding="utf-8").splitlines() if t.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReplayInputError(f"{folder}: {exc}; fix: evaluate again to rewrite the results") from None
+    return results, lines
+
+
+def recomputed_figures(results: dict[str, Any], lines: list[dict[str, Any]]) -> list[str]:
+    """Differences between ``results.json``'s acceptance lengths and those summed from the decode lines."""
+    sums: dict[tuple[float, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for line in lines:
+        if "verify_steps" not in line:
+            continue
+        tokens = line.get("completion_tokens", len(line["output_ids"]))
+        for scope in (line["set"], "overall"):
+            cell = sums[(float(line["temperature"]), line["decoder"], scope)]
+            cell[0] += tokens
+            cell[1] += line["verify_steps"]
+    differences = []
+    for entry in results["passes"]:
+        for label, figures in entry["drafts"].items():
+            scopes = {"overall": figures["overall"], **figures.get("sets", {})}
+            for scope, numbers in scopes.items():
+                tokens, steps = sums.get((float(entry["temperature"]), label, scope), [0, 0])
+                mine = round(tokens / steps, 6) if steps else None
+                theirs = numbers.get("mean_acceptance_length")
+                if mine != theirs:
+                    differences.append(
+                        f"T={entry['temperature']:g} {label} {scope}: results.json says {theirs}, the decodes give "
+                        f"{tokens} tokens / {steps} verify steps = {mine}"
+                    )
+    return differences
+
+
+def replay_greedy(
+    results: dict[str, Any], lines: list[dict[str, Any]], target: Path, device: str, limit: int | None
+) -> tuple[int, list[str]]:
+    """Decode the temperature-0 prompts with transformers greedy ``generate`` and compare every recorded
+    output of them; returns (outputs compared, differences)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    greedy = [line for line in lines if float(line["temperature"]) == 0.0]
+    by_prompt: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for line in greedy:
+        by_prompt[(line["set"], line["prompt_id"])].append(line)
+    keys = list(by_prompt)[:limit] if limit else list(by_prompt)
+    dtype = getattr(torch, results.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    stop_ids = [int(t) for t in results["stop_token_ids"]]
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=int(results["max_new_tokens"]),
+        eos_token_id=stop_ids,
+        pad_token_id=stop_ids[0],
+    )
+    compared, differences = 0, []
+    for count, key in enumerate(keys, 1):
+        prompt_ids = by_prompt[key][0]["prompt_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt_ids], device=device),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+                generation_config=config,
+            )
+        reference = out[0, len(prompt_ids) :].tolist()  # ends with the stop token, as a recorded output does
+        for line in by_prompt[key]:
+            compared += 1
+            recorded = line["output_ids"]
+            if line.get("stopped_by") == "position_limit":
+                same = recorded == reference[: len(recorded)]
+            else:
+                same = recorded == reference
+            if not same:
+                at = next((i for i, (a, b) in enumerate(zip(recorded, reference, strict=False)) if a != b), None)
+                where = f"first difference at output token {at}" if at is not None else "lengths differ"
+                differences.append(
+                    f"set {key[0]} prompt {key[1]}, {line['decoder']}: {len(recorded)} tokens recorded, transformers "
+                    f"greedy gives {len(reference)}; {where}"
+                )
+        if count % 8 == 0 or count == len(keys):
+            print(f"[replay] {count}/{len(keys)} prompts replayed", flush=True)
+    return compared, differences
+
+
+def _target_of(results: dict[str, Any]) -> Path:
+    from runtime.recipe import RecipeError, load_resolved
+
+    resolved_path = Path(results["job_dir"]) / "recipe.resolved.json"
+    try:
+        resolved = load_resolved(resolved_path)
+    except (RecipeError, OSError) as exc:
+        raise ReplayInputError(f"{resolved_path}: {exc}; fix: name the target folder with --target") from None
+    return resolved.resolve_path(resolved.recipe.capture.target_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check one results folder; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python3 -m tools.replay_decodes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="a results folder (results.json and decodes.jsonl)")
+    parser.add_argument("--target", type=Path, help="the target's Hugging Face folder (default: the job's)")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N greedy prompts")
+    parser.add_argument("--device", default="cpu", help="torch device for the replay (default cpu)")
+    args = parser.parse_args(argv)
+    try:
+        results, lines = _read_folder(args.folder)
+        target = args.target or _target_of(results)
+        if not (target / "config.json").is_file():
+            raise ReplayInputError(f"{target} has no config.json; fix: name the target folder with --target")
+    except ReplayInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    differences = recomputed_figures(results, lines)
+    print(f"[replay] figures: {len(differences)} of results.json's acceptance lengths differ from the decodes")
+    compared, different = replay_greedy(results, lines, target, args.device, args.limit)
+    differences += different
+    for line in differences:
+        print(f"[replay] DIFFERS: {line}")
+    print(
+        f"[replay] greedy: {compared - len(different)}/{compared} recorded outputs identical to transformers greedy "
+        f"decoding of {target}"
+    )
+    return 1 if differences else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
