@@ -18,10 +18,11 @@ from tests.support.launcher_cli import launch
 pytestmark = pytest.mark.slow
 
 TRAINED = "step_00000032"
-SAMPLED_MARGIN = 0.2
+SAMPLED_MARGIN = 0.07
 """How far the 32-step draft's acceptance length must clear the untrained floor at temperature 1.
-Measured 1.55 against 1.16 (about 300 verify steps each, standard error near 0.04): 0.2 leaves half
-the gap for machine-to-machine variation of the draws."""
+Measured 1.315 against 1.180 (tokens emitted per verify step; about 300 and 460 verify steps, standard
+errors near 0.03): 0.07 leaves half the gap for machine-to-machine variation of the draws. (The 96-step
+default run clears it by 1.0.)"""
 
 
 def _eval(job_dir: Path, out: Path, *args: str) -> dict:
@@ -48,6 +49,10 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
         assert agreement["identical"] == agreement["prompts"] == 32, agreement
         figures = passes[0.0][label]["overall"]
         assert figures["verify_steps"] > 100 and 1.0 <= figures["mean_acceptance_length"] <= 8.0
+    assert (
+        passes[0.0][TRAINED]["overall"]["mean_acceptance_length"]
+        > passes[0.0]["untrained"]["overall"]["mean_acceptance_length"]
+    )
     trained = passes[1.0][TRAINED]["overall"]["mean_acceptance_length"]
     floor = passes[1.0]["untrained"]["overall"]["mean_acceptance_length"]
     assert trained >= floor + SAMPLED_MARGIN, (trained, floor)

@@ -342,3 +342,46 @@ def test_prefetcher_keeps_order_two_samples_resident_and_reraises() -> None:
             del item
     prefetch.close()
     assert seen == list(range(7)) and peak[0] == 2
+
+
+def _shared_hash_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank: the tensors as DTensors sharded over the ranks, hashed together; a folder's files
+    digested together."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sharded = {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in _hash_inputs().items()}
+        result = {
+            "digest": state_hash.state_dict_sha256(sharded),
+            "files": checkpoints.shared_file_digests(Path(out_dir) / "files"),
+        }
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _hash_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {f"w{i}": torch.randn(4 + i, 3, generator=g) for i in range(9)}
+
+
+def test_ranks_share_the_hashing_and_get_the_one_rank_digests(tmp_path: Path) -> None:
+    """At a stop every rank hashes its share of the tensors (tensor i on rank i % N) and reads back its
+    share of the files; the digests equal those of one process hashing everything, on every rank."""
+    import torch.multiprocessing as mp
+
+    from runtime.shared.checkpoint_integrity import file_digests
+    from runtime.transport.loopback import free_port
+
+    files = tmp_path / "files"
+    (files / "sub").mkdir(parents=True)
+    for i in range(7):
+        (files / ("sub" if i % 3 == 0 else "") / f"f{i}.bin").write_bytes(bytes([i]) * (1000 * (i + 1)))
+    mp.spawn(_shared_hash_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected = {"digest": _reference_hashes(_hash_inputs())[1], "files": file_digests(files)}
+    assert got == [expected] * 2

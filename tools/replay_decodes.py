@@ -82,6 +82,9 @@ def replay_greedy(
     output of them; returns (outputs compared, differences)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     greedy = [line for line in lines if float(line["temperature"]) == 0.0]
     by_prompt: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)

@@ -60,7 +60,12 @@ def file_digest(file: Path) -> dict[str, Any]:
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file under ``folder``, by relative path, hashed on
     :data:`FILE_HASH_THREADS` threads."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return digests_of(folder, sorted(p for p in folder.rglob("*") if p.is_file()))
+
+
+def digests_of(folder: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of ``files`` (under ``folder``), by path relative to it, on
+    :data:`FILE_HASH_THREADS` threads."""
     if not files:
         return {}
     with ThreadPoolExecutor(max_workers=max(1, min(FILE_HASH_THREADS, len(files)))) as pool:

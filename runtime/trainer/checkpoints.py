@@ -58,7 +58,7 @@ from runtime.shared.checkpoint_folders import (
     is_complete,
     step_dir_name,
 )
-from runtime.trainer.distributed import barrier
+from runtime.trainer.distributed import barrier, gather_objects
 from runtime.trainer.state_hash import HASH_SCHEME, KNOWN_HASH_SCHEMES, state_dict_sha256
 from runtime.user_errors import UserError
 
@@ -119,6 +119,28 @@ def read_state(path: Path) -> dict[str, Any]:
 def _older_hint(path: Path) -> str:
     older = [p.name for p in complete_checkpoints(path.parent) if p.name < path.name]
     return f"older ones here: {', '.join(older)}" if older else f"none older in {path.parent}"
+
+
+def shared_file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """:func:`file_digests` of ``folder`` with the reading shared by every rank (collective, after the
+    files are on disk): the files, largest first, go to the rank with the fewest bytes so far, and
+    every rank gets the whole table. At K3 size rank 0 alone read 25 GiB back at a stop."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return file_digests(folder)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    files = sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: (-p.stat().st_size, str(p)))
+    loads = [0] * world
+    mine = []
+    for file in files:
+        owner = loads.index(min(loads))
+        loads[owner] += file.stat().st_size
+        if owner == rank:
+            mine.append(file)
+    own = checkpoint_integrity.digests_of(folder, mine)
+    table: dict[str, dict[str, Any]] = {}
+    for part in gather_objects(own, world):
+        table.update(part)
+    return dict(sorted(table.items()))
 
 
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
@@ -226,9 +248,11 @@ def save_checkpoint(
             {"model": model_state, "optim": optim_state},
             storage_writer=FileSystemWriter(tmp / DCP_DIR, thread_count=WRITE_THREADS),
         )
+        barrier()  # every rank's files and the metadata are on disk
+        # read back from disk, each rank a share: a resume checks these before it trusts a byte
+        files = shared_file_digests(tmp / DCP_DIR)
         weights_hash = state_dict_sha256(model_state)
         optim_hash = state_dict_sha256(flat_tensors(optim_state))
-        barrier()
         if is_main:
             payload = {
                 "format": STATE_FORMAT,
@@ -237,8 +261,7 @@ def save_checkpoint(
                 "weights_sha256": weights_hash,
                 "optimizer_sha256": optim_hash,
                 "hash_scheme": HASH_SCHEME,
-                # read back from disk: a resume checks these before it trusts a byte
-                "files": file_digests(tmp / DCP_DIR),
+                "files": files,
                 "saved_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "torch_version": torch.__version__,
             }

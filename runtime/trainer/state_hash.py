@@ -49,23 +49,60 @@ class UnknownHashSchemeError(UserError, ValueError):
 
 
 def state_dict_sha256(state_dict: dict[str, Any], scheme: str = HASH_SCHEME) -> str:
-    """SHA-256 of full tensors in name order, by ``scheme``. Collective when the tensors are DTensors
-    (every rank must call it): rank 0 hashes, and every rank returns its digest.
+    """SHA-256 of full tensors in name order, by ``scheme``; the same digest at any world size.
+    Collective when the tensors are DTensors (every rank must call it), and every rank returns the
+    digest.
 
-    This thread gathers tensor i + 1 and copies it to the host, while hashing threads work on tensor
-    i and those before it.
+    The per-tensor scheme shares the work: tensor i (in name order) is hashed by rank
+    ``i % world_size``, and the records are gathered and folded in name order. The sequential scheme
+    (checked on loads of old checkpoints only) is hashed by rank 0. While the hashing threads work on
+    the tensors before it, this thread gathers the next one and copies it to the host.
     """
     if scheme not in KNOWN_HASH_SCHEMES:
         raise UnknownHashSchemeError(
             f"unknown hash_scheme {scheme!r} (this trainer knows {', '.join(KNOWN_HASH_SCHEMES)})"
         )
     distributed = dist.is_initialized() and dist.get_world_size() > 1
+    sequential = scheme == SEQUENTIAL_HASH_SCHEME
+    if sequential:
+        return _sequential_sha256(state_dict, distributed)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    names = sorted(state_dict)
+    mine = {name for index, name in enumerate(names) if index % world == rank}
+    staging = _Staging({name: state_dict[name] for name in mine})
+    records: list[tuple[int, bytes]] = []
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        waiting: deque[tuple[int, Future[bytes | None]]] = deque()
+        for index, name in enumerate(names):
+            tensor = state_dict[name]
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # every rank takes part in the gather
+            if name not in mine:
+                continue
+            host, release = staging.host_copy(tensor.detach())
+            if len(waiting) >= HASH_THREADS:
+                done_index, done = waiting.popleft()
+                records.append((done_index, done.result() or b""))
+            waiting.append((index, pool.submit(_released, release, _tensor_record, name, host)))
+        while waiting:
+            done_index, done = waiting.popleft()
+            records.append((done_index, done.result() or b""))
+    if distributed:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, records)
+        records = [record for part in every for record in part]
+    digest = hashlib.sha256()
+    for _, record in sorted(records):
+        digest.update(record)
+    return digest.hexdigest()
+
+
+def _sequential_sha256(state_dict: dict[str, Any], distributed: bool) -> str:
+    """The sequential scheme: rank 0 feeds one digest every tensor's header and bytes in name order."""
     hashing = not distributed or dist.get_rank() == 0
     digest = hashlib.sha256()
-    sequential = scheme == SEQUENTIAL_HASH_SCHEME
-    window = 1 if sequential else HASH_THREADS
     staging = _Staging(state_dict) if hashing else None
-    with ThreadPoolExecutor(max_workers=window) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:
         waiting: deque[Future[bytes | None]] = deque()
         for name in sorted(state_dict):
             tensor = state_dict[name]
@@ -74,14 +111,9 @@ def state_dict_sha256(state_dict: dict[str, Any], scheme: str = HASH_SCHEME) -> 
             if staging is None:
                 continue
             host, release = staging.host_copy(tensor.detach())
-            if len(waiting) >= window:
+            if waiting:
                 _fold(digest, waiting.popleft())
-            # The sequential scheme's one thread feeds the shared digest in order. The per-tensor
-            # scheme's threads return each tensor's record, and this thread folds them in name order.
-            if sequential:
-                waiting.append(pool.submit(_released, release, _hash_into, digest, name, host))
-            else:
-                waiting.append(pool.submit(_released, release, _tensor_record, name, host))
+            waiting.append(pool.submit(_released, release, _hash_into, digest, name, host))
         while waiting:
             _fold(digest, waiting.popleft())
     result = [digest.hexdigest() if hashing else ""]

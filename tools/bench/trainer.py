@@ -15,9 +15,10 @@ Sections (each prints a ratio against a baseline measured in the same run):
   above the inputs and time; the ratio chunked / unchunked peak (target <= 0.15).
 
 - ``checkpoint`` (only when asked for): the trainer's ``save_checkpoint`` of the draft with its AdamW
-  moments on one rank, against a plain write (with fsync) of the same bytes, with its parts (DCP write,
-  the weights and optimizer hashes, rank 0's file digests) and what rank 0 of the recipe's trainer
-  ranks would need; a stop must fit in it before SIGKILL (``job.stop_grace_s``, Slurm's KillWait).
+  moments, against a plain write (with fsync) of the same bytes, with its parts (DCP write, the weights
+  and optimizer hashes, the file digests); a stop must fit in it before SIGKILL (``job.stop_grace_s``,
+  Slurm's KillWait). Under ``torchrun --nproc-per-node 4`` the recipe's 4 ranks save at once (each its
+  share, on its own GPU); on one rank it projects the recipe's ranks.
 
 ``--quick`` runs everything at tiny shapes on CPU (fp32, SDPA, gloo) to prove the tool works; CUDA
 memory statistics are reported on GPU only.
@@ -28,6 +29,7 @@ Examples::
     python3 -m tools.bench.trainer                      # H200; about 2-4 minutes
     python3 -m tools.bench.trainer --section loss
     python3 -m tools.bench.trainer --section checkpoint   # H200; about 2 minutes, 25 GiB of disk
+    torchrun --nproc-per-node 4 -m tools.bench.trainer --section checkpoint   # the recipe's 4 ranks
 """
 
 from __future__ import annotations
@@ -232,11 +234,16 @@ def microstep_flops(shapes: Shapes, layout: BlockLayout) -> dict[str, float]:
 
 
 def init_single_rank(device: torch.device) -> None:
+    """The process group: torchrun's ranks when it started this process (``WORLD_SIZE`` set), else one rank."""
     if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group(backend, rank=0, world_size=1)
 
 
 def synthetic_sample(
@@ -284,7 +291,7 @@ def build_draft(shapes: Shapes, device: torch.device, use_fsdp: bool) -> DSparkD
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         init_single_rank(device)
-        mesh = init_device_mesh(device.type, (1,))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=shapes.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -469,16 +476,32 @@ def _write_plain(path: Path, total_bytes: int, chunk_bytes: int = 256 << 20) -> 
     return time.perf_counter() - started
 
 
-def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_size: int) -> None:
-    """The trainer's checkpoint save (``save_checkpoint``) of the draft with AdamW moments on one rank,
-    against a plain write of the same bytes, with the time of each part; what a stop must fit in
-    (Slurm's KillWait after a plain scancel, GraceTime on preemption)."""
+def _slowest(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Seconds of ``fn`` on the slowest rank (every rank starts it together), and its result."""
+    if dist.is_initialized():
+        dist.barrier()
+    started = time.perf_counter()
+    result = fn()
+    sync(device)
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item()), result
+
+
+def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_ranks: int) -> None:
+    """The trainer's checkpoint save (``save_checkpoint``) of the draft with AdamW moments, on every rank
+    of this run (``torchrun --nproc-per-node N`` for N; one rank otherwise), against a plain write of each
+    rank's share of the bytes by every rank at once, with the time of each part; what a stop must fit in
+    (Slurm's KillWait after a plain scancel, GraceTime on preemption). Times are the slowest rank's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from runtime.trainer.checkpoints import DCP_DIR, file_digests, flat_tensors, rng_state, save_checkpoint
+    from runtime.trainer.checkpoints import DCP_DIR, flat_tensors, rng_state, save_checkpoint, shared_file_digests
     from runtime.trainer.state_hash import state_dict_sha256 as tensors_sha256
 
     model = build_draft(shapes, device, use_fsdp=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
@@ -487,61 +510,66 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, world_si
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {**flat_tensors(model_state), **flat_tensors(optim_state)}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"[bench] checkpoint: {len(tensors)} tensors, {state_bytes / GIB:.2f} GiB (fp32 weights + AdamW moments)")
-    scratch.mkdir(parents=True, exist_ok=True)
-    plain = scratch / "plain.bin"
-    plain_s = _write_plain(plain, state_bytes)
-    plain.unlink()
-    started = time.perf_counter()
-    saved = save_checkpoint(
-        scratch / "checkpoints",
-        step=1,
-        model=model,
-        optimizer=optimizer,
-        state={"step": 1},
-        rng_states=[rng_state()],
-        keep_last=1,
-        is_main=True,
+    say(
+        f"[bench] checkpoint: {len(tensors)} tensors, {state_bytes / GIB:.2f} GiB (fp32 weights + AdamW moments), {world} rank(s)"
     )
-    sync(device)
-    save_s = time.perf_counter() - started
+    scratch.mkdir(parents=True, exist_ok=True)
+    plain = scratch / f"plain_{rank}.bin"
+    plain_s, _ = _slowest(lambda: _write_plain(plain, state_bytes // world), device)
+    plain.unlink()
+    save_s, saved = _slowest(
+        lambda: save_checkpoint(
+            scratch / "checkpoints",
+            step=1,
+            model=model,
+            optimizer=optimizer,
+            state={"step": 1},
+            rng_states=[rng_state()] * world,
+            keep_last=1,
+            is_main=rank == 0,
+        ),
+        device,
+    )
+    path = saved.path  # type: ignore[attr-defined]
     parts = {}
     for name, fn in (
-        ("weights hash (gathered to rank 0, SHA-256)", lambda: tensors_sha256(model_state)),
-        ("optimizer hash (gathered to rank 0, SHA-256)", lambda: tensors_sha256(flat_tensors(optim_state))),
-        ("file digests (rank 0 reads back every file)", lambda: file_digests(saved.path / DCP_DIR)),
+        ("weights hash (each rank hashes 1/N of the tensors, gathered)", lambda: tensors_sha256(model_state)),
+        ("optimizer hash (each rank 1/N)", lambda: tensors_sha256(flat_tensors(optim_state))),
+        ("file digests (each rank reads back 1/N of the bytes)", lambda: shared_file_digests(path / DCP_DIR)),
     ):
-        started = time.perf_counter()
-        fn()
-        parts[name] = time.perf_counter() - started
+        parts[name], _ = _slowest(fn, device)
     # Device tensors hash through pinned staging buffers: the digest must be their host copies' digest.
-    on_host = tensors_sha256({name: tensor.cpu() for name, tensor in model_state.items()})
+    on_host = tensors_sha256({name: tensor.full_tensor().cpu() for name, tensor in model_state.items()})
     if tensors_sha256(model_state) != on_host:
         raise SystemExit(
             f"[bench] the weights hash of the {device.type} tensors differs from that of their host copies"
         )
-    print(f"[bench] the weights hash of the {device.type} tensors equals that of their host copies")
-    written = sum(p.stat().st_size for p in saved.path.rglob("*") if p.is_file())
+    say(f"[bench] the weights hash of the {device.type} tensors equals that of their host copies")
+    written = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     write_s = save_s - sum(parts.values())
-    shutil.rmtree(scratch / "checkpoints", ignore_errors=True)
-    print(
-        f"[bench] baseline: plain write of the same {state_bytes / GIB:.2f} GiB: {plain_s:.2f} s ({state_bytes / plain_s / 1e9:.2f} GB/s)"
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(scratch / "checkpoints", ignore_errors=True)
+    say(
+        f"[bench] baseline: plain write of the same {state_bytes / GIB:.2f} GiB, {world} rank(s) each its share at once: "
+        f"{plain_s:.2f} s ({state_bytes / plain_s / 1e9:.2f} GB/s)"
     )
-    print(
-        f"[bench] save_checkpoint: {save_s:.2f} s for {written / GIB:.2f} GiB on disk; ratio to the plain write {save_s / plain_s:.2f}"
+    say(
+        f"[bench] save_checkpoint on {world} rank(s): {save_s:.2f} s for {written / GIB:.2f} GiB on disk; ratio to the "
+        f"plain write {save_s / plain_s:.2f}"
     )
-    print(
-        f"[bench]   state dict + DCP write (the rest): {write_s:.2f} s ({written / max(write_s, 1e-9) / 1e9:.2f} GB/s)"
-    )
+    say(f"[bench]   state dict + DCP write (the rest): {write_s:.2f} s ({written / max(write_s, 1e-9) / 1e9:.2f} GB/s)")
     for name, seconds in parts.items():
-        print(f"[bench]   {name}: {seconds:.2f} s")
-    # At N ranks each writes 1/N of the files at once (a shared disk may not scale); the hashes and the
-    # file digests stay on rank 0 at full size.
-    rank0_s = write_s / world_size + sum(parts.values())
-    print(
-        f"[bench] at {world_size} ranks, rank 0's save: about {rank0_s:.1f} s if the disk takes {world_size} writers at "
-        f"this rate, {save_s:.1f} s if it takes them one at a time; Slurm's default KillWait is 30 s"
-    )
+        say(f"[bench]   {name}: {seconds:.2f} s")
+    if world == 1 and recipe_ranks > 1:
+        # At N ranks each writes 1/N of the files at once (a shared disk may not scale) and hashes 1/N.
+        shared = sum(parts.values()) / recipe_ranks
+        say(
+            f"[bench] at {recipe_ranks} ranks (the recipe's), each rank's save: about {write_s / recipe_ranks + shared:.1f} s "
+            f"if the disk takes {recipe_ranks} writers at this rate, {write_s + shared:.1f} s if it takes them one at a "
+            "time; Slurm's default KillWait is 30 s"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -576,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --quick on CPU, or on the H200 machine")
             return 0
-        device, shapes = torch.device("cuda", 0), k3_shapes()
+        device, shapes = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), k3_shapes()
         torch.cuda.set_device(device)
     if args.tokens:
         shapes = Shapes(**{**shapes.__dict__, "tokens": args.tokens})
