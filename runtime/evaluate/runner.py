@@ -164,54 +164,34 @@ def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     stop_ids = {recipe.capture.special_tokens.eos_id, *settings.stop_token_ids}
     _warm_up(target, drafts, next(iter(prompts.values()))[0], stop_ids)
     total_prompts = sum(len(p) for p in prompts.values())
-    progress = Progress(total_prompts * len(settings.temperatures) * (1 + len(drafts)))
-    passes = []
-    decodes: list[dict[str, Any]] = []
-    greedy_answers: dict[str, list[Generation]] = {}
-    for temperature in settings.temperatures:
-        common = {"max_new_tokens": settings.max_new_tokens, "temperature": temperature, "stop_ids": stop_ids}
-        plain = _decode_sets(
-            prompts,
-            lambda p, g, common=common: plain_generate(target, p.prompt_id, p.input_ids, generator=g, **common),
-            settings.seed,
-            progress,
-            f"target alone, T={temperature:g}",
+    temperatures = list(settings.temperatures)
+    in_parallel = _passes_in_parallel(device, temperatures)
+    if in_parallel:
+        log.info(
+            "eval: the %d temperatures decode in %d processes at once (one core each)",
+            len(temperatures),
+            len(temperatures),
         )
-        if temperature == 0.0:
-            greedy_answers = plain
-        decodes += _lines(temperature, PLAIN_DECODER, prompts, plain)
-        entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
-        for label, model in drafts.items():
-            proposer = DraftProposer(model)
-            generated = _decode_sets(
-                prompts,
-                lambda p, g, proposer=proposer, common=common: speculative_generate(
-                    target, proposer, p.prompt_id, p.input_ids, generator=g, **common
-                ),
-                settings.seed,
-                progress,
-                f"draft {label}, T={temperature:g}",
-            )
-            decodes += _lines(temperature, label, prompts, generated)
-            figures = _per_set(generated, lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
-            if temperature == 0.0:
-                figures["greedy_agreement"] = greedy_agreement(
-                    [g for n in prompts for g in generated[n]], [g for n in prompts for g in plain[n]]
-                )
-            plain_rate = entry["plain"]["overall"]["tokens_per_s"]
-            rate = figures["overall"]["tokens_per_s"]
-            figures["speedup_vs_plain"] = round(rate / plain_rate, 4) if rate and plain_rate else None
-            entry["drafts"][label] = figures
-        passes.append(entry)
-    teacher = {}
-    if greedy_answers:
-        pairs = [
-            (prompt.input_ids, generation.output_ids)
-            for name, rows in prompts.items()
-            for prompt, generation in zip(rows, greedy_answers[name], strict=True)
-        ]
-        for label, model in drafts.items():
-            teacher[label] = teacher_forced_tau(target, model, pairs, recipe)
+
+    serial_progress = Progress(total_prompts * (1 + len(drafts)) * len(temperatures))
+
+    def one_pass(temperature: float) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+        progress = Progress(total_prompts * (1 + len(drafts))) if in_parallel else serial_progress
+        entry, lines, greedy = _temperature_pass(temperature, target, drafts, prompts, stop_ids, settings, progress)
+        teacher = {}
+        if greedy:  # the teacher-forced tau runs on the target's greedy answers
+            pairs = [
+                (prompt.input_ids, generation.output_ids)
+                for name, rows in prompts.items()
+                for prompt, generation in zip(rows, greedy[name], strict=True)
+            ]
+            teacher = {label: teacher_forced_tau(target, model, pairs, recipe) for label, model in drafts.items()}
+        return entry, lines, teacher
+
+    outcomes = _run_passes(one_pass, temperatures, in_parallel)
+    passes = [entry for entry, _, _ in outcomes]
+    decodes = [line for _, lines, _ in outcomes for line in lines]
+    teacher = next((tau for _, _, tau in outcomes if tau), {})
     target.close()
     source = inputs.source
     results = {
@@ -248,6 +228,102 @@ def _lines(
         for name, rows in prompts.items()
         for line in generation_lines(temperature, decoder, name, rows, generated[name])
     ]
+
+
+def _temperature_pass(
+    temperature: float,
+    target: TargetDecoder,
+    drafts: dict[str, Any],
+    prompts: dict[str, list[Prompt]],
+    stop_ids: set[int],
+    settings: EvalSection,
+    progress: Progress,
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[Generation]]]:
+    """One temperature: the target alone, then each draft, on every prompt. Returns the pass's entry of
+    ``results.json``, its decode lines, and (at temperature 0) the target's greedy answers."""
+    common = {"max_new_tokens": settings.max_new_tokens, "temperature": temperature, "stop_ids": stop_ids}
+    plain = _decode_sets(
+        prompts,
+        lambda p, g: plain_generate(target, p.prompt_id, p.input_ids, generator=g, **common),
+        settings.seed,
+        progress,
+        f"target alone, T={temperature:g}",
+    )
+    decodes = _lines(temperature, PLAIN_DECODER, prompts, plain)
+    entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
+    for label, model in drafts.items():
+        proposer = DraftProposer(model)
+        generated = _decode_sets(
+            prompts,
+            lambda p, g, proposer=proposer: speculative_generate(
+                target, proposer, p.prompt_id, p.input_ids, generator=g, **common
+            ),
+            settings.seed,
+            progress,
+            f"draft {label}, T={temperature:g}",
+        )
+        decodes += _lines(temperature, label, prompts, generated)
+        figures = _per_set(generated, lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
+        if temperature == 0.0:
+            figures["greedy_agreement"] = greedy_agreement(
+                [g for n in prompts for g in generated[n]], [g for n in prompts for g in plain[n]]
+            )
+        plain_rate = entry["plain"]["overall"]["tokens_per_s"]
+        rate = figures["overall"]["tokens_per_s"]
+        figures["speedup_vs_plain"] = round(rate / plain_rate, 4) if rate and plain_rate else None
+        entry["drafts"][label] = figures
+    return entry, decodes, plain if temperature == 0.0 else {}
+
+
+def _passes_in_parallel(device: str, temperatures: list[float]) -> bool:
+    """Whether the temperature passes decode in processes of their own at once: on a CPU with a core
+    for each (a decode is one thread; each pass times the target alone and the drafts in its own
+    process, so its speed-up compares like with like), where ``fork`` shares the loaded models."""
+    if device != "cpu" or len(temperatures) < 2 or not hasattr(os, "fork"):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= len(temperatures)
+
+
+def _run_passes(one_pass: Callable[[float], Any], temperatures: list[float], in_parallel: bool) -> list[Any]:
+    """``one_pass`` of every temperature, in order: here one after another, or the first here and each
+    other in a forked child that sends its outcome back."""
+    if not in_parallel:
+        return [one_pass(t) for t in temperatures]
+    import multiprocessing
+    import traceback
+
+    context = multiprocessing.get_context("fork")
+
+    def child(temperature: float, sender: Any) -> None:
+        try:
+            sender.send(("ok", one_pass(temperature)))
+        except BaseException:  # the parent names the failure
+            sender.send(("failed", traceback.format_exc()))
+        finally:
+            sender.close()
+
+    children = []
+    for temperature in temperatures[1:]:
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(target=child, args=(temperature, sender), daemon=True)
+        process.start()
+        sender.close()
+        children.append((temperature, process, receiver))
+    outcomes = [one_pass(temperatures[0])]
+    for temperature, process, receiver in children:
+        try:
+            status, payload = receiver.recv()
+        except EOFError:
+            status, payload = (
+                "failed",
+                f"the process of T={temperature:g} ended with code {process.join() or process.exitcode}",
+            )
+        process.join()
+        if status != "ok":
+            raise RuntimeError(f"the eval pass at T={temperature:g} failed:\n{payload}")
+        outcomes.append(payload)
+    return outcomes
 
 
 WARM_UP_TOKENS = 8
