@@ -124,21 +124,33 @@ def _submit_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_environment_references(loaded: LoadedRecipe) -> None:
-    """Every ``${NAME}`` the recipe reads is set, and not empty (an empty one turns
-    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``)."""
+ENVIRONMENT_FIX = "export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
+
+
+def _environment_gaps(loaded: LoadedRecipe) -> list[str]:
+    """One line per ``${NAME}`` the recipe reads that is unset or empty here (an empty one turns
+    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``), naming the fields that use it."""
     references = environment_references(loaded.recipe)
     unset = {name: fields for name, fields in references.items() if name not in os.environ}
     empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
-    if unset or empty:
-        lines = [
-            f"  - ${{{name}}} is {'not set' if name in unset else 'set but empty'} (used by {', '.join(sorted(set(fields)))})"
-            for name, fields in sorted({**unset, **empty}.items())
-        ]
+    return [
+        f"${{{name}}} is {'not set' if name in unset else 'set but empty'} (used by {', '.join(sorted(set(fields)))})"
+        for name, fields in sorted({**unset, **empty}.items())
+    ]
+
+
+def _environment_heading(loaded: LoadedRecipe) -> str:
+    return f"recipe {loaded.source} reads environment variables that have no value here:"
+
+
+def _check_environment_references(loaded: LoadedRecipe) -> None:
+    """Every ``${NAME}`` the recipe reads is set, and not empty: refuse to submit otherwise."""
+    gaps = _environment_gaps(loaded)
+    if gaps:
         raise LaunchError(
-            f"recipe {loaded.source} reads environment variables that have no value here:\n"
-            + "\n".join(lines)
-            + "\n  fix: export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
+            _environment_heading(loaded)
+            + "".join(f"\n  - {gap}" for gap in gaps)
+            + f"\n  fix: {ENVIRONMENT_FIX}"
         )
 
 
@@ -314,6 +326,12 @@ def submit(args: argparse.Namespace) -> int:
             )
         for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
+        gaps = _environment_gaps(loaded)
+        if gaps:  # a real submission refuses on these: the dry run says so too
+            print(f"# not submittable here: {_environment_heading(loaded)}")
+            for gap in gaps:
+                print(f"#   - {gap}")
+            print(f"#   fix: {ENVIRONMENT_FIX}")
         return 0
     _check_environment_references(loaded)
     if args.local:
