@@ -578,14 +578,17 @@ def _recorded_digest(path: Path) -> str:
     return str(digest)
 
 
-def resolve(argv: list[str]) -> int:
-    """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
-
+def _resolve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m launcher resolve")
     _add_recipe_arguments(parser)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve(argv: list[str]) -> int:
+    """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
+    args = _resolve_parser().parse_args(argv)
     if args.slurm_job_id is not None and not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", args.slurm_job_id):
         raise LaunchError(
             f"--slurm-job-id {args.slurm_job_id!r} is not a Slurm job id (digits, or 123_4 for an array task); "
@@ -635,8 +638,7 @@ def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None)
     return 0
 
 
-def render(argv: list[str]) -> int:
-    """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
+def _render_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m launcher render")
     parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
     parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
@@ -647,7 +649,12 @@ def render(argv: list[str]) -> int:
         help="folder to write the scripts into (default: sbatch/ for a recipe in recipes/, else the recipe's own "
         "folder)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def render(argv: list[str]) -> int:
+    """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
+    args = _render_parser().parse_args(argv)
     names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     stale = []
     for name in names:
@@ -705,8 +712,7 @@ def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Pat
     return targets
 
 
-def job_command(command: str, argv: list[str]) -> int:
-    """``status`` / ``logs`` / ``cancel``."""
+def _job_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python3 -m launcher {command}")
     parser.add_argument("job", help="job id, job folder, or 'latest' (the most recent submission)")
     parser.add_argument(
@@ -719,7 +725,12 @@ def job_command(command: str, argv: list[str]) -> int:
         parser.add_argument("--component", choices=COMPONENTS)
         parser.add_argument("--rank", type=int)
         parser.add_argument("--follow", action="store_true", help="keep printing until the job ends")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def job_command(command: str, argv: list[str]) -> int:
+    """``status`` / ``logs`` / ``cancel`` / ``gate`` / ``plots``."""
+    args = _job_parser(command).parse_args(argv)
     record = jobs.find_record(args.job, args.runs_dir)
     if command == "status":
         report = control.job_report(record)
@@ -768,6 +779,16 @@ def job_command(command: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad input, with one clear message: see runtime.user_errors)."""
     return run_command(_dispatch, argv)
+
+
+def command_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser that reads ``python3 -m launcher ARGV``, and the arguments it reads (without the
+    subcommand): for checking a documented command line without running it."""
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+        named = {"render": _render_parser, "resolve": _resolve_parser, "eval": eval_job.argument_parser}
+        return (named[command]() if command in named else _job_parser(command)), rest
+    return _submit_parser(), argv
 
 
 def _dispatch(argv: list[str] | None) -> int:
