@@ -124,21 +124,33 @@ def _submit_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_environment_references(loaded: LoadedRecipe) -> None:
-    """Every ``${NAME}`` the recipe reads is set, and not empty (an empty one turns
-    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``)."""
+ENVIRONMENT_FIX = "export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
+
+
+def _environment_gaps(loaded: LoadedRecipe) -> list[str]:
+    """One line per ``${NAME}`` the recipe reads that is unset or empty here (an empty one turns
+    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``), naming the fields that use it."""
     references = environment_references(loaded.recipe)
     unset = {name: fields for name, fields in references.items() if name not in os.environ}
     empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
-    if unset or empty:
-        lines = [
-            f"  - ${{{name}}} is {'not set' if name in unset else 'set but empty'} (used by {', '.join(sorted(set(fields)))})"
-            for name, fields in sorted({**unset, **empty}.items())
-        ]
+    return [
+        f"${{{name}}} is {'not set' if name in unset else 'set but empty'} (used by {', '.join(sorted(set(fields)))})"
+        for name, fields in sorted({**unset, **empty}.items())
+    ]
+
+
+def _environment_heading(loaded: LoadedRecipe) -> str:
+    return f"recipe {loaded.source} reads environment variables that have no value here:"
+
+
+def _check_environment_references(loaded: LoadedRecipe) -> None:
+    """Every ``${NAME}`` the recipe reads is set, and not empty: refuse to submit otherwise."""
+    gaps = _environment_gaps(loaded)
+    if gaps:
         raise LaunchError(
-            f"recipe {loaded.source} reads environment variables that have no value here:\n"
-            + "\n".join(lines)
-            + "\n  fix: export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
+            _environment_heading(loaded)
+            + "".join(f"\n  - {gap}" for gap in gaps)
+            + f"\n  fix: {ENVIRONMENT_FIX}"
         )
 
 
@@ -314,6 +326,12 @@ def submit(args: argparse.Namespace) -> int:
             )
         for finding in make_plan(loaded.recipe).blockers:
             print(f"# plan blocker: {finding.message}")
+        gaps = _environment_gaps(loaded)
+        if gaps:  # a real submission refuses on these: the dry run says so too
+            print(f"# not submittable here: {_environment_heading(loaded)}")
+            for gap in gaps:
+                print(f"#   - {gap}")
+            print(f"#   fix: {ENVIRONMENT_FIX}")
         return 0
     _check_environment_references(loaded)
     if args.local:
@@ -560,14 +578,17 @@ def _recorded_digest(path: Path) -> str:
     return str(digest)
 
 
-def resolve(argv: list[str]) -> int:
-    """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
-
+def _resolve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m launcher resolve")
     _add_recipe_arguments(parser)
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--slurm-job-id", help="inside a manual sbatch: also write the job payload and record")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve(argv: list[str]) -> int:
+    """``resolve``: write the resolved recipe (and, inside a manual sbatch, the job payload)."""
+    args = _resolve_parser().parse_args(argv)
     if args.slurm_job_id is not None and not re.fullmatch(r"[0-9]+(?:_[0-9]+)?", args.slurm_job_id):
         raise LaunchError(
             f"--slurm-job-id {args.slurm_job_id!r} is not a Slurm job id (digits, or 123_4 for an array task); "
@@ -617,8 +638,7 @@ def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None)
     return 0
 
 
-def render(argv: list[str]) -> int:
-    """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
+def _render_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m launcher render")
     parser.add_argument("recipes", nargs="*", help="recipe names or paths (default: every recipe in recipes/)")
     parser.add_argument("--check", action="store_true", help="fail if a checked-in script differs")
@@ -629,7 +649,12 @@ def render(argv: list[str]) -> int:
         help="folder to write the scripts into (default: sbatch/ for a recipe in recipes/, else the recipe's own "
         "folder)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def render(argv: list[str]) -> int:
+    """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
+    args = _render_parser().parse_args(argv)
     names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     stale = []
     for name in names:
@@ -687,8 +712,7 @@ def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Pat
     return targets
 
 
-def job_command(command: str, argv: list[str]) -> int:
-    """``status`` / ``logs`` / ``cancel``."""
+def _job_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python3 -m launcher {command}")
     parser.add_argument("job", help="job id, job folder, or 'latest' (the most recent submission)")
     parser.add_argument(
@@ -701,7 +725,12 @@ def job_command(command: str, argv: list[str]) -> int:
         parser.add_argument("--component", choices=COMPONENTS)
         parser.add_argument("--rank", type=int)
         parser.add_argument("--follow", action="store_true", help="keep printing until the job ends")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def job_command(command: str, argv: list[str]) -> int:
+    """``status`` / ``logs`` / ``cancel`` / ``gate`` / ``plots``."""
+    args = _job_parser(command).parse_args(argv)
     record = jobs.find_record(args.job, args.runs_dir)
     if command == "status":
         report = control.job_report(record)
@@ -750,6 +779,16 @@ def job_command(command: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad input, with one clear message: see runtime.user_errors)."""
     return run_command(_dispatch, argv)
+
+
+def command_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser that reads ``python3 -m launcher ARGV``, and the arguments it reads (without the
+    subcommand): for checking a documented command line without running it."""
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+        named = {"render": _render_parser, "resolve": _resolve_parser, "eval": eval_job.argument_parser}
+        return (named[command]() if command in named else _job_parser(command)), rest
+    return _submit_parser(), argv
 
 
 def _dispatch(argv: list[str] | None) -> int:

@@ -102,7 +102,8 @@ def render_eval_script(recipe: Recipe, recipe_file: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parser() -> argparse.ArgumentParser:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line of `python3 -m launcher eval`."""
     parser = argparse.ArgumentParser(
         prog="python3 -m launcher eval",
         description="Judge a job's draft under speculative decoding: acceptance length against the target.",
@@ -153,7 +154,7 @@ def eval_arguments(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str], repo_root: Path) -> int:
     """Run or submit one evaluation; returns the exit code."""
-    args = _parser().parse_args(argv)
+    args = argument_parser().parse_args(argv)
     refuse_repeated_sets(args.overrides, "launcher eval")
     runs_dir = args.runs_dir or repo_root / "runs"
     record = jobs.find_record(args.job, runs_dir)

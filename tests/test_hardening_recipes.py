@@ -187,6 +187,17 @@ def test_cuda_without_gpus_and_more_ranks_than_gpus_are_refused_at_load_time() -
     assert "job.trainer.gpus_per_node: 8" in crowded
 
 
+def test_a_refusal_names_the_set_that_caused_it_not_the_recipe_file() -> None:
+    """``--set job.capture.gpus_per_node=4`` leaves K3's TP8 server too few GPUs: the problems sit on
+    ``capture.sglang.tp_size`` and ``job.capture.nodes`` (values of the file), but the input that caused
+    them is the --set their messages name."""
+    k3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+    message = problems_of("job.capture.gpus_per_node=4", path=k3)
+    assert "capture.sglang.tp_size (from --set job.capture.gpus_per_node=4): is 8" in message
+    assert "job.capture.nodes (from --set job.capture.gpus_per_node=4): is 1" in message
+    assert "(from recipes/kimi_k3_v1c.yaml)" not in message and f"(from {k3})" not in message
+
+
 def test_the_reserved_environment_names_cover_the_contract() -> None:
     """job.env may not set what the launcher sets itself: the schema's list holds every contract name."""
     from launcher.environment import RENDEZVOUS_VARIABLES

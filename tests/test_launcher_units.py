@@ -253,6 +253,39 @@ def test_submission_refuses_missing_site_variables(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "${K3_TARGET_DIR} is not set (used by capture.target_path)" in done.stderr
+    # RUNBOOK section 10 quotes the message the launcher prints, word for word
+    playbook = (REPO / "RUNBOOK.md").read_text().split("## 10. Failure playbook", 1)[1]
+    row = next(line for line in playbook.splitlines() if "site path is unset" in line)
+    quoted = row.split("`")[1]
+    assert quoted in done.stderr, f"RUNBOOK section 10 quotes {quoted!r}; the launcher says: {done.stderr}"
+
+
+def test_dry_run_names_unset_site_variables_as_the_submission_would(tmp_path: Path) -> None:
+    """A dry run of a recipe whose ``${VAR}`` site paths are unset still prints the script, and says which
+    variables a real submission would refuse on, with the fields that read them."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "kimi_k3_v1c", "--dry-run", "--set", f"job.runs_dir={tmp_path / 'runs'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert done.stdout.startswith("#!/bin/bash")
+    assert "# not submittable here: recipe recipes/kimi_k3_v1c.yaml reads environment variables" in done.stdout
+    for name, field in (("K3_TARGET_DIR", "capture.target_path"), ("K3_DATA_DIR", "data.train_path")):
+        assert f"#   - ${{{name}}} is not set (used by {field})" in done.stdout
+    site = {"K3_TARGET_DIR": "/t", "K3_DATA_DIR": "/d", "K3_INIT_CHECKPOINT": "/c", "K3_FEATURE_CACHE_DIR": "/f"}
+    complete = subprocess.run(
+        [sys.executable, "-m", "launcher", "kimi_k3_v1c", "--dry-run", "--set", f"job.runs_dir={tmp_path / 'runs'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**env, **site},
+        check=True,
+    )
+    assert "not submittable here" not in complete.stdout
 
 
 def test_bad_recipe_exits_2_with_one_clear_message() -> None:

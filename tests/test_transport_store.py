@@ -223,6 +223,58 @@ def test_master_start_stop_and_a_busy_port_is_named(tmp_path: Path) -> None:
     assert f"port {ports[2]} (transport.metrics_port) on 127.0.0.1 is already in use" in message
 
 
+GLOG_NOISE = re.compile(r"WARNING|Logging before InitGoogleLogging|^[WE]\d{4} ", re.MULTILINE)
+"""A WARNING or ERROR a healthy run must not print: glog's preamble, or a W/E-level glog line."""
+
+
+def test_a_healthy_master_client_and_status_print_no_warning(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The master's log, a store client's native output (fd 2: a component's native_*.log) and the
+    ``runtime.transport status`` console hold no WARNING and no glog W/E line when all is well."""
+    import os
+
+    from runtime.transport.loopback import loopback_env
+
+    resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), [*FAST, *ONE_RANK])
+    with (
+        loopback_master(resolved, tmp_path / "mooncake_master.log"),
+        open_producer(resolved, endpoints=loopback_endpoints(resolved)) as producer,
+    ):
+        producer.heartbeat()
+        native = capfd.readouterr().err
+        assert "Mounting segment" in native, "the client's INFO lines still reach fd 2"
+        status = subprocess.run(
+            [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
+            cwd=REPO,
+            env={**os.environ, **loopback_env(resolved), "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert status.returncode == 0 and "producer heartbeat" in status.stdout, status.stderr
+    master_log = (tmp_path / "mooncake_master.log").read_text()
+    assert "Master service started" in master_log
+    for where, text in (("client fd 2", native), ("status stderr", status.stderr), ("master log", master_log)):
+        assert not GLOG_NOISE.search(text), f"{where}: {text[-3000:]}"
+    assert not re.search(r"^I\d{4} ", status.stderr, re.MULTILINE), status.stderr
+
+
+def test_held_native_output_keeps_every_line_of_a_failed_setup(capfd: pytest.CaptureFixture[str]) -> None:
+    """A healthy setup leaves out its known lookup lines only; a failed one writes all it held."""
+    import os
+
+    from runtime.native_log import held_native_output
+
+    lookup = b"E1205 07:14:37.242424 417 transfer_metadata_plugin.cpp:292] GET http://h/m http=404 body: metadata not found\n"
+    other = b"E1205 07:14:37.300000 417 real_client.cpp:1] something real\n"
+    with held_native_output() as held:
+        os.write(2, lookup + other)
+        held.healthy = True
+    assert capfd.readouterr().err == other.decode()
+    with held_native_output():
+        os.write(2, lookup + other)
+    assert capfd.readouterr().err == (lookup + other).decode()
+
+
 @pytest.mark.slow
 def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "idle", ["transport.idle_timeout_s=1.5"])

@@ -66,7 +66,7 @@ class TinyTargetSpec:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     # Narrow heads and experts (the recipe fixes only hidden size, layers, vocabulary and the expert
-    # counts): the build must finish in under a minute on 2 cores and still be peaked (issue 18).
+    # counts): the build must finish in under a minute on 2 cores and its answers still be peaked.
     head_dim: int = 16
     num_experts: int = 8
     num_experts_per_tok: int = 2

@@ -1,4 +1,4 @@
-"""Routed experts streamed from host memory inside the patched SGLang server (issue 12, item 4).
+"""Routed experts streamed from host memory inside the patched SGLang server (capture patch version 2).
 
 The capture patch calls two functions of this module, in each TP rank's scheduler process:
 

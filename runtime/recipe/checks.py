@@ -361,7 +361,7 @@ def _check_capture(recipe: Recipe) -> list[Problem]:
                 Problem(
                     "capture.sglang.tp_size",
                     f"is {c.sglang.tp_size}, more than the capture component's GPUs "
-                    f"(job.capture.gpus_per_node {recipe.job.capture.gpus_per_node} x nodes "
+                    f"(job.capture.gpus_per_node {recipe.job.capture.gpus_per_node} x job.capture.nodes "
                     f"{recipe.job.capture.nodes} = {gpus})",
                     "lower tp_size or request more GPUs for job.capture",
                 )
@@ -635,7 +635,7 @@ def _check_capture_shares(recipe: Recipe) -> list[Problem]:
             Problem(
                 "job.capture.nodes",
                 f"is {job.nodes}, not a multiple of the {per_engine} nodes one SGLang server spans (capture.sglang."
-                f"tp_size {recipe.capture.sglang.tp_size} over {job.gpus_per_node} GPUs per node)",
+                f"tp_size {recipe.capture.sglang.tp_size} over job.capture.gpus_per_node {job.gpus_per_node})",
                 f"use a multiple of {per_engine} nodes",
             )
         ]

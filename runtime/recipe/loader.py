@@ -570,13 +570,24 @@ def _validate(
         raise RecipeError(file, problems) from None
 
 
+def _mentions(message: str, key: str) -> bool:
+    """Whether ``message`` names the field ``key`` (or a field under it) as a dotted path."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is not None
+
+
 def _with_source(problem: Problem, file: str, origins: dict[str, str], smoke_overlay: dict[str, Any]) -> Problem:
+    """``problem`` with the input that caused it: the ``--set`` of its own field, else the ``--set`` of a
+    field its message names (``capture.sglang.tp_size`` refused because ``--set job.capture.gpus_per_node=4``
+    left too few GPUs), else the smoke overlay or the recipe file."""
     if problem.source:
         return problem
     path = problem.path.split("[")[0]
     for key, origin in origins.items():
         if path == key or path.startswith(key + ".") or key.startswith(path + "."):
             return Problem(problem.path, problem.message, problem.fix, origin)
+    named = [origin for key, origin in origins.items() if _mentions(problem.message, key)]
+    if named:
+        return Problem(problem.path, problem.message, problem.fix, " and ".join(dict.fromkeys(named)))
     if _has_path(smoke_overlay, path.split(".")):
         return Problem(problem.path, problem.message, problem.fix, f"smoke overlay in {file}")
     return Problem(problem.path, problem.message, problem.fix, file)

@@ -1,4 +1,4 @@
-"""Every trainer rank watches the others (issue 15, item 3: no silent hangs).
+"""Every trainer rank watches the others, so that no rank waits silently on a hung peer.
 
 A rank that is stopped (SIGSTOP), hung with its process frozen, or cut off with its node leaves the
 other ranks inside a collective until the process group's timeout (``transport.idle_timeout_s`` +

@@ -66,7 +66,8 @@ def run_status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with StoreClient(settings.client(endpoints, 0), name="status").connect() as client:
+    # stderr is the operator's console: a healthy client start's native lines stay off it
+    with StoreClient(settings.client(endpoints, 0), name="status").connect(quiet=True) as client:
         store_id = settings.store_id
         raw = client.get_bytes(cursor_key(store_id))
         cursor = Cursor.decode(raw) if raw else None

@@ -19,12 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.native_log import pump_native_output
 from runtime.shared.lifecycle import die_with_parent
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import MasterStartError
@@ -132,6 +134,7 @@ class MasterProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.metadata_process: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        self._pump: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -164,7 +167,10 @@ class MasterProcess:
         command = [binary, *s.command()[1:]]
         log.info("starting mooncake_master: %s", " ".join(command))
         self.metadata_process = self._spawn(s.metadata_command())
-        self.process = self._spawn(command)
+        self.process = self._spawn(command, through_pipe=self._log_file is not None)
+        if self._log_file is not None and self.process.stdout is not None:
+            # without the WARNINGs every healthy master prints (glog's preamble, segment_already_exists)
+            self._pump = pump_native_output(self.process.stdout, self._log_file)
         try:
             self.wait_ready(ready_timeout_s)
         except BaseException:
@@ -180,10 +186,10 @@ class MasterProcess:
         )
         return self
 
-    def _spawn(self, command: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, command: list[str], through_pipe: bool = False) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             command,
-            stdout=self._log_file or subprocess.DEVNULL,
+            stdout=subprocess.PIPE if through_pipe else self._log_file or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
@@ -256,6 +262,8 @@ class MasterProcess:
         """The end of the master's log file (empty without one)."""
         if self.log_path is None or not self.log_path.exists():
             return ""
+        if self._pump is not None and self.process is not None and self.process.poll() is not None:
+            self._pump.join(timeout=2.0)  # an ended master's last lines are still on their way
         if self._log_file:
             self._log_file.flush()
         text = self.log_path.read_bytes()[-max_chars:].decode(errors="replace")
@@ -283,6 +291,9 @@ class MasterProcess:
                     self.process.kill()
                     self.process.wait()
             code = self.process.returncode
+        if self._pump is not None:
+            self._pump.join(timeout=5.0)  # the master's last lines, up to its end of file
+            self._pump = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from runtime.native_log import healthy_setup_line, held_native_output, initialise_glog
 from runtime.shared.contracts import ENV_MC_TCP_BIND_ADDRESS, ENV_MC_TRANSFER_TIMEOUT
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import (
@@ -132,8 +133,13 @@ class StoreClient:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def connect(self) -> StoreClient:
-        """Wait for the master, then set the client up (segment, local buffer, transport)."""
+    def connect(self, quiet: bool = False) -> StoreClient:
+        """Wait for the master, then set the client up (segment, local buffer, transport).
+
+        The library's lines during setup are held: a failed setup writes them all to fd 2, a healthy one
+        only those a healthy start does not always print (``quiet``: none, for a command whose stderr is
+        the operator's console)."""
+        initialise_glog()  # before the library's first line: no "Logging before InitGoogleLogging()" WARNING
         from mooncake.store import MooncakeDistributedStore
 
         s = self.settings
@@ -148,18 +154,20 @@ class StoreClient:
                 f"{self.name}: transport.protocol is rdma but transport.rdma_devices is empty ({s.describe()}); "
                 "list the HCA names (ibv_devices shows them, e.g. mlx5_0) or use protocol tcp"
             )
-        store = MooncakeDistributedStore()
-        start = time.monotonic()
-        rc = store.setup(
-            s.endpoints.bind_address,
-            s.endpoints.metadata_url,
-            int(s.segment_bytes),
-            int(s.local_buffer_bytes),
-            s.protocol,
-            ",".join(s.rdma_devices),
-            s.endpoints.master_address,
-        )
-        self.setup_s = time.monotonic() - start
+        with held_native_output((lambda line: True) if quiet else healthy_setup_line) as held:
+            store = MooncakeDistributedStore()
+            start = time.monotonic()
+            rc = store.setup(
+                s.endpoints.bind_address,
+                s.endpoints.metadata_url,
+                int(s.segment_bytes),
+                int(s.local_buffer_bytes),
+                s.protocol,
+                ",".join(s.rdma_devices),
+                s.endpoints.master_address,
+            )
+            self.setup_s = time.monotonic() - start
+            held.healthy = rc == 0
         if rc != 0:
             hint = (
                 "the RDMA devices exist and are up (ibv_devinfo)"

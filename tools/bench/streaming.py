@@ -1,4 +1,4 @@
-"""Routed experts streamed from pinned host memory vs all resident, in the same run (issue 12).
+"""Routed experts streamed from pinned host memory vs all resident, in the same run (``capture.expert_streaming``).
 
 A random MoE stack in MXFP4 (by default 32 layers of one Kimi K3 EP8 rank's experts: 112 experts,
 width 3,584, intermediate 3,072, 1.97 GB per layer, 62.9 GB in all) runs a prefill of T tokens:

@@ -98,7 +98,8 @@ def memory_request(recipe: Recipe, component: str) -> MemoryRequest:
     margin = {
         f"for {processes} process(es) x ({format_bytes(PROCESS_ALLOWANCE_BYTES)} allowance + one "
         f"{format_bytes(sample.total_bytes)} sample)": processes * (PROCESS_ALLOWANCE_BYTES + sample.total_bytes),
-        f"Mooncake local buffer x {clients}": clients * recipe.transport.local_buffer_bytes,
+        f"for {clients} Mooncake client(s) x {format_bytes(recipe.transport.local_buffer_bytes)} local buffer "
+        "(transport.local_buffer_bytes)": clients * recipe.transport.local_buffer_bytes,
     }
     if component == "capture":
         slots = commit_staging_slots(recipe)

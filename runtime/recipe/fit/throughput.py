@@ -125,7 +125,9 @@ def _prefill_rows(recipe: Recipe, split: PrefillSplit, pcie_s: float) -> list[tu
         ("  prefill: experts", f"{split.expert_seconds:.3f} s  ({split.expert_flops / 1e12:,.0f} TFLOP of routed "
          f"experts per GPU at {hw.expert_compute_tflops:g} TFLOP/s, plan.expert_compute_tflops)"),
         ("  prefill: dense", f"{split.dense_seconds:.3f} s  ({split.dense_flops / 1e12:,.0f} TFLOP of the other "
-         f"active params per GPU at {hw.capture_efficiency:.0%} of {hw.accelerator_peak_tflops:g} TFLOP/s)"),
+         f"active params per GPU at {hw.capture_efficiency:.0%} (plan.capture_efficiency) of "
+         f"{hw.accelerator_peak_tflops:g} TFLOP/s, one GPU's dense bf16 matmul rate: plan.accelerator_peak_tflops, "
+         "by default an H200's)"),
     ]  # fmt: skip
     if split.mix is None:
         rows.append(("  prefill: attention", "not counted (capture.target_attention is not set)"))
