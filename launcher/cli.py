@@ -148,9 +148,7 @@ def _check_environment_references(loaded: LoadedRecipe) -> None:
     gaps = _environment_gaps(loaded)
     if gaps:
         raise LaunchError(
-            _environment_heading(loaded)
-            + "".join(f"\n  - {gap}" for gap in gaps)
-            + f"\n  fix: {ENVIRONMENT_FIX}"
+            _environment_heading(loaded) + "".join(f"\n  - {gap}" for gap in gaps) + f"\n  fix: {ENVIRONMENT_FIX}"
         )
 
 
