@@ -30,7 +30,14 @@ from launcher.environment import COMPONENTS
 from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
 from launcher.plots import plot_metrics
-from launcher.render import RenderOptions, environment_references, render_script, sbatch_path, shell_word
+from launcher.render import (
+    RenderOptions,
+    environment_references,
+    job_time_limit_min,
+    render_script,
+    sbatch_path,
+    shell_word,
+)
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, continuity, load_recipe, load_resolved, write_resolved
@@ -124,10 +131,22 @@ def _submit_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_environment_references(loaded: LoadedRecipe) -> None:
+PROBE_READS = ("trainer.feature_cache.",)
+"""The recipe fields whose site paths a probe job reads (it measures the cache disk); target, data
+and checkpoints it never opens."""
+
+
+def _check_environment_references(loaded: LoadedRecipe, probe: bool = False) -> None:
     """Every ``${NAME}`` the recipe reads is set, and not empty (an empty one turns
-    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``)."""
+    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``); for a probe job only those of the fields it
+    reads (:data:`PROBE_READS`)."""
     references = environment_references(loaded.recipe)
+    if probe:
+        references = {
+            name: kept
+            for name, fields in references.items()
+            if (kept := [f for f in fields if f.startswith(PROBE_READS)])
+        }
     unset = {name: fields for name, fields in references.items() if name not in os.environ}
     empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
     if unset or empty:
@@ -312,17 +331,18 @@ def submit(args: argparse.Namespace) -> int:
                 f"{shell_word(f'--export=ALL,DSPARK_JOB_DIR={planned}')} {shell_word(str(eval_script))}"
                 "   (dry run: nothing was submitted)"
             )
-        for finding in make_plan(loaded.recipe).blockers:
+        for finding in [] if args.probe else make_plan(loaded.recipe).blockers:  # the probe plans nothing
             print(f"# plan blocker: {finding.message}")
         return 0
-    _check_environment_references(loaded)
+    _check_environment_references(loaded, args.probe)
     if args.local:
         _refuse_taken_local_ports(loaded)
-    if not args.probe:  # the probe reads neither the target nor the data
+    if not args.probe:  # the probe reads neither the target nor the data: their checks are the smoke gate's
         prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
         return run_smoke_gate(loaded, args, parent)
-    _refuse_on_preflight_failure(loaded, args.allow_blockers)
+    if not args.probe:
+        _refuse_on_preflight_failure(loaded, args.allow_blockers)
     job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     if args.local:
         return run_local(loaded, job_dir, args.probe, parent)
@@ -523,7 +543,7 @@ def submit_slurm(
         script,
         trainer_world_size=components["trainer"],
         capture_tasks=components["capture"],
-        time_limit_min=loaded.recipe.job.time_limit_min,
+        time_limit_min=job_time_limit_min(loaded.recipe, probe),
         max_requeues=loaded.recipe.job.max_requeues,
     )
     job = executor.submit(ComponentJob(str(job_dir), probe=probe))
