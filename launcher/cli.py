@@ -634,6 +634,27 @@ def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None)
         )
         record = _record_for(loaded, job_dir, slurm_job_id, "slurm", probe=False)
         jobs.write_record(record, _runs_dir(loaded))
+        if loaded.smoke:
+            return _manual_smoke_preflight(loaded, job_dir, slurm_job_id)
+    return 0
+
+
+def _manual_smoke_preflight(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str) -> int:
+    """A smoke job submitted by hand (``DSPARK_RESOLVE_ARGS="--smoke" sbatch ...``) runs the gate's
+    checks 1-3 here, in the allocation, as ``--smoke`` runs them on the login node, and records them in
+    ``gate.json`` (``launcher gate JOB`` reads them); a failure ends the job before its components start.
+    A requeued job keeps the rows its first start recorded."""
+    recorded = gate.read_preflight(job_dir)
+    if recorded and all(c.status != gate.FAIL for c in recorded) and len(recorded) == len(gate.PREFLIGHT):
+        return 0
+    preflight = gate.preflight_checks(loaded, REPO_ROOT)
+    failed = any(c.status == gate.FAIL for c in preflight)
+    rows = gate.settle(preflight, pending=not failed)
+    gate.write_gate(job_dir, rows, slurm_job_id, loaded.source, loaded.digest)
+    print(gate.render(rows), flush=True)
+    if failed:
+        print(f"smoke gate: a check before the job failed; the components do not start (gate.json in {job_dir})")
+        return 1
     return 0
 
 
