@@ -40,14 +40,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime import probe_link, probe_measure
-from runtime.files import atomic_write_text
-from runtime.native_log import route_native_output
-from runtime.recipe import load_resolved
-from runtime.recipe.fit.slurm_request import probe_measure_bytes
-from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
-from runtime.shared import contracts
-from runtime.transport.settings import TransportSettings
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime import probe_link, probe_measure
+    from runtime.files import atomic_write_text
+    from runtime.native_log import route_native_output
+    from runtime.recipe import load_resolved
+    from runtime.recipe.fit.slurm_request import probe_measure_bytes
+    from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
+    from runtime.shared import contracts
+    from runtime.transport.settings import TransportSettings
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "runtime.probe")
 
 CONTRACT_VARIABLES = (
     *contracts.CONTRACT_ENV_NAMES,
