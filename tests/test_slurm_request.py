@@ -142,3 +142,14 @@ def test_the_k3_probe_asks_for_minutes_and_little_memory_and_reads_no_data(
         for same in ("--gpus-per-node=", "--ntasks-per-node=", "--exclusive"):  # the same node kinds
             assert (same in probe_group) == (same in job_group)
     assert "--probe" in script
+
+
+def test_the_runbooks_cache_rate_figure_is_the_plans() -> None:
+    """RUNBOOK section 5: "Below about N GB/s the plan's K3 run time passes one hour"."""
+    text = " ".join((REPO / "RUNBOOK.md").read_text().split())
+    rate = int(text.split("Below about ")[1].split(" GB/s the plan's K3 run time passes one hour")[0])
+
+    def run_hours(gbps: float) -> float:
+        return make_plan(load_recipe(K3, [f"plan.cache_read_gbps={gbps}"]).recipe).numbers["run_seconds"] / 3600
+
+    assert run_hours(rate) <= 1.0 < run_hours(rate - 1)
