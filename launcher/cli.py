@@ -30,7 +30,14 @@ from launcher.environment import COMPONENTS
 from launcher.inputs import prepare_missing_inputs
 from launcher.plan import make_plan
 from launcher.plots import plot_metrics
-from launcher.render import RenderOptions, environment_references, render_script, sbatch_path, shell_word
+from launcher.render import (
+    RenderOptions,
+    environment_references,
+    job_time_limit_min,
+    render_script,
+    sbatch_path,
+    shell_word,
+)
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, continuity, load_recipe, load_resolved, write_resolved
@@ -125,12 +132,22 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 
 ENVIRONMENT_FIX = "export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
+PROBE_READS = ("trainer.feature_cache.",)
+"""The recipe fields whose site paths a probe job reads (it measures the cache disk); target, data
+and checkpoints it never opens."""
 
 
-def _environment_gaps(loaded: LoadedRecipe) -> list[str]:
+def _environment_gaps(loaded: LoadedRecipe, probe: bool = False) -> list[str]:
     """One line per ``${NAME}`` the recipe reads that is unset or empty here (an empty one turns
-    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``), naming the fields that use it."""
+    ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``), naming the fields that use it; for a probe
+    job only those of the fields it reads (:data:`PROBE_READS`)."""
     references = environment_references(loaded.recipe)
+    if probe:
+        references = {
+            name: kept
+            for name, fields in references.items()
+            if (kept := [f for f in fields if f.startswith(PROBE_READS)])
+        }
     unset = {name: fields for name, fields in references.items() if name not in os.environ}
     empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
     return [
@@ -143,9 +160,10 @@ def _environment_heading(loaded: LoadedRecipe) -> str:
     return f"recipe {loaded.source} reads environment variables that have no value here:"
 
 
-def _check_environment_references(loaded: LoadedRecipe) -> None:
-    """Every ``${NAME}`` the recipe reads is set, and not empty: refuse to submit otherwise."""
-    gaps = _environment_gaps(loaded)
+def _check_environment_references(loaded: LoadedRecipe, probe: bool = False) -> None:
+    """Every ``${NAME}`` the recipe reads (a probe: those it needs) is set, and not empty: refuse to
+    submit otherwise."""
+    gaps = _environment_gaps(loaded, probe)
     if gaps:
         raise LaunchError(
             _environment_heading(loaded) + "".join(f"\n  - {gap}" for gap in gaps) + f"\n  fix: {ENVIRONMENT_FIX}"
@@ -322,23 +340,24 @@ def submit(args: argparse.Namespace) -> int:
                 f"{shell_word(f'--export=ALL,DSPARK_JOB_DIR={planned}')} {shell_word(str(eval_script))}"
                 "   (dry run: nothing was submitted)"
             )
-        for finding in make_plan(loaded.recipe).blockers:
+        for finding in [] if args.probe else make_plan(loaded.recipe).blockers:  # the probe plans nothing
             print(f"# plan blocker: {finding.message}")
-        gaps = _environment_gaps(loaded)
+        gaps = _environment_gaps(loaded, args.probe)
         if gaps:  # a real submission refuses on these: the dry run says so too
             print(f"# not submittable here: {_environment_heading(loaded)}")
             for gap in gaps:
                 print(f"#   - {gap}")
             print(f"#   fix: {ENVIRONMENT_FIX}")
         return 0
-    _check_environment_references(loaded)
+    _check_environment_references(loaded, args.probe)
     if args.local:
         _refuse_taken_local_ports(loaded)
-    if not args.probe:  # the probe reads neither the target nor the data
+    if not args.probe:  # the probe reads neither the target nor the data: their checks are the smoke gate's
         prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
     if loaded.smoke:
         return run_smoke_gate(loaded, args, parent)
-    _refuse_on_preflight_failure(loaded, args.allow_blockers)
+    if not args.probe:
+        _refuse_on_preflight_failure(loaded, args.allow_blockers)
     job_dir = jobs.new_job_dir(REPO_ROOT, loaded)
     if args.local:
         return run_local(loaded, job_dir, args.probe, parent)
@@ -539,7 +558,7 @@ def submit_slurm(
         script,
         trainer_world_size=components["trainer"],
         capture_tasks=components["capture"],
-        time_limit_min=loaded.recipe.job.time_limit_min,
+        time_limit_min=job_time_limit_min(loaded.recipe, probe),
         max_requeues=loaded.recipe.job.max_requeues,
     )
     job = executor.submit(ComponentJob(str(job_dir), probe=probe))
@@ -633,6 +652,27 @@ def _resolve_into(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str | None)
         )
         record = _record_for(loaded, job_dir, slurm_job_id, "slurm", probe=False)
         jobs.write_record(record, _runs_dir(loaded))
+        if loaded.smoke:
+            return _manual_smoke_preflight(loaded, job_dir, slurm_job_id)
+    return 0
+
+
+def _manual_smoke_preflight(loaded: LoadedRecipe, job_dir: Path, slurm_job_id: str) -> int:
+    """A smoke job submitted by hand (``DSPARK_RESOLVE_ARGS="--smoke" sbatch ...``) runs the gate's
+    checks 1-3 here, in the allocation, as ``--smoke`` runs them on the login node, and records them in
+    ``gate.json`` (``launcher gate JOB`` reads them); a failure ends the job before its components start.
+    A requeued job keeps the rows its first start recorded."""
+    recorded = gate.read_preflight(job_dir)
+    if recorded and all(c.status != gate.FAIL for c in recorded) and len(recorded) == len(gate.PREFLIGHT):
+        return 0
+    preflight = gate.preflight_checks(loaded, REPO_ROOT)
+    failed = any(c.status == gate.FAIL for c in preflight)
+    rows = gate.settle(preflight, pending=not failed)
+    gate.write_gate(job_dir, rows, slurm_job_id, loaded.source, loaded.digest)
+    print(gate.render(rows), flush=True)
+    if failed:
+        print(f"smoke gate: a check before the job failed; the components do not start (gate.json in {job_dir})")
+        return 1
     return 0
 
 

@@ -16,11 +16,17 @@ from dataclasses import dataclass, field
 from runtime.recipe import Recipe
 from runtime.recipe.fit.capture_node import capture_node_fit
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.slurm_request import eval_memory_request, memory_request
+from runtime.recipe.fit.slurm_request import eval_memory_request, memory_fixes, memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import throughput_model
 from runtime.recipe.fit.trainer_memory import trainer_memory_fit
-from runtime.recipe.site_facts import PLAN_FIELD_OF_FACT, SITE_FIELDS, SiteFacts
+from runtime.recipe.site_facts import (
+    GPUS_PER_NODE_FACT,
+    NODE_MEMORY_CAP_FACT,
+    PLAN_FIELD_OF_FACT,
+    SITE_FIELDS,
+    SiteFacts,
+)
 from runtime.recipe.units import format_bytes
 
 SITE_FACT_NAMES = {name: target for name, (target, _) in PLAN_FIELD_OF_FACT.items()}
@@ -81,7 +87,7 @@ def make_plan(recipe: Recipe, facts: SiteFacts | None = None) -> Plan:
     ):
         plan.add(report)
     # First in the text, last computed: the time limit is read against the run time.
-    components = _components(recipe, plan.numbers)
+    components = _components(recipe, plan.numbers, facts or SiteFacts())
     plan.add(components)
     plan.sections.insert(0, plan.sections.pop())
     plan.add(_site_figures(recipe, facts or SiteFacts()))
@@ -102,7 +108,8 @@ def _site_figures(recipe: Recipe, facts: SiteFacts) -> FitReport:
             how = f"measured on {found[0]['where']}: {found[0]['how']}"
         else:
             why = next((w for n, w in facts.skipped.items() if SITE_FACT_NAMES.get(n) == dotted), None)
-            how = f"assumed (the probe skipped it: {why})" if why else "assumed (the recipe's value)"
+            given = "the recipe's value" if name in recipe.plan.model_fields_set else "the schema's default"
+            how = f"assumed (the probe skipped it: {why}; {given})" if why else f"assumed ({given})"
         report.rows.append((dotted, f"{shown}  {how}"))
     if facts.sources:
         report.rows.append(("facts read from", ", ".join(facts.sources)))
@@ -118,8 +125,9 @@ def _site_value(name: str, value: float) -> str:
     return f"{value:g} {'Gbit/s' if name == 'link_gbps' else 'GB/s'}"
 
 
-def _components(recipe: Recipe, numbers: dict[str, float]) -> FitReport:
-    """Per component: shape, ``--mem`` (with its parts) and what ``--exclusive`` holds; the time limit."""
+def _components(recipe: Recipe, numbers: dict[str, float], facts: SiteFacts) -> FitReport:
+    """Per component: shape, ``--mem`` (with its parts) and what ``--exclusive`` holds, against the
+    memory the site allows (the probe's facts, or ``plan.slurm_max_mem_per_node_gib``); the time limit."""
     job = recipe.job
     report = FitReport("components (what the job asks Slurm for)")
     for name in ("capture", "trainer"):
@@ -152,17 +160,69 @@ def _components(recipe: Recipe, numbers: dict[str, float]) -> FitReport:
                 f"{eval_request.describe()}",
             )
         )
-    cap = recipe.plan.slurm_max_mem_per_node_gib
-    report.rows.append(
-        (
-            "memory cap",
-            f"{cap} GiB per node (plan.slurm_max_mem_per_node_gib)"
-            if cap
-            else "none stated (plan.slurm_max_mem_per_node_gib: your site's MaxMemPerNode or the nodes' RealMemory)",
-        )
-    )
+    _memory_caps(recipe, report, facts)
+    _gpus_seen(recipe, report, facts)
     report.rows.append(("time limit", _time_limit(recipe, report, numbers)))
     return report
+
+
+def _memory_caps(recipe: Recipe, report: FitReport, facts: SiteFacts) -> None:
+    """Each component's ``--mem`` against the memory its nodes allow: the probe's measured cap of that
+    node (a blocker above it, naming both numbers), or the recipe's ``plan.slurm_max_mem_per_node_gib``
+    (the recipe checks refuse above it); with neither, a warning naming what the site must allow."""
+    cap = recipe.plan.slurm_max_mem_per_node_gib
+    unknown: list[str] = []
+    for name in ("capture", "trainer"):
+        requested = memory_request(recipe, name).requested_gib
+        measured = facts.component_fact(NODE_MEMORY_CAP_FACT, name)
+        if measured is not None:
+            node_cap, fact = measured
+            report.rows.append(
+                (f"memory cap, {name} node", f"{node_cap} GiB, measured on {fact['where']}: {fact['how']}")
+            )
+            if requested > node_cap:
+                report.findings.append(
+                    Finding(
+                        "blocker",
+                        f"the {name} node's --mem={requested}G is above the {node_cap} GiB its node allows (measured "
+                        f'by the probe on {fact["where"]}: {fact["how"]}): Slurm refuses such a request ("Requested '
+                        'node configuration is not available"), or the node cannot give it',
+                        tuple(memory_fixes(recipe, name)),
+                    )
+                )
+        elif cap is not None:
+            report.rows.append((f"memory cap, {name} node", f"{cap} GiB (plan.slurm_max_mem_per_node_gib)"))
+        else:
+            unknown.append(f"--mem={requested}G on a {name} node")
+    if unknown:
+        report.rows.append(("memory cap", "none known (no plan.slurm_max_mem_per_node_gib, no probe facts)"))
+        report.findings.append(
+            Finding(
+                "warn",
+                f"the site's memory per node is not known: the site must allow {' and '.join(unknown)} (Slurm refuses "
+                "a --mem above a node's RealMemory or MaxMemPerNode)",
+                (
+                    "python3 -m launcher RECIPE --probe, then --plan --site-facts runs/NAME/STAMP/site_facts",
+                    "--set plan.slurm_max_mem_per_node_gib=N (MaxMemPerNode, or RealMemory of `scontrol show node`)",
+                ),
+            )
+        )
+
+
+def _gpus_seen(recipe: Recipe, report: FitReport, facts: SiteFacts) -> None:
+    """A blocker when the probe saw fewer GPUs on a component's node than the recipe asks for."""
+    for name in ("capture", "trainer"):
+        seen = facts.component_fact(GPUS_PER_NODE_FACT, name)
+        wanted = getattr(recipe.job, name).gpus_per_node
+        if seen is not None and wanted and seen[0] < wanted:
+            report.findings.append(
+                Finding(
+                    "blocker",
+                    f"the probe saw {seen[0]} GPU(s) on the {name} node ({seen[1]['where']}: {seen[1]['how']}); the "
+                    f"recipe asks for {wanted} (job.{name}.gpus_per_node)",
+                    (f"--set job.{name}.gpus_per_node={seen[0]}, or use nodes with {wanted} GPUs",),
+                )
+            )
 
 
 def _time_limit(recipe: Recipe, report: FitReport, numbers: dict[str, float]) -> str:

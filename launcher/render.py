@@ -15,7 +15,7 @@ from pathlib import Path
 from launcher.environment import COMPONENTS
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from runtime.recipe import Recipe
-from runtime.recipe.fit.slurm_request import memory_request
+from runtime.recipe.fit.slurm_request import PROBE_TIME_LIMIT_MIN, memory_request, probe_memory_request
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
 from runtime.user_errors import shell_word
@@ -143,6 +143,12 @@ def resource_flags(
     return flags
 
 
+def job_time_limit_min(recipe: Recipe, probe: bool) -> int:
+    """The time limit of the job: the recipe's, or for a probe job :data:`PROBE_TIME_LIMIT_MIN` (never
+    more than the recipe's)."""
+    return min(recipe.job.time_limit_min, PROBE_TIME_LIMIT_MIN) if probe else recipe.job.time_limit_min
+
+
 def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
     """``#SBATCH`` lines of ``(flag, value)`` pairs (a None value is a bare flag)."""
     return [f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={shell_word(value)}" for key, value in flags]
@@ -151,15 +157,17 @@ def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
 def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> list[str]:
     job = recipe.job
     resources: ComponentResources = getattr(job, component)
-    # --mem from the plan's host memory of the node plus its margin (the plan shows the parts).
+    # --mem from the plan's host memory of the node plus its margin (the plan shows the parts); the
+    # probe, on the same partitions and node kinds, asks for minutes and the memory it measures with.
+    request = probe_memory_request(recipe, component) if options.probe else memory_request(recipe, component)
     flags = resource_flags(
         recipe,
         resources,
         job_name=job.name,
-        time_limit_min=job.time_limit_min,
+        time_limit_min=job_time_limit_min(recipe, options.probe),
         nodes=resources.nodes,
         tasks_per_node=resources.tasks_per_node,
-        mem_gib=memory_request(recipe, component).requested_gib,
+        mem_gib=request.requested_gib,
     )
     flags += [
         ("signal", f"{PREEMPT_SIGNAL}@{job.signal_delay_s}"),

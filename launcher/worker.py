@@ -252,9 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": round(time.time() - started, 3),
             "requeue_count": payload.requeue_count,
         }
-        if code != 0:
-            print(f"{log} {_death_line(job_dir, Death(args.component, placement.rank, code))}", flush=True)
-            raise RuntimeError(f"{args.component} task {placement.rank} exited with code {code}")
+        if code != 0:  # one line, with the log that says why; the reason goes into the result file
+            task_log = job_dir / "logs" / f"{leader}_{args.component}_{placement.rank}.out"
+            death = _death_line(job_dir, Death(args.component, placement.rank, code))
+            print(f"{log} {death}; log {task_log}", file=sys.stderr, flush=True)
+            _record_error(paths, f"{args.component} task {placement.rank} exited with code {code}")
+            return 1
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)
         print(f"{log} finished in {result['elapsed_s']} s", flush=True)
@@ -265,11 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         trace = traceback.format_exc()
         print(f"{log} failed:\n{trace}", file=sys.stderr, flush=True)
-        if paths.result_pickle.exists():
-            paths.result_pickle.unlink()
-        with utils.temporary_save_path(paths.result_pickle) as tmp:
-            utils.cloudpickle_dump(("error", trace), tmp)
+        _record_error(paths, trace)
         return 1
+
+
+def _record_error(paths: utils.JobPaths, reason: str) -> None:
+    """The task's result file says it failed, and why (``status`` counts it)."""
+    paths.result_pickle.unlink(missing_ok=True)
+    with utils.temporary_save_path(paths.result_pickle) as tmp:
+        utils.cloudpickle_dump(("error", reason), tmp)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ contract for real:
   dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes;
 - rank 0 of each component measures the site facts the plan rests on (``runtime/probe_measure.py``)
   and writes them to ``{job_dir}/site_facts/facts_{component}.json``, saying what it skipped and why:
-  the capture node's host memory, its aggregate pinned host-to-device rate with all GPUs copying
-  at once, and a Mooncake put/get over loopback (before it listens: the trainer's end stops it);
-  the trainer node's host memory, the feature-cache disk's cold read rate and the link: after the
+  each node's host memory, the most ``--mem`` Slurm and the node allow and its GPUs; the capture
+  node's aggregate pinned host-to-device rate with all GPUs copying at once, and a Mooncake put/get
+  over loopback (before it listens: the trainer's end stops it); the trainer node's
+  feature-cache disk's cold read rate and the link: after the
   route check the capture serves a few objects from a master at the recipe's ports, and trainer rank
   0 reads them across the two nodes (``runtime/probe_link.py``).
   ``python3 -m launcher RECIPE --plan --site-facts {job_dir}/site_facts`` puts them in place of the
@@ -39,14 +40,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime import probe_link, probe_measure
-from runtime.files import atomic_write_text
-from runtime.native_log import route_native_output
-from runtime.recipe import load_resolved
-from runtime.recipe.fit.store_budget import largest_sample
-from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
-from runtime.shared import contracts
-from runtime.transport.settings import TransportSettings
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime import probe_link, probe_measure
+    from runtime.files import atomic_write_text
+    from runtime.native_log import route_native_output
+    from runtime.recipe import load_resolved
+    from runtime.recipe.fit.slurm_request import probe_measure_bytes
+    from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
+    from runtime.shared import contracts
+    from runtime.transport.settings import TransportSettings
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "runtime.probe")
 
 CONTRACT_VARIABLES = (
     *contracts.CONTRACT_ENV_NAMES,
@@ -62,10 +68,6 @@ CONTRACT_VARIABLES = (
 )
 CONNECT_TIMEOUT_S = 120.0
 FAIL_EXIT_CODE = 3
-MEASURE_BYTES_RANGE = (64 * 2**20, 2**30)
-"""Bytes each measurement moves (per GPU for the host-to-device copies): the recipe's largest
-sample, within this range (K3: 1 GiB; the tiny recipe: 64 MiB), unless
-``DSPARK_PROBE_MEASURE_BYTES`` says otherwise."""
 
 
 def _record(job_dir: Path, component: str, rank: int, extra: dict[str, Any]) -> Path:
@@ -148,6 +150,8 @@ def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
             measured[name] = {"value": value, "how": how}
 
     attempt(f"{component}_host_memory_available_bytes", probe_measure.host_memory_available_bytes)
+    attempt(f"{component}_node_mem_cap_gib", probe_measure.node_memory_cap_gib)
+    attempt(f"{component}_gpus_per_node", probe_measure.gpus_per_node)
     recipe = resolved.recipe
     if component == "capture":
         attempt("h2d_gbps_per_gpu", lambda: probe_measure.h2d_gbps_per_gpu(size))
@@ -199,10 +203,9 @@ def _serve_link(resolved: Any, bind_address: str, job_dir: Path) -> str:
 
 
 def _measure_bytes(resolved: Any) -> int:
-    """Bytes each measurement moves (:data:`MEASURE_BYTES_RANGE`)."""
-    low, high = MEASURE_BYTES_RANGE
-    sample = largest_sample(resolved.recipe).total_bytes
-    return int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", min(high, max(low, sample))))
+    """Bytes each measurement moves (:func:`probe_measure_bytes`), unless ``DSPARK_PROBE_MEASURE_BYTES``
+    says otherwise."""
+    return int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", probe_measure_bytes(resolved.recipe)))
 
 
 def _put_rate(size: int, log_dir: Path) -> tuple[float, str]:

@@ -1,7 +1,10 @@
 """The site facts ``--probe`` measures inside an allocation (``runtime/probe.py`` calls these).
 
-- host memory really available to the job: ``MemAvailable``, or the job's cgroup limit less what it
-  uses when that is lower (Slurm confines a job to its ``--mem``);
+- host memory available on the node: ``MemAvailable`` (the probe asks Slurm for a small ``--mem``,
+  so its own cgroup limit says nothing of what the job's ``--mem`` will get);
+- the most memory a job may ask of one such node: the smallest of what Slurm allows (the node's
+  ``RealMemory``, ``MaxMemPerNode`` of the partition and of the cluster, from ``scontrol``) and the
+  node's ``MemTotal``;
 - aggregate pinned host-to-device bandwidth with every GPU of the node copying at once (one CUDA
   stream and one pinned buffer per GPU, all started together): the per-GPU rate streaming gets
   when all eight GPUs stream their experts;
@@ -33,15 +36,89 @@ class Skipped(Exception):
     """A measurement that cannot run here; the message says why."""
 
 
-def host_memory_available_bytes() -> tuple[int, str]:
-    """Bytes of host memory this job can still use, and how that was read."""
+def _meminfo_bytes(field: str) -> int:
+    """One ``/proc/meminfo`` field in bytes."""
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    return int(meminfo[field].split()[0]) * 1024
+
+
+def host_memory_available_bytes() -> tuple[int, str]:
+    """Bytes of host memory available on this node, and how that was read. The probe's own cgroup
+    limit (its small ``--mem``) is named, not applied: the job's ``--mem`` is another."""
+    available = _meminfo_bytes("MemAvailable")
     how = f"MemAvailable of /proc/meminfo ({available / GIB:,.1f} GiB)"
     limit = _cgroup_room_bytes()
     if limit is not None and limit < available:
-        return limit, f"the job's cgroup memory limit less its use ({limit / GIB:,.1f} GiB; {how} is more)"
+        how += f"; the probe's own cgroup allows {limit / GIB:,.1f} GiB more (its --mem, not the job's)"
     return available, how
+
+
+def gpus_per_node() -> tuple[int, str]:
+    """GPUs this task sees: CUDA's count, else the devices Slurm handed it (``CUDA_VISIBLE_DEVICES``)."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        count = 0
+    if count:
+        return count, f"{count} CUDA device(s) visible to torch"
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible:
+        return len(visible), f"{len(visible)} device(s) in CUDA_VISIBLE_DEVICES (Slurm's GRES; torch sees no CUDA here)"
+    raise Skipped("no CUDA device and no CUDA_VISIBLE_DEVICES here")
+
+
+def _scontrol_fields(*args: str) -> dict[str, str]:
+    """``KEY=VALUE`` fields of one ``scontrol show ... -o`` line; empty when scontrol cannot answer."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("scontrol"):
+        return {}
+    try:
+        done = subprocess.run(["scontrol", "show", *args, "-o"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if done.returncode != 0:
+        return {}
+    return dict(item.split("=", 1) for item in done.stdout.split() if "=" in item)
+
+
+def _slurm_mib(value: str | None) -> int | None:
+    """A Slurm memory figure in MiB (``524288``, ``UNLIMITED``, ``0``: none)."""
+    if value is None or not value.isdigit() or int(value) == 0:
+        return None
+    return int(value)
+
+
+def node_memory_cap_gib(environ: dict[str, str] | None = None) -> tuple[int, str]:
+    """GiB one job may ask of this node (``--mem``): the smallest of the node's ``RealMemory``, the
+    partition's and the cluster's ``MaxMemPerNode`` (``scontrol``) and the node's ``MemTotal``."""
+    env = os.environ if environ is None else environ
+    bounds: dict[str, int] = {"MemTotal of /proc/meminfo": _meminfo_bytes("MemTotal") // MIB}
+    node = env.get("SLURMD_NODENAME")
+    if node:
+        found = _slurm_mib(_scontrol_fields("node", node).get("RealMemory"))
+        if found:
+            bounds[f"Slurm RealMemory of {node}"] = found
+    partition = env.get("SLURM_JOB_PARTITION")
+    if partition:
+        found = _slurm_mib(_scontrol_fields("partition", partition).get("MaxMemPerNode"))
+        if found:
+            bounds[f"MaxMemPerNode of partition {partition}"] = found
+    if node:
+        config = _scontrol_fields("config")
+        found = _slurm_mib(config.get("MaxMemPerNode"))
+        if found:
+            bounds["the cluster's MaxMemPerNode"] = found
+    smallest = min(bounds, key=lambda name: bounds[name])
+    cap_gib = bounds[smallest] // 1024
+    shown = ", ".join(f"{name} {value / 1024:,.1f} GiB" for name, value in bounds.items())
+    how = f"{cap_gib} GiB, the smallest of: {shown}"
+    if not node:
+        how += " (not in a Slurm job: Slurm's own limits were not read)"
+    return cap_gib, how
 
 
 def _cgroup_room_bytes() -> int | None:

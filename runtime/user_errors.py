@@ -20,6 +20,7 @@ import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_BAD_INPUT = 2
 """Exit code of a refused command (argparse uses the same for a bad flag)."""
@@ -226,6 +227,22 @@ def run_command(main: Callable[[list[str] | None], int], argv: list[str] | None 
     except KeyboardInterrupt:
         _say("interrupted (Ctrl-C); files are written whole or not at all, so nothing is half-written")
         return EXIT_INTERRUPTED
+
+
+def exit_without_package(exc: ModuleNotFoundError, command: str) -> NoReturn:
+    """A ``python3 -m`` entry run by an interpreter without the project's packages (a stock python3
+    instead of the venv's): one line naming the interpreter, the package and the fix, exit 2. A missing
+    module of this repository is a real error and is raised as it is."""
+    package = (exc.name or "").split(".")[0]
+    if not package or package in ("launcher", "runtime", "tools", "tests"):
+        raise exc
+    print(
+        f"error: {sys.executable} lacks the package {package!r} that `python3 -m {command}` needs: run it with the "
+        f"project venv's python (`.venv/bin/python3 -m {command} ...`, or `source .venv/bin/activate` first); "
+        "`tools/bootstrap` makes the venv",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def _say(line: str) -> None:

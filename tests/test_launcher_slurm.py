@@ -155,15 +155,16 @@ def test_usr2_requeues_once_through_task_zero(slurm_cluster, tmp_path: Path) -> 
     assert "Not checkpointing nor requeuing" in capture_log, "only task 0 (trainer rank 0) acts on the signal"
 
 
-def test_manual_sbatch_of_the_checked_in_script(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
-    """`sbatch sbatch/tiny.sbatch` (no launcher): the script resolves the recipe in the allocation,
-    writes the job's payload and record, and runs both components to completion."""
+def test_manual_smoke_sbatch_of_the_checked_in_script(slurm_cluster, tiny_assets, tmp_path: Path) -> None:
+    """`DSPARK_RESOLVE_ARGS="--smoke" sbatch sbatch/tiny.sbatch` (no launcher): the script resolves the
+    recipe in the allocation, runs the gate's checks 1-3 there, writes the job's payload and record,
+    runs both components to completion, and `gate` of the job PASSes."""
     runs, job_dir = tmp_path / "runs", tmp_path / "job"
     env = {
         **os.environ,
         "DSPARK_REPO": str(REPO),
         "DSPARK_JOB_DIR": str(job_dir),
-        "DSPARK_RESOLVE_ARGS": f"--set trainer.max_steps=2 --set job.runs_dir={runs}",
+        "DSPARK_RESOLVE_ARGS": f"--smoke --set job.runs_dir={runs}",
     }
     done = subprocess.run(
         ["sbatch", str(REPO / "sbatch" / "tiny.sbatch")],
@@ -182,8 +183,11 @@ def test_manual_sbatch_of_the_checked_in_script(slurm_cluster, tiny_assets, tmp_
     record = find_record(job_id, runs)
     assert Path(record.job_dir) == job_dir and record.components == {"capture": 1, "trainer": 4}
     steps = [json.loads(line)["step"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2]
+    assert steps == [1]  # the smoke overlay's one step
     assert (tmp_path / f"slurm-tiny-{job_id}.out").exists(), "the batch log lands in the submit directory"
+    gated = launch(["gate", str(job_dir)])
+    assert gated.returncode == 0 and "smoke gate: PASS" in gated.stdout, gated.stdout + gated.stderr
+    assert "NOT RUN" not in gated.stdout
 
 
 def test_the_time_out_signal_stops_the_trainer_with_a_checkpoint_before_the_requeue(

@@ -123,7 +123,8 @@ def test_a_failed_component_leaves_an_error_result_with_its_trace(
         "FAILED (the first task to die): capture rank 0 exited with code 3; resume with `python3 -m launcher "
         in (outputs["capture"])
     ), outputs["capture"]
-    assert f"--resume {job_dir}`" in outputs["capture"]
+    assert f"--resume {job_dir}`; log {job_dir}/logs/" in outputs["capture"]
+    assert "Traceback" not in outputs["capture"], "a component's failure is one line, not a worker traceback"
 
 
 def test_the_timeout_signal_makes_task_0_checkpoint_the_payload_and_requeue(

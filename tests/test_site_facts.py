@@ -37,7 +37,7 @@ def test_a_mooncake_put_and_get_over_loopback(tmp_path: Path) -> None:
     assert "8 MiB object" in how and "private mooncake_master on loopback" in how
 
 
-def _facts(folder: Path) -> Path:
+def _facts(folder: Path, node_gib: int | None = None) -> Path:
     folder.mkdir()
     capture = {
         "component": "capture",
@@ -59,9 +59,35 @@ def _facts(folder: Path) -> Path:
         },
         "skipped": {},
     }
+    if node_gib is not None:  # what the probe read from Slurm and the node
+        for facts in (capture, trainer):
+            how = f"{node_gib} GiB, the smallest of: Slurm RealMemory {node_gib} GiB, MemTotal {node_gib + 3} GiB"
+            facts["measured"][f"{facts['component']}_node_mem_cap_gib"] = {"value": node_gib, "how": how}
+            facts["measured"][f"{facts['component']}_gpus_per_node"] = {"value": 8, "how": "8 CUDA device(s)"}
     (folder / "facts_capture.json").write_text(json.dumps(capture))
     (folder / "facts_trainer.json").write_text(json.dumps(trainer))
     return folder
+
+
+def test_the_probe_reads_the_node_memory_cap_here() -> None:
+    cap_gib, how = probe_measure.node_memory_cap_gib({})  # not in a Slurm job: the node's MemTotal alone
+    assert cap_gib >= 1 and "MemTotal" in how and "Slurm's own limits were not read" in how
+
+
+def test_the_plan_refuses_a_mem_above_the_measured_node_cap_and_warns_without_one(tmp_path: Path) -> None:
+    facts = read_site_facts(_facts(tmp_path / "site_facts", node_gib=512))
+    plan = make_plan(load_recipe(K3, facts.overrides()).recipe, facts)
+    (blocker,) = plan.blockers
+    assert "--mem=1900G is above the 512 GiB its node allows" in blocker.message and "gpu-node-7" in blocker.message
+    assert any("segment_placement: trainer" in o for o in blocker.options)
+    assert "memory cap, trainer node" in plan.render() and "no blockers" not in plan.render()
+    # without facts or a stated cap: a warning naming what the site must allow, not silence
+    text = make_plan(load_recipe(K3).recipe).render()
+    assert "the site must allow --mem=1900G on a capture node and --mem=58G on a trainer node" in text
+    # a trainer-node refusal names fixes of the trainer node, not the capture node's segment move
+    with pytest.raises(ValueError, match="fewer ranks per trainer node") as refused:
+        load_recipe(K3, ["plan.slurm_max_mem_per_node_gib=40", "transport.segment_placement=split"])
+    assert "keep the Mooncake segment on the capture node" in str(refused.value)
 
 
 def test_the_plan_uses_measured_facts_and_says_which_are_assumed(tmp_path: Path) -> None:

@@ -122,3 +122,34 @@ def test_the_eval_job_asks_for_the_served_targets_memory_not_the_site_default() 
         }
     )
     assert "#SBATCH --mem=2000G" in render_eval_script(pinned, "recipes/k3.yaml")
+
+
+def test_the_k3_probe_asks_for_minutes_and_little_memory_and_reads_no_data(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from launcher.cli import main
+
+    for name in ("K3_TARGET_DIR", "K3_DATA_DIR", "K3_INIT_CHECKPOINT", "K3_FEATURE_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["kimi_k3_v1c", "--probe", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    job = render_script(load_recipe(K3).recipe, RenderOptions(recipe_file="recipes/kimi_k3_v1c.yaml"))
+    for probe_group, job_group in zip(_het_groups(script), _het_groups(job), strict=True):
+        minutes = int(probe_group.split("#SBATCH --time=")[1].split()[0])
+        mem_gib = int(probe_group.split("#SBATCH --mem=")[1].split("G")[0])
+        assert minutes <= 30 and mem_gib <= 32, probe_group
+        assert mem_gib < int(job_group.split("#SBATCH --mem=")[1].split("G")[0]) / 3
+        for same in ("--gpus-per-node=", "--ntasks-per-node=", "--exclusive"):  # the same node kinds
+            assert (same in probe_group) == (same in job_group)
+    assert "--probe" in script
+
+
+def test_the_runbooks_cache_rate_figure_is_the_plans() -> None:
+    """RUNBOOK section 5: "Below about N GB/s the plan's K3 run time passes one hour"."""
+    text = " ".join((REPO / "RUNBOOK.md").read_text().split())
+    rate = int(text.split("Below about ")[1].split(" GB/s the plan's K3 run time passes one hour")[0])
+
+    def run_hours(gbps: float) -> float:
+        return make_plan(load_recipe(K3, [f"plan.cache_read_gbps={gbps}"]).recipe).numbers["run_seconds"] / 3600
+
+    assert run_hours(rate) <= 1.0 < run_hours(rate - 1)

@@ -17,10 +17,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.files import DiskFullError, atomic_path
-from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
-from runtime.shared.contracts import JOB_FOLDER_SETTING
-from runtime.user_errors import UserError, output_place, require_regular_file, run_command
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime.files import DiskFullError, atomic_path
+    from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
+    from runtime.shared.contracts import JOB_FOLDER_SETTING
+    from runtime.user_errors import UserError, output_place, require_regular_file, run_command
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.compare_runs")
 
 IGNORED_KEYS = {"step", "time", "epoch"}
 

@@ -7,12 +7,17 @@ import logging
 import os
 import sys
 
-from runtime.files import DiskFullError
-from runtime.native_log import route_native_output
-from runtime.recipe.loader import load_resolved
-from runtime.shared.contracts import ENV_PARENT_PID, ENV_RECIPE, ENV_TASK_RANK
-from runtime.shared.lifecycle import exit_when_orphaned
-from runtime.shared.refusal import report_refusal
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime.files import DiskFullError
+    from runtime.native_log import route_native_output
+    from runtime.recipe.loader import load_resolved
+    from runtime.shared.contracts import ENV_PARENT_PID, ENV_RECIPE, ENV_TASK_RANK
+    from runtime.shared.lifecycle import exit_when_orphaned
+    from runtime.shared.refusal import report_refusal
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "runtime.capture")
 
 
 def main(argv: list[str] | None = None) -> int:

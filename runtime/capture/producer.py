@@ -299,7 +299,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
     """The capture component (see the module docstring); returns the process exit code.
     ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
     from runtime.transport.dataplane import capture_share_of_this_task, open_producer
-    from runtime.transport.endpoints import record_endpoints
+    from runtime.transport.endpoints import mark_endpoints_ended, record_endpoints
     from runtime.transport.master import MasterProcess
     from runtime.transport.settings import TransportSettings
 
@@ -319,6 +319,7 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
         endpoints = endpoints or transport.endpoints_from_env()
         if share[0] == 0:  # for a look from outside the job: python3 -m runtime.transport status --job DIR
             record_endpoints(resolved.job_dir, endpoints)
+            stack.callback(mark_endpoints_ended, resolved.job_dir)  # last: after the master has stopped
         with gate.stage(
             "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
         ):

@@ -6,7 +6,7 @@ from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
-from runtime.recipe.fit.slurm_request import memory_request
+from runtime.recipe.fit.slurm_request import memory_fixes, memory_request
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import run_steps
 from runtime.recipe.schema import Recipe, credentials_in
@@ -94,9 +94,7 @@ def _check_memory_requests(recipe: Recipe) -> list[Problem]:
                     "plan.slurm_max_mem_per_node_gib",
                     f"is {cap} GiB, below the {request.requested_gib} GiB a {component} node needs by the plan "
                     f"({request.describe()})",
-                    "use nodes with more memory (and raise the cap to what they have), move or split the Mooncake "
-                    "segment (transport.segment_placement, transport.global_segment_bytes), or stream fewer experts "
-                    "(capture.expert_streaming.gpu_budget_bytes)",
+                    "; or ".join(memory_fixes(recipe, component)) + " (and raise the cap to what they have)",
                 )
             )
     return out

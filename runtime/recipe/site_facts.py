@@ -35,6 +35,11 @@ PLAN_FIELD_OF_FACT: dict[str, tuple[str, float]] = {
     "trainer_host_memory_available_bytes": ("plan.trainer_host_memory_bytes", 1.0),
 }
 """Fact name -> (the plan field it replaces, the factor from the fact's unit to the field's)."""
+NODE_MEMORY_CAP_FACT = "{component}_node_mem_cap_gib"
+"""The most ``--mem`` (GiB) Slurm and the node allow on one node of a component: the plan refuses a
+request above it (``launcher/plan.py``)."""
+GPUS_PER_NODE_FACT = "{component}_gpus_per_node"
+"""The GPUs a task of a component saw on its node."""
 
 SITE_FIELDS: tuple[str, ...] = (
     "plan.pcie_h2d_bytes_per_s",
@@ -73,6 +78,12 @@ class SiteFacts:
         plan_field, factor = PLAN_FIELD_OF_FACT[name]
         value = float(self.measured[name]["value"]) * factor  # type: ignore[arg-type]
         return int(value) if plan_field.endswith(("_bytes", "_bytes_per_s")) else round(value, 3)
+
+    def component_fact(self, template: str, component: str) -> tuple[int, dict[str, object]] | None:
+        """A per-node fact (:data:`NODE_MEMORY_CAP_FACT`, :data:`GPUS_PER_NODE_FACT`) of ``component``:
+        its value and record, when the probe measured it."""
+        fact = self.measured.get(template.format(component=component))
+        return None if fact is None else (int(fact["value"]), fact)  # type: ignore[call-overload]
 
     def measured_field(self, plan_field: str) -> tuple[dict[str, object], float | int] | None:
         """The fact behind ``plan_field`` and its value in the field's unit, when it was measured."""

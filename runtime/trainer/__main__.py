@@ -13,14 +13,19 @@ import logging
 import os
 import sys
 
-from runtime.files import DiskFullError
-from runtime.native_log import route_native_output
-from runtime.recipe import RecipeError, load_resolved
-from runtime.shared.contracts import ENV_PARENT_PID
-from runtime.shared.data_files import DataFileError
-from runtime.shared.lifecycle import exit_when_orphaned
-from runtime.shared.refusal import report_refusal
-from runtime.trainer.settings import TrainerSetupError, derive_settings
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime.files import DiskFullError
+    from runtime.native_log import route_native_output
+    from runtime.recipe import RecipeError, load_resolved
+    from runtime.shared.contracts import ENV_PARENT_PID
+    from runtime.shared.data_files import DataFileError
+    from runtime.shared.lifecycle import exit_when_orphaned
+    from runtime.shared.refusal import report_refusal
+    from runtime.trainer.settings import TrainerSetupError, derive_settings
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "runtime.trainer")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,21 @@ import sys
 import threading
 from pathlib import Path
 
-from runtime.recipe.loader import RESOLVED_FILENAME, load_resolved
-from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER
-from runtime.transport.endpoints import Endpoints, endpoints_of_job, record_endpoints
-from runtime.transport.settings import TransportSettings
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    from runtime.recipe.loader import RESOLVED_FILENAME, load_resolved
+    from runtime.shared.contracts import ENV_BIND_ADDRESS, ENV_CAPTURE_HOST, ENV_MOONCAKE_MASTER
+    from runtime.transport.endpoints import (
+        Endpoints,
+        endpoints_of_job,
+        endpoints_record,
+        mark_endpoints_ended,
+        record_endpoints,
+    )
+    from runtime.transport.settings import TransportSettings
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "runtime.transport")
 
 
 def run_master(args: argparse.Namespace) -> int:
@@ -42,12 +53,14 @@ def run_master(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log_path = resolved.job_dir / "logs" / "mooncake_master.log"
     with MasterProcess(settings.master(host), log_path, die_with_parent=True) as master:
-        record_endpoints(resolved.job_dir, Endpoints.on_host(settings.ports, host, host))
+        record_endpoints(resolved.job_dir, Endpoints.on_host(settings.ports, host, host), recorder="master")
         print(f"mooncake_master ready (pid {master.pid}) on {host}; log {log_path}", flush=True)
         while not stop.wait(1.0):
             if master.process is not None and master.process.poll() is not None:
                 print(f"mooncake_master exited with {master.process.returncode}; see {log_path}", file=sys.stderr)
+                mark_endpoints_ended(resolved.job_dir)
                 return 1
+    mark_endpoints_ended(resolved.job_dir)
     return 0
 
 
@@ -55,20 +68,48 @@ def run_status(args: argparse.Namespace) -> int:
     """Print the cursor, every capture share's heartbeat, and what the window holds (and, with the
     feature cache, how much of it trainer ranks asked for)."""
     from runtime.shared.contracts import META_FIELD, cursor_key, sample_key, want_key
+    from runtime.transport.errors import TransportError
     from runtime.transport.liveness import stored_heartbeat
     from runtime.transport.records import Cursor
     from runtime.transport.store import StoreClient
 
     resolved = load_resolved(args.recipe or Path(args.job) / RESOLVED_FILENAME)
     settings = TransportSettings.from_recipe(resolved.recipe)
+    job_dir = Path(args.job) if args.job else resolved.job_dir
+    record = endpoints_record(job_dir)
+    if record is not None and record.get("ended_at"):
+        print(
+            f"job {job_dir}: its capture stopped the data plane at {_clock(record['ended_at'])} "
+            f"({job_dir / 'transport' / 'endpoints.json'}): the job has ended; `python3 -m launcher status {job_dir}` "
+            "says how"
+        )
+        return 1
     try:
-        endpoints = status_endpoints(settings, Path(args.job) if args.job else resolved.job_dir)
+        endpoints = status_endpoints(settings, job_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # stderr is the operator's console: a healthy client start's native lines stay off it
-    with StoreClient(settings.client(endpoints, 0), name="status").connect(quiet=True) as client:
+    refused = _master_refuses(endpoints.master_host, endpoints.master_rpc_port)
+    if refused:
+        print(
+            f"job {job_dir}: no mooncake_master answers at {endpoints.master_address} ({refused}): the job has ended "
+            f"or its master died; `python3 -m launcher status {job_dir}` says which"
+        )
+        return 1
+    try:
+        # stderr is the operator's console: a healthy client start's native lines stay off it
+        client = StoreClient(settings.client(endpoints, 0), name="status").connect(quiet=True)
+    except TransportError as exc:
+        print(
+            f"error: cannot join the store at {endpoints.master_address}: {str(exc).splitlines()[0]}", file=sys.stderr
+        )
+        return 1
+    with client:
         store_id = settings.store_id
+        other = _another_jobs_store(client, store_id, record)
+        if other:
+            print(f"job {job_dir}: {other}")
+            return 1
         raw = client.get_bytes(cursor_key(store_id))
         cursor = Cursor.decode(raw) if raw else None
         print(
@@ -97,6 +138,42 @@ def run_status(args: argparse.Namespace) -> int:
                 asks = client.exist([want_key(store_id, g) for g in window])
                 print(f"feature cache: {sum(asks)} sample(s) of the window asked for by trainer ranks")
     return 0
+
+
+def _clock(epoch_s: object) -> str:
+    """A recorded wall-clock time as local ``YYYY-MM-DD HH:MM:SS``."""
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(epoch_s)))  # type: ignore[arg-type]
+
+
+def _master_refuses(host: str, port: int, timeout_s: float = 1.0) -> str:
+    """Why nothing answers at the master's RPC port within ``timeout_s`` (a refused connection, no route,
+    a time-out), or '' when it answers: a look at an ended job must not wait for the store client's timeout."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return ""
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+def _another_jobs_store(client: object, store_id: str, record: dict[str, object] | None) -> str:
+    """'' when the store's producer is the one this job folder recorded (or it cannot be told); else a
+    line saying the store belongs to another job on the same ports (the asked job's capture ended)."""
+    from runtime.transport.liveness import stored_heartbeat
+
+    if record is None or record.get("recorder") != "capture":
+        return ""
+    beat = stored_heartbeat(client, store_id, 0)  # type: ignore[arg-type]
+    if beat is None or (beat.pid, beat.host) == (record.get("pid"), record.get("host")):
+        return ""
+    return (
+        f"the store at {record['master_address']} is not this job's: its producer is pid {beat.pid} on {beat.host}, "
+        f"this job's capture was pid {record.get('pid')} on {record.get('host')}. This job has ended and another job "
+        "uses the same ports and store name; give that job's folder to look at it"
+    )
 
 
 def status_endpoints(settings: TransportSettings, job_dir: Path) -> Endpoints:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,13 +101,41 @@ class Endpoints:
         return cls(master_address=master, metadata_url=metadata, bind_address=bind)
 
 
-def record_endpoints(job_dir: Path, endpoints: Endpoints) -> Path:
-    """Write the master's and the metadata server's addresses into ``job_dir`` (:data:`ENDPOINTS_FILE`)."""
+def record_endpoints(job_dir: Path, endpoints: Endpoints, recorder: str = "capture") -> Path:
+    """Write the master's and the metadata server's addresses into ``job_dir`` (:data:`ENDPOINTS_FILE`),
+    with who wrote them (``recorder``: ``capture``, whose producer beats with this pid and host, or
+    ``master`` run by hand), so that a look from outside can tell this job's store from a later job's
+    on the same ports."""
     target = job_dir / ENDPOINTS_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
-    record = {"master_address": endpoints.master_address, "metadata_url": endpoints.metadata_url}
+    record = {
+        "master_address": endpoints.master_address,
+        "metadata_url": endpoints.metadata_url,
+        "recorder": recorder,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_at": time.time(),
+    }
     atomic_write_text(target, json.dumps(record, indent=2) + "\n")
     return target
+
+
+def mark_endpoints_ended(job_dir: Path) -> None:
+    """Record in :data:`ENDPOINTS_FILE` that the process that recorded it has stopped its part of the data
+    plane (the master with it): a look from outside then says the job has ended, at once."""
+    record = endpoints_record(job_dir)
+    if record is not None:
+        record["ended_at"] = time.time()
+        atomic_write_text(job_dir / ENDPOINTS_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def endpoints_record(job_dir: Path) -> dict[str, object] | None:
+    """The record :func:`record_endpoints` wrote in ``job_dir``, None when there is none readable."""
+    try:
+        record = json.loads((job_dir / ENDPOINTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def endpoints_of_job(job_dir: Path, bind_address: str = "") -> Endpoints:

@@ -20,6 +20,10 @@ The eval job (``launcher eval``) runs on one node of the capture kind and serves
 capture does, without the Mooncake segment, its client or the commit staging: its request is the
 streamed experts plus the process allowances (:func:`eval_memory_request`), never more than the
 capture node's, so the capture node's checks cover it.
+
+The probe job (``--probe``) has the job's shape on the same partitions and node kinds but loads no
+target and no data: it asks for :data:`PROBE_TIME_LIMIT_MIN` minutes and the memory of what it
+moves (:func:`probe_memory_request`), so it lands long before the real job would.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ PROCESS_ALLOWANCE_BYTES = 8 * GIB
 """Host memory of one component process besides the samples and what the plan counts: Python,
 torch and the CUDA context (about 3 GiB), the weight loaders' buffers and the trainer's frozen
 embedding and lm_head on their way to the GPU (4.4 GiB at K3). An allowance, not measured."""
+PROBE_TIME_LIMIT_MIN = 20
+"""The probe job's time limit: its route check and measurements take a few minutes (each wait for
+the other node ends after two minutes)."""
+PROBE_PROCESS_ALLOWANCE_BYTES = 2 * GIB
+"""Host memory of one probe process besides the bytes it moves: Python, torch, gloo, a Mooncake client."""
+PROBE_MEASURE_BYTES_RANGE = (64 * 2**20, 2**30)
+"""Bytes each probe measurement moves (per GPU for the host-to-device copies): the recipe's largest
+sample, within this range (K3: 1 GiB; the tiny recipe: 64 MiB)."""
+PROBE_BUFFERS = 6
+"""Measurement buffers of one probe node besides one per GPU: the link's four served objects, the
+put's object and its copy read back."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,32 @@ class MemoryRequest:
         return f"--mem={self.requested_gib}G per node ({how}: {parts})"
 
 
+def memory_fixes(recipe: Recipe, component: str) -> list[str]:
+    """What lowers the ``--mem`` of one ``component`` node, or gets a node that allows it: only what acts
+    on that node (the Mooncake segment moves only between the nodes; experts stream only on capture)."""
+    placement = recipe.transport.segment_placement
+    if component == "capture":
+        fixes = (
+            ["stream fewer experts (raise capture.expert_streaming.gpu_budget_bytes)"]
+            if (recipe.capture.expert_streaming.enabled)
+            else []
+        )
+        if placement != "trainer":
+            fixes.append(
+                "move the Mooncake segment to the trainer node (transport.segment_placement: trainer, or split), "
+                "or shrink it (transport.global_segment_bytes)"
+            )
+    else:
+        fixes = [f"fewer ranks per trainer node (job.trainer.tasks_per_node, now {recipe.job.trainer.tasks_per_node})"]
+        if placement != "capture":
+            fixes.append(
+                f"keep the Mooncake segment on the capture node (transport.segment_placement: capture, now {placement}),"
+                " or shrink it (transport.global_segment_bytes)"
+            )
+    fixes.append(f"use {component} nodes with more memory (a partition or constraint: job.{component}.constraint)")
+    return fixes
+
+
 def component_processes(recipe: Recipe, component: str) -> int:
     """Processes of one component on one node: one per GPU or per task, whichever is more."""
     res = getattr(recipe.job, component)
@@ -119,3 +160,24 @@ def eval_memory_request(recipe: Recipe) -> MemoryRequest:
     }
     plan_parts = {"streamed experts": streamed} if streamed else {}
     return MemoryRequest("capture", plan_parts, margin, recipe.job.capture.mem_gib)
+
+
+def probe_measure_bytes(recipe: Recipe) -> int:
+    """Bytes each probe measurement moves: the largest sample, within :data:`PROBE_MEASURE_BYTES_RANGE`."""
+    low, high = PROBE_MEASURE_BYTES_RANGE
+    return min(high, max(low, largest_sample(recipe).total_bytes))
+
+
+def probe_memory_request(recipe: Recipe, component: str) -> MemoryRequest:
+    """The ``--mem`` of one node of the probe job: a small allowance per task and the buffers the
+    probe measures with (one per GPU for the host-to-device copies, :data:`PROBE_BUFFERS` more), never
+    the job's streamed experts or Mooncake segment."""
+    res = getattr(recipe.job, component)
+    size = probe_measure_bytes(recipe)
+    buffers = res.gpus_per_node + PROBE_BUFFERS
+    margin = {
+        f"for {res.tasks_per_node} probe task(s) x {format_bytes(PROBE_PROCESS_ALLOWANCE_BYTES)}": res.tasks_per_node
+        * PROBE_PROCESS_ALLOWANCE_BYTES,
+        f"{buffers} measurement buffer(s) x {format_bytes(size)}": buffers * size,
+    }
+    return MemoryRequest(component, {}, margin, None)
