@@ -37,6 +37,9 @@ _TRACEBACK_START = re.compile(
 """The first line of a traceback block in a task's log (or of the next part of a chained one)."""
 _OWN_LINE = re.compile(r"^(\[\w+( rank \d+)?\] |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 """A line the component itself writes (``[trainer] ...``, ``[trainer rank 0] error: ...``, a logged line)."""
+PROBE_CAPTURE_FINISH_S = 15.0
+"""How long a probe's capture may take to end on its own after the trainer passed (it then stops its link
+master); only a capture still running after that is stopped."""
 STATUS_RESERVE_BYTES = 256 * 1024
 """Space the supervisor holds in the job folder (a hidden file) and gives up when the disk fills, so that
 the summary it writes last still fits: a full disk must not leave ``local_status.json`` saying RUNNING."""
@@ -344,6 +347,19 @@ class LocalRun:
         self._echo_logs()
         self._note_deaths()
 
+    def _let_probe_capture_finish(self) -> int | None:
+        """A probe whose trainer passed: the capture's part ends on its own once trainer rank 0 has read
+        the link objects (it stops its master and exits 0). Wait for that, up to
+        :data:`PROBE_CAPTURE_FINISH_S` (or ``job.stop_grace_s`` if shorter), rather than stop it mid-way;
+        returns its exit as :meth:`_component_exit` does (None: still running)."""
+        deadline = time.monotonic() + min(PROBE_CAPTURE_FINISH_S, self.stop_grace_s)
+        while (code := self._component_exit("capture")) is None and time.monotonic() < deadline:
+            if self._stop_requested:  # Ctrl-C: stop it now
+                break
+            time.sleep(0.1)
+        self._echo_logs()
+        return code
+
     def _supervise(self) -> int:
         while True:
             self._echo_logs()
@@ -357,6 +373,8 @@ class LocalRun:
                 first = self._report_first_death() if trainer_code != 0 else None
                 self._finish("trainer", trainer_code)
                 capture_code = self._component_exit("capture")
+                if capture_code is None and trainer_code == 0 and self.probe:
+                    capture_code = self._let_probe_capture_finish()
                 if capture_code is None:
                     # The trainer is done: the capture's job is too. SIGTERM makes it finish the sample
                     # being written and exit 0, which is a completed capture (as on Slurm, where the

@@ -213,6 +213,13 @@ def _put_rate(size: int, log_dir: Path) -> tuple[float, str]:
     return put_gbps, how
 
 
+def _leave_completed(signum: int, frame: object) -> None:
+    """SIGTERM after the capture recorded its probe: leave with 0 (``with`` blocks close, the link
+    measurement's master is stopped on the way out)."""
+    print(f"[probe capture] {signal.Signals(signum).name} after the probe was recorded: done", flush=True)
+    raise SystemExit(0)
+
+
 def _stop_slowly(job_dir: Path, component: str, rank: int, delay_s: float) -> None:
     stops = job_dir / "probe" / "stops"
     stops.mkdir(parents=True, exist_ok=True)
@@ -248,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
+    if args.component == "capture" and os.environ.get("DSPARK_PROBE_FAIL") != "capture":
+        # Its share of the contract is recorded: a stop from here on (the trainer has ended) is the
+        # capture's normal end, as the runtime's capture finishes on SIGTERM and exits 0.
+        signal.signal(signal.SIGTERM, _leave_completed)
     if args.component == "capture" and rank == 0 and measure:
         # Recorded first: the job stops the capture once the trainer, which reads last, is done.
         _serve_link(resolved, bind_address, job_dir)

@@ -70,8 +70,13 @@ def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
 
     record = json.loads((job_dir / "job.json").read_text())
     status = launch(["status", record["job_id"], "--runs-dir", str(runs)])
-    assert status.returncode == 0 and "COMPLETED" in status.stdout
-    assert "capture" in status.stdout and "trainer" in status.stdout
+    assert status.returncode == 0 and "'tiny': COMPLETED" in status.stdout, status.stdout
+    # a healthy probe is finished in both components: the capture ended with its own exit 0 (after
+    # serving the link), not a stop (STOPPED, exit -15, 0/1 ok); the run's closing table says the same
+    for table in (status.stdout, done.stdout):
+        assert re.search(r"^  capture +0 COMPLETED +0 +1/1 ", table, re.M), table
+        assert re.search(r"^  trainer +1 COMPLETED +0 +4/4 ", table, re.M), table
+    assert "STOPPED" not in status.stdout and "-15" not in status.stdout, status.stdout
     logs = launch(["logs", str(job_dir), "--component", "capture"])
     assert "listening on 127.0.0.1" in logs.stdout
 

@@ -5,6 +5,7 @@ memory plus the stated margin, the site's cap, the time limit against the planne
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,116 @@ def test_the_runbooks_cache_rate_figure_is_the_plans() -> None:
         return make_plan(load_recipe(K3, [f"plan.cache_read_gbps={gbps}"]).recipe).numbers["run_seconds"] / 3600
 
     assert run_hours(rate) <= 1.0 < run_hours(rate - 1)
+
+
+def _runbook_numbers(text: str, pattern: str) -> list[str]:
+    """The figures ``pattern``'s groups capture in RUNBOOK's text (whitespace folded); fails if absent."""
+    found = re.search(pattern, text)
+    assert found, f"RUNBOOK no longer says {pattern!r}: update this check with the sentence"
+    return [group.replace(",", "") for group in found.groups()]
+
+
+def _as_quoted(value: float, quoted: str) -> str:
+    """``value`` written with as many decimals as the RUNBOOK's figure ``quoted``."""
+    decimals = len(quoted.partition(".")[2])
+    return f"{value:.{decimals}f}"
+
+
+def test_the_runbooks_k3_figures_are_the_plans() -> None:
+    """Each K3 figure RUNBOOK quotes from the plan (sections 2, 5, 7, 8, 8a) is recomputed from the plan
+    code and compared at the precision the RUNBOOK writes it."""
+    from runtime.recipe.fit.capture_hbm import capture_hbm_fit
+    from runtime.recipe.fit.slurm_request import eval_memory_request, probe_memory_request
+
+    text = " ".join((REPO / "RUNBOOK.md").read_text().split())
+    recipe = load_recipe(K3).recipe
+    n = make_plan(recipe).numbers
+    no_cache = make_plan(load_recipe(K3, ["trainer.feature_cache.enabled=false"]).recipe).numbers
+    two_nodes = make_plan(load_recipe(K3, ["job.capture.nodes=2"]).recipe).numbers
+    rows = dict(capture_hbm_fit(recipe).rows)  # type: ignore[union-attr]
+    tib, hour = 2**40, 3600
+    streaming = recipe.capture.expert_streaming
+    checks: list[tuple[str, list[float]]] = [
+        (
+            r"`--mem=(\d+)G` on the capture node \(([\d.]+) TiB of streamed",
+            [n["capture_mem_request_gib"], n["capture_host_bytes"] / tib],
+        ),
+        (r"and `--mem=(\d+)G` on the trainer node", [n["trainer_mem_request_gib"]]),
+        (
+            r"~([\d,]+) GB of MXFP4 weights exceed one 8 x H200 node's ([\d,]+) GB",
+            [n["target_weight_bytes"] / 1e9, n["capture_hbm_bytes"] / 1e9],
+        ),
+        (
+            r"a GPU budget of (\d+) GB of experts per GPU keeps (\d+) of (\d+) MoE layers resident, the other (\d+)",
+            [
+                (streaming.gpu_budget_bytes or 0) / 1e9,
+                n["streaming_resident_layers"],
+                n["streaming_resident_layers"] + n["streaming_streamed_layers"],
+                n["streaming_streamed_layers"],
+            ],
+        ),
+        (
+            r"K3: ([\d.]+) s \+ ([\d.]+) s \+ ([\d.]+) s = ([\d.]+) s of compute; ([\d.]+) s of copies",
+            [
+                n["prefill_expert_s"],
+                n["prefill_dense_s"],
+                n["prefill_attention_s"],
+                n["prefill_compute_s"],
+                n["prefill_pcie_s"],
+            ],
+        ),
+        (r"one capture node starves the trainer \((\d+)% idle\)", [100 * no_cache["trainer_idle_fraction"]]),
+        (r"trainer node's local disk \(([\d.]+) TiB\)", [n["feature_cache_bytes"] / tib]),
+        (r"feature cache \(~([\d.]+) TiB; section 7\)", [n["feature_cache_bytes"] / tib]),
+        (
+            r"run time drops from ([\d.]+) h to about ([\d.]+) h \(the trainer still idles (\d+)% of it",
+            [no_cache["run_seconds"] / hour, n["run_seconds"] / hour, 100 * n["trainer_idle_fraction"]],
+        ),
+        (
+            r"the plan: ([\d.]+) h instead of ([\d.]+) h for K3",
+            [two_nodes["run_seconds"] / hour, n["run_seconds"] / hour],
+        ),
+        (
+            r"`plan.cache_read_gbps`: (\d+) TB and (\d+) GB/s",
+            [recipe.plan.trainer_local_disk_bytes / 1e12, recipe.plan.cache_read_gbps],
+        ),
+        (
+            r"three K3-size entries \(([\d.]+) GiB each: ([\d.]+) GiB of free space",
+            [n["sample_bytes"] / GIB, 3 * n["sample_bytes"] / GIB],
+        ),
+        (
+            r"small `--mem` \(the buffers it measures with: (\d+) GiB on K3's capture node, (\d+) GiB on its trainer node\)",
+            [
+                probe_memory_request(recipe, "capture").requested_gib,
+                probe_memory_request(recipe, "trainer").requested_gib,
+            ],
+        ),
+        (
+            r"the draft's full state \((\d+) GiB of fp32 weights and AdamW moments\)",
+            [n["draft_trainable_params"] * 12 / GIB],
+        ),
+        (r"the served target's memory, about (\d+) GiB\)", [eval_memory_request(recipe).requested_gib]),
+        (
+            r"`eval job` row once the recipe has `eval:`; about (\d+) GiB for K3\)",
+            [eval_memory_request(recipe).requested_gib],
+        ),
+    ]
+    eval_row, batch_row = rows["eval decode (streamed)"], rows["eval batch for 1 h"]
+    eval_hours = {int(b): float(h) for b, h in re.findall(r"batch (\d+): [^;]*?, ([\d.]+) h", eval_row)}
+    checks += [
+        (
+            r"`eval decode \(streamed\)` row: about ([\d.]+) h for 1,000 prompts x 256 tokens at batch 128",
+            [eval_hours[128]],
+        ),
+        (r"new tokens take about ([\d.]+) h at batch 1 and ([\d.]+) h at batch 128", [eval_hours[1], eval_hours[128]]),
+        (r"the smallest batch that finishes within an hour \((\d+)\)", [float(batch_row.split(">= ")[1].split()[0])]),
+        (r"`capture.sglang.max_total_tokens` \(([\d,]+) for K3", [recipe.capture.sglang.max_total_tokens]),
+    ]
+    wrong = []
+    for pattern, values in checks:
+        quoted = _runbook_numbers(text, pattern)
+        assert len(quoted) == len(values), pattern
+        for figure, value in zip(quoted, values, strict=True):
+            if _as_quoted(value, figure) != figure:
+                wrong.append(f"RUNBOOK says {figure} where the plan gives {value:g} ({pattern})")
+    assert not wrong, "\n".join(wrong)

@@ -468,3 +468,109 @@ def test_free_port_keeps_to_its_workers_range_and_skips_a_taken_port(monkeypatch
     monkeypatch.setenv(loopback.ENV_PORT_RANGE, "24000")
     with pytest.raises(ValueError, match="write LOW-HIGH"):
         loopback.free_port()
+
+
+# ---------------------------------------------------------------------------------------------
+# `python3 -m runtime.transport status --job DIR`: this job's store, not a later job's on its ports
+# ---------------------------------------------------------------------------------------------
+
+
+class _StoreWithBeat:
+    """Stands in for the status command's store client (the boundary): the heartbeats it holds, by key;
+    any other key is absent."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.asked: list[str] = []
+
+    def connect(self, quiet: bool = False) -> _StoreWithBeat:
+        return self
+
+    def __enter__(self) -> _StoreWithBeat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def get_bytes(self, key: str) -> bytes | None:
+        self.asked.append(key)
+        return self.objects.get(key)
+
+    def exist(self, keys: list[str]) -> list[bool]:
+        return [key in self.objects for key in keys]
+
+
+def _job_with_endpoints(tmp_path: Path, recorder: str = "capture") -> tuple[Path, dict[str, object], str]:
+    """A resolved tiny job whose capture recorded its endpoints (this process's pid and host); its store id."""
+    from runtime.recipe.loader import write_resolved
+    from runtime.transport.endpoints import Endpoints, endpoints_record, record_endpoints
+
+    loaded = load_recipe(TINY)
+    job_dir = tmp_path / "job"
+    write_resolved(loaded, job_dir, REPO)
+    transport = TransportSettings.from_recipe(loaded.recipe)
+    record_endpoints(job_dir, Endpoints.on_host(transport.ports, "127.0.0.1", "127.0.0.1"), recorder=recorder)
+    record = endpoints_record(job_dir)
+    assert record is not None
+    return job_dir, record, transport.store_id
+
+
+def test_status_tells_this_jobs_store_from_a_later_jobs_on_the_same_ports(tmp_path: Path) -> None:
+    """The share-0 heartbeat's pid and host against the job folder's endpoints record: the same producer
+    is this job's store; another is a later job's, named with both; without a beat, or with a record
+    written by a master run by hand (no producer pid to compare), it cannot be told and is not refused."""
+    import os
+    import socket
+
+    from runtime.shared.contracts import heartbeat_key
+    from runtime.transport.__main__ import _another_jobs_store
+
+    job_dir, record, store_id = _job_with_endpoints(tmp_path)
+    key = heartbeat_key(store_id, 0)
+    ours = _beat(1, 0.0, pid=os.getpid(), host=socket.gethostname())
+    assert _another_jobs_store(_StoreWithBeat({key: ours.encode()}), store_id, record) == ""
+    later = _beat(1, 0.0, pid=os.getpid() + 1, host=socket.gethostname())
+    line = _another_jobs_store(_StoreWithBeat({key: later.encode()}), store_id, record)
+    assert line.startswith(f"the store at {record['master_address']} is not this job's: its producer is pid "), line
+    assert f"pid {os.getpid() + 1} on {socket.gethostname()}" in line
+    assert f"this job's capture was pid {os.getpid()} on {socket.gethostname()}" in line
+    elsewhere = _beat(1, 0.0, pid=os.getpid(), host="another-node")  # same pid, other node: not ours either
+    assert "is not this job's" in _another_jobs_store(_StoreWithBeat({key: elsewhere.encode()}), store_id, record)
+    # only share 0's beat is read; none there: nothing to tell
+    share_1 = _StoreWithBeat({heartbeat_key(store_id, 1): later.encode()})
+    assert _another_jobs_store(share_1, store_id, record) == "" and share_1.asked == [key]
+    assert _another_jobs_store(_StoreWithBeat({key: later.encode()}), store_id, None) == ""
+    _, by_hand, _ = _job_with_endpoints(tmp_path / "by_hand", recorder="master")
+    untouched = _StoreWithBeat({key: later.encode()})
+    assert _another_jobs_store(untouched, store_id, by_hand) == "" and untouched.asked == []
+
+
+def test_status_refuses_a_later_jobs_store_before_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status --job DIR` through its entry point, the store client and the master's port mocked: a later
+    job's producer in the store ends the command with 1 and that one line, before any cursor is read."""
+    import os
+    import socket
+
+    from runtime.shared.contracts import cursor_key, heartbeat_key
+    from runtime.transport import __main__ as status_command
+    from runtime.transport import store as store_module
+
+    for name in ("DSPARK_MOONCAKE_MASTER", "DSPARK_CAPTURE_HOST", "DSPARK_BIND_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    job_dir, _, store_id = _job_with_endpoints(tmp_path)
+    store = _StoreWithBeat({heartbeat_key(store_id, 0): _beat(1, 0.0, pid=os.getpid() + 1).encode()})
+    monkeypatch.setattr(status_command, "_master_refuses", lambda host, port: "")
+    monkeypatch.setattr(store_module, "StoreClient", lambda *args, **kwargs: store)
+    assert status_command.main(["status", "--job", str(job_dir)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"job {job_dir}: the store at 127.0.0.1:") and "is not this job's" in out, out
+    assert "give that job's folder to look at it" in out
+    assert cursor_key(store_id) not in store.asked, "nothing of the other job's store is reported"
+
+    store.objects = {heartbeat_key(store_id, 0): _beat(1, 0.0, pid=os.getpid(), host=socket.gethostname()).encode()}
+    store.asked.clear()
+    assert status_command.main(["status", "--job", str(job_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"store {store_id}: no cursor" in out and "pid " in out, out

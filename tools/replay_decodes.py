@@ -24,6 +24,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from runtime.user_errors import exit_without_package
+
+COMMAND = "tools.replay_decodes"
+
 DECODES_FILE = "decodes.jsonl"
 RESULTS_FILE = "results.json"
 
@@ -80,9 +84,12 @@ def replay_greedy(
 ) -> tuple[int, list[str]]:
     """Decode the temperature-0 prompts with transformers greedy ``generate`` and compare every recorded
     output of them; returns (outputs compared, differences)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.utils import logging as hf_logging
+    try:  # imported here (the figures check needs neither); a stock python3: one line, not a traceback
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.utils import logging as hf_logging
+    except ModuleNotFoundError as missing:
+        exit_without_package(missing, COMMAND)
 
     hf_logging.disable_progress_bar()
 
@@ -130,7 +137,10 @@ def replay_greedy(
 
 
 def _target_of(results: dict[str, Any]) -> Path:
-    from runtime.recipe import RecipeError, load_resolved
+    try:
+        from runtime.recipe import RecipeError, load_resolved
+    except ModuleNotFoundError as missing:
+        exit_without_package(missing, COMMAND)
 
     resolved_path = Path(results["job_dir"]) / "recipe.resolved.json"
     try:
@@ -142,7 +152,7 @@ def _target_of(results: dict[str, Any]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Check one results folder; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python3 -m tools.replay_decodes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python3 -m {COMMAND}", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a results folder (results.json and decodes.jsonl)")
     parser.add_argument("--target", type=Path, help="the target's Hugging Face folder (default: the job's)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N greedy prompts")

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
+from runtime.user_errors import exit_without_package
+
 DEFAULT_ROOMS = ("launcher", "runtime.recipe", "runtime.shared")
 CO_OPTIMIZED = 0x1
 """Set on the code of functions; unset on module and class bodies (import-time code)."""
@@ -115,7 +117,10 @@ def _qualified(frame: FrameType) -> str:
 
 def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tuple[RoomWalk, int]:
     """Run ``launcher.cli.main(argv)`` under the hook; returns the walk and the launcher's exit code."""
-    from launcher.cli import main
+    try:  # a stock python3 instead of the venv's: one line, not a traceback
+        from launcher.cli import main
+    except ModuleNotFoundError as missing:
+        exit_without_package(missing, "tools.room_walk")
 
     walk = RoomWalk(rooms)
     sink = io.StringIO()

@@ -32,10 +32,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from runtime.user_errors import exit_without_package
 
-from tools.bench.moe import timed
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    import torch
+    import torch.nn.functional as F
+
+    from tools.bench.moe import timed
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.bench.attention")
 
 QK_HEAD_DIM = 192
 """K3's MLA query/key width per head in a prefill: qk_nope_head_dim 128 + qk_rope_head_dim 64."""

@@ -43,18 +43,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+from runtime.user_errors import exit_without_package
 
-from runtime.files import atomic_write_text
-from runtime.recipe import load_recipe
-from runtime.recipe.fit.store_budget import largest_sample
-from runtime.recipe.sizes import SampleSize
-from runtime.recipe.units import format_bytes
-from runtime.shared.contracts import CapturedSample
-from runtime.trainer.entry_reader import CHUNK_BYTES, READ_THREADS
-from runtime.trainer.feature_cache import FeatureCache
-from runtime.transport.checksum import sum16_values
-from runtime.transport.sample_format import build_meta, describe_field
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    import torch
+
+    from runtime.files import atomic_write_text
+    from runtime.recipe import load_recipe
+    from runtime.recipe.fit.store_budget import largest_sample
+    from runtime.recipe.sizes import SampleSize
+    from runtime.recipe.units import format_bytes
+    from runtime.shared.contracts import CapturedSample
+    from runtime.trainer.entry_reader import CHUNK_BYTES, READ_THREADS
+    from runtime.trainer.feature_cache import FeatureCache
+    from runtime.transport.checksum import sum16_values
+    from runtime.transport.sample_format import build_meta, describe_field
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.bench.feature_cache")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIGEST = "feature-cache-bench".ljust(64, "0")

@@ -31,7 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from runtime.user_errors import exit_without_package
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    import torch
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.bench.speedup")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

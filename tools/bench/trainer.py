@@ -44,17 +44,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from runtime.user_errors import exit_without_package
 
-from runtime.recipe import Recipe, load_recipe
-from runtime.recipe.schema import DraftConfig
-from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
-from runtime.trainer.model import DSparkDraft, SampleInputs
-from runtime.trainer.objective import loss_coefficients
-from runtime.trainer.vocab_objective import chunked_vocab_objective
-from runtime.transport.loopback import free_port
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from runtime.recipe import Recipe, load_recipe
+    from runtime.recipe.schema import DraftConfig
+    from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
+    from runtime.trainer.model import DSparkDraft, SampleInputs
+    from runtime.trainer.objective import loss_coefficients
+    from runtime.trainer.vocab_objective import chunked_vocab_objective
+    from runtime.transport.loopback import free_port
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.bench.trainer")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30

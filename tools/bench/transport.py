@@ -36,18 +36,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from runtime.transport.endpoints import Endpoints  # noqa: E402
-from runtime.transport.loopback import free_port  # noqa: E402
-from runtime.transport.master import MasterProcess, MasterSettings  # noqa: E402
-from runtime.transport.sample_format import build_meta, byte_view, crc32_chunks, describe_field, encode_meta  # noqa: E402
-from runtime.transport.settings import ClientSettings  # noqa: E402
-from runtime.transport.store import StoreClient  # noqa: E402
+from runtime.user_errors import exit_without_package  # noqa: E402
+
+try:  # a stock python3 instead of the venv's: one line, not a traceback
+    import torch
+
+    from runtime.transport.endpoints import Endpoints
+    from runtime.transport.loopback import free_port
+    from runtime.transport.master import MasterProcess, MasterSettings
+    from runtime.transport.sample_format import build_meta, byte_view, crc32_chunks, describe_field, encode_meta
+    from runtime.transport.settings import ClientSettings
+    from runtime.transport.store import StoreClient
+except ModuleNotFoundError as _missing:
+    exit_without_package(_missing, "tools.bench.transport")
 
 FIELDS = ("ids", "mask", "hs", "lhs")
 GB = 1e9
