@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-
 GLOG_PREAMBLE = b"WARNING: Logging before InitGoogleLogging() is written to STDERR"
 """The line glog writes (once per process) when a program logs without initialising it."""
 
