@@ -7,14 +7,14 @@ contract for real:
   all-reduce their ranks;
 - the capture task listens on its bind address at the Mooncake master RPC port, and trainer rank 0
   dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes;
-- rank 0 of each component measures the site facts the plan rests on (``runtime/probe_measure.py``)
+- rank 0 of each component measures the site facts the plan rests on (``runtime/probe/measure.py``)
   and writes them to ``{job_dir}/site_facts/facts_{component}.json``, saying what it skipped and why:
   each node's host memory, the most ``--mem`` Slurm and the node allow and its GPUs; the capture
   node's aggregate pinned host-to-device rate with all GPUs copying at once, and a Mooncake put/get
   over loopback (before it listens: the trainer's end stops it); the trainer node's
   feature-cache disk's cold read rate and the link: after the
   route check the capture serves a few objects from a master at the recipe's ports, and trainer rank
-  0 reads them across the two nodes (``runtime/probe_link.py``).
+  0 reads them across the two nodes (``runtime/probe/link.py``).
   ``python3 -m launcher RECIPE --plan --site-facts {job_dir}/site_facts`` puts them in place of the
   recipe's assumptions. ``DSPARK_PROBE_MEASURE_BYTES`` sets the bytes copied, read and put;
   ``DSPARK_PROBE_MEASURE=0`` skips the measurements (the test suite does, but for the tests of them).
@@ -43,9 +43,10 @@ from typing import Any
 from runtime.user_errors import exit_without_package
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
-    from runtime import probe_link, probe_measure
     from runtime.files import atomic_write_text
     from runtime.native_log import route_native_output
+    from runtime.probe import link as probe_link
+    from runtime.probe import measure as probe_measure
     from runtime.recipe import load_resolved
     from runtime.recipe.fit.slurm_request import probe_measure_bytes
     from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
