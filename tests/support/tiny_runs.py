@@ -91,7 +91,9 @@ def assert_healthy_console(console: str, job_dir: Path, expected_warnings: tuple
     assert "producer resumed" not in console and "producer paused" not in console
     assert "UNEXPECTED" not in console and "CANCELLED" not in console and "REPLICA_IS_NOT_READY" not in console
     native = job_dir / "logs" / "native_capture_0.log"
-    assert native.exists() and "metadata not found" in native.read_text(errors="replace"), "glog lines are kept there"
+    # The native library's lines go there; a healthy client start's own-segment lookup is held and
+    # dropped (runtime/native_log.py), so the file may hold nothing else.
+    assert native.exists(), "the capture's native output goes to logs/native_capture_0.log"
 
 
 def metrics(job_dir: Path) -> list[dict]:
