@@ -30,6 +30,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+NATIVE_LOG_PATTERN = "native_{component}_{rank}.log"
+"""File name (in the job's ``logs/``) of one task's native-library output."""
+
+
+def native_log_path(job_dir: Path, component: str, rank: int | str) -> Path:
+    """Where one component task's native-library output goes."""
+    return job_dir / "logs" / NATIVE_LOG_PATTERN.format(component=component, rank=rank)
+
+
+def route_native_output(environ: dict[str, str] | None = None) -> Path | None:
+    """Point fd 2 at the task's native log when the launcher started this component (the contract
+    variables DSPARK_JOB_DIR, DSPARK_COMPONENT, DSPARK_TASK_RANK are set); returns the file, or None.
+
+    Call it before logging is configured: handlers bind to ``sys.stderr`` when they are made.
+    """
+    env = os.environ if environ is None else environ
+    job_dir, component, rank = env.get("DSPARK_JOB_DIR"), env.get("DSPARK_COMPONENT"), env.get("DSPARK_TASK_RANK")
+    if not (job_dir and component and rank is not None):
+        return None
+    path = native_log_path(Path(job_dir), component, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    console = os.dup(2)
+    native = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(native, 2)
+    os.close(native)
+    sys.stderr = os.fdopen(console, "w", buffering=1, errors="backslashreplace")
+    print(f"native library output (Mooncake glog, ...) goes to {path}", file=sys.stderr)
+    return path
+
+
 GLOG_PREAMBLE = b"WARNING: Logging before InitGoogleLogging() is written to STDERR"
 """The line glog writes (once per process) when a program logs without initialising it."""
 
@@ -139,34 +170,3 @@ def pump_native_output(
     thread = threading.Thread(target=pump, name="native-log-pump", daemon=True)
     thread.start()
     return thread
-
-
-NATIVE_LOG_PATTERN = "native_{component}_{rank}.log"
-"""File name (in the job's ``logs/``) of one task's native-library output."""
-
-
-def native_log_path(job_dir: Path, component: str, rank: int | str) -> Path:
-    """Where one component task's native-library output goes."""
-    return job_dir / "logs" / NATIVE_LOG_PATTERN.format(component=component, rank=rank)
-
-
-def route_native_output(environ: dict[str, str] | None = None) -> Path | None:
-    """Point fd 2 at the task's native log when the launcher started this component (the contract
-    variables DSPARK_JOB_DIR, DSPARK_COMPONENT, DSPARK_TASK_RANK are set); returns the file, or None.
-
-    Call it before logging is configured: handlers bind to ``sys.stderr`` when they are made.
-    """
-    env = os.environ if environ is None else environ
-    job_dir, component, rank = env.get("DSPARK_JOB_DIR"), env.get("DSPARK_COMPONENT"), env.get("DSPARK_TASK_RANK")
-    if not (job_dir and component and rank is not None):
-        return None
-    path = native_log_path(Path(job_dir), component, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    console = os.dup(2)
-    native = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(native, 2)
-    os.close(native)
-    sys.stderr = os.fdopen(console, "w", buffering=1, errors="backslashreplace")
-    print(f"native library output (Mooncake glog, ...) goes to {path}", file=sys.stderr)
-    return path

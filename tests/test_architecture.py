@@ -28,6 +28,9 @@ the login node or closes a cycle), except those under ``if TYPE_CHECKING:``. The
 - only runtime/transport/liveness.py reads or writes the producer's heartbeat object (its key and record);
 - only runtime/transport/settings.py reads the recipe for the transport's components (the doors load a
   resolved recipe and hand it there), and it reaches no torch (the master's command line starts without);
+- the recipe stops at each component's door: in the rooms of :data:`RECIPE_STOPS_AT_THE_DOOR` only the
+  modules :data:`RECIPE_DOORS` names (process entries, setup modules, test doors) import the recipe
+  types (``Recipe``, ``ResolvedRecipe``, the loader, the schema's sections), annotations included;
 - no import cycle among repo modules.
 """
 
@@ -407,6 +410,65 @@ def test_only_the_transport_settings_read_the_recipe() -> None:
     assert not heavy_paths(TRANSPORT_SETTINGS, modules), heavy_paths(TRANSPORT_SETTINGS, modules)
 
 
+RECIPE_TYPE_MODULES = ("runtime.recipe.schema", "runtime.recipe.loader")
+"""The recipe's types: the schema (``Recipe`` and its sections) and the loader (``ResolvedRecipe``, loading)."""
+RECIPE_TYPE_NAMES = frozenset(
+    {"Recipe", "ResolvedRecipe", "LoadedRecipe", "load_recipe", "load_resolved", "write_resolved"}
+)
+"""The same types as the ``runtime.recipe`` package re-exports them."""
+RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.probe", "runtime.moe")
+"""Rooms whose parts take their own frozen settings, never the recipe (runtime/trainer and
+runtime/evaluate are not converted yet)."""
+RECIPE_DOORS = {
+    "runtime.capture.__main__": "the capture's process entry: loads the resolved recipe",
+    "runtime.capture.setup": "capture_setup / sink_setup: the capture's settings, built once",
+    "runtime.capture.engine_sglang": "not converted yet: SGLangEngine takes the resolved recipe (the setup binds it)",
+    "runtime.capture.sglang_streaming": "not converted yet: the SGLang server's expert streaming reads the recipe file",
+    "runtime.capture.sglang_cpu": "a door for tests and tools: a CPU SGLang server on a loopback recipe",
+    "runtime.transport.settings": "TransportSettings.from_recipe: the transport's settings, built once per entry",
+    "runtime.transport.__main__": "the transport's command line: loads the resolved recipe",
+    "runtime.transport.synthetic": "a process entry: the synthetic producer and trainer of the transport tests",
+    "runtime.transport.loopback": "a door for tests and tools: a loopback recipe, master and environment",
+    "runtime.probe.__main__": "the probe's process entry: loads the resolved recipe",
+}
+"""Modules of :data:`RECIPE_STOPS_AT_THE_DOOR` allowed the recipe types, each with why."""
+
+
+def recipe_type_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for every import of a recipe type in ``path`` (``TYPE_CHECKING`` ones too: a
+    part whose signature names the recipe takes the recipe)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith(RECIPE_TYPE_MODULES)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in RECIPE_TYPE_MODULES:
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+            elif node.module == "runtime.recipe":
+                found += [(node.lineno, f"runtime.recipe.{a.name}") for a in node.names if a.name in RECIPE_TYPE_NAMES]
+    return found
+
+
+def recipe_past_the_door(repo_root: Path = REPO_ROOT) -> list[str]:
+    """Imports of the recipe types in :data:`RECIPE_STOPS_AT_THE_DOOR` outside :data:`RECIPE_DOORS`."""
+    problems = []
+    for path in sorted((repo_root / "runtime").rglob("*.py")):
+        name = module_name(path, repo_root)
+        if name in RECIPE_DOORS or not any(_within(name, room) for room in RECIPE_STOPS_AT_THE_DOOR):
+            continue
+        problems += [f"{path.relative_to(repo_root)}:{line} imports {what}" for line, what in recipe_type_imports(path)]
+    return problems
+
+
+def test_the_recipe_stops_at_each_components_door() -> None:
+    """Each process entry reads the resolved recipe once and builds its parts' typed settings in its
+    setup module; below it no module takes the recipe."""
+    modules = build_graph()
+    assert all(door in modules for door in RECIPE_DOORS), sorted(set(RECIPE_DOORS) - set(modules))
+    problems = recipe_past_the_door()
+    assert not problems, "build the part's settings in the component's setup and pass them:\n" + "\n".join(problems)
+
+
 def test_no_forbidden_arrows() -> None:
     problems = arrow_violations(build_graph())
     assert not problems, "imports against the layout:\n" + "\n".join(problems)
@@ -480,5 +542,10 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert "runtime/capture/engine.py:3 imports runtime.sglang_patching.tree" in patching_importers(modules, tmp_path)
     assert "runtime/trainer/loop.py:1 imports runtime.evaluate.decoder" in evaluate_importers(modules, tmp_path)
     assert recipe_readers_in_transport(modules) == ["window.py imports runtime.recipe.schema"]
+    assert recipe_past_the_door(tmp_path) == ["runtime/transport/window.py:1 imports runtime.recipe.schema.Recipe"]
+    (tmp_path / "runtime/capture/loop.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.recipe import ResolvedRecipe, RecipeError\n"
+    )
+    assert "runtime/capture/loop.py:3 imports runtime.recipe.ResolvedRecipe" in recipe_past_the_door(tmp_path)
     (tmp_path / "runtime/capture/status.py").write_text("from runtime.shared.contracts import heartbeat_key\n")
     assert heartbeat_users(tmp_path) == ["runtime/capture/status.py:1 imports runtime.shared.contracts.heartbeat_key"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runtime.capture.producer import make_engine
+from runtime.capture.setup import capture_setup
 from runtime.recipe import load_recipe, load_resolved, write_resolved
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,9 +22,9 @@ def resolved_tiny(tmp_path: Path, *overrides: str):
 
 def test_cli_override_replaces_the_recipe_exchange(tmp_path: Path) -> None:
     resolved = resolved_tiny(tmp_path, "capture.expert_parallel=2", "capture.engines_per_node=2")
-    assert make_engine(resolved, None).settings.moe_exchange == "nccl"
+    assert make_engine(capture_setup(resolved).engine, None).settings.moe_exchange == "nccl"
     with pytest.raises(Exception, match="needs one process per GPU") as info:
-        make_engine(resolved, None, "deepep")
+        make_engine(capture_setup(resolved).engine, None, "deepep")
     assert "--k3-moe-exchange nccl" in str(info.value)
 
 

@@ -15,15 +15,22 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.capture.embedded_settings import EmbeddedSettings
 from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.producer import CaptureLoop, CaptureSource
+from runtime.capture.setup import data_setup, embedded_settings
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import META_FIELD, sample_key
 from runtime.shared.data_files import sha256_file, write_manifest, write_rows
 from runtime.shared.prompt_order import PromptOrder
 from runtime.transport.dataplane import open_consumer, open_producer
-from runtime.transport.loopback import free_port, loopback_endpoints, loopback_env, loopback_master, loopback_recipe
+from runtime.transport.loopback import (
+    free_port,
+    loopback_endpoints,
+    loopback_env,
+    loopback_master,
+    loopback_recipe,
+    transport_of,
+)
 from runtime.transport.master import port_in_use
 from runtime.transport.sample_format import sample_keys
 from tests.conftest import REPO_ROOT
@@ -129,7 +136,9 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
     consumer = None
     try:
         _wait_until(lambda: port_in_use("127.0.0.1", recipe.transport.master_rpc_port), 60, "the master", proc)
-        consumer = open_consumer(resolved, 0, recipe.trainer_world_size, endpoints=loopback_endpoints(resolved))
+        consumer = open_consumer(
+            transport_of(resolved), 0, recipe.trainer_world_size, endpoints=loopback_endpoints(resolved)
+        )
         _wait_until(lambda: all(_present(consumer.client, store_id, range(high))), 180, f"samples 0..{high - 1}", proc)
         time.sleep(1.0)
         assert not any(_present(consumer.client, store_id, range(high, high + 8))), (
@@ -187,7 +196,7 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
 def _loop(resolved: ResolvedRecipe, producer, stop_after: int | None = None) -> tuple[CaptureLoop, list[int]]:
     committed: list[int] = []
     stop = threading.Event()
-    engine = EmbeddedEngine(EmbeddedSettings.from_recipe(resolved))
+    engine = EmbeddedEngine(embedded_settings(resolved))
 
     class CountingSink:
         """The producer itself; the count stands in for a SIGTERM arriving mid-batch."""
@@ -202,7 +211,7 @@ def _loop(resolved: ResolvedRecipe, producer, stop_after: int | None = None) -> 
 
     engine.sink = CountingSink()
     engine.start()
-    loop = CaptureLoop(producer, engine, CaptureSource.from_recipe(resolved), engine.max_batch, 1.0, stop)
+    loop = CaptureLoop(producer, engine, CaptureSource.open(data_setup(resolved)), engine.max_batch, 1.0, stop)
     return loop, committed
 
 
@@ -210,7 +219,7 @@ def test_stop_mid_batch_leaves_no_half_written_sample(tmp_path: Path, target: Pa
     resolved = _resolve(tmp_path, target, data_file)
     store_id = resolved.recipe.store_id
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
+        producer = open_producer(transport_of(resolved), resolved.job_dir, endpoints=loopback_endpoints(resolved))
         try:
             loop, committed = _loop(resolved, producer, stop_after=6)
             assert loop.run() == "stopped"
@@ -230,7 +239,7 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
     resolved = _resolve(tmp_path, target, data_file, ["trainer.max_steps=2"])
     store_id = resolved.recipe.store_id
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
+        producer = open_producer(transport_of(resolved), resolved.job_dir, endpoints=loopback_endpoints(resolved))
         try:
             loop, committed = _loop(resolved, producer)
             result: list[str] = []
@@ -241,7 +250,7 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
             assert sorted(committed) == list(range(16)), "nothing past the run's last sample is captured"
             assert not any(producer.client.exist([sample_key(store_id, g, META_FIELD) for g in range(16, 32)]))
             consumer = open_consumer(
-                resolved, 0, resolved.recipe.trainer_world_size, endpoints=loopback_endpoints(resolved)
+                transport_of(resolved), 0, resolved.recipe.trainer_world_size, endpoints=loopback_endpoints(resolved)
             )
             consumer.publish_cursor(16)
             thread.join(timeout=30)

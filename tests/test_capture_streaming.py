@@ -13,9 +13,9 @@ import torch
 
 engine_embedded = pytest.importorskip("runtime.capture.engine_embedded")
 
+from runtime.capture.embedded_settings import StreamedExperts  # noqa: E402
 from runtime.capture.engine import CaptureRequest  # noqa: E402
 from runtime.capture.model_loading import ExpertParallelLoader  # noqa: E402
-from runtime.recipe.schema import ExpertStreamingSettings  # noqa: E402
 from tests.support.tiny_moe import (  # noqa: E402
     save_tiny_moe_target,
     tiny_moe_capture_settings,
@@ -47,7 +47,7 @@ def _features(settings, loader=None) -> tuple[list, list]:
         engine.close()
 
 
-MOST_ON_HOST = ExpertStreamingSettings(enabled=True, resident_fraction=0.25)
+MOST_ON_HOST = StreamedExperts(resident_fraction=0.25)
 
 
 @pytest.mark.parametrize("expert_parallel", [1, 2])
@@ -69,7 +69,7 @@ def test_streamed_capture_is_byte_identical_to_resident(moe_target: Path, expert
 
 
 def test_a_budget_too_small_for_the_buffers_fails_the_engine_start(moe_target: Path) -> None:
-    streaming = ExpertStreamingSettings(enabled=True, gpu_budget_bytes=1000)
+    streaming = StreamedExperts(gpu_budget_bytes=1000)
     engine = engine_embedded.EmbeddedEngine(_settings(moe_target, ("cpu",), 1, streaming))
     with pytest.raises(engine_embedded.EngineError, match="gpu_budget_bytes is 0.00 GB per GPU, below the 2"):
         engine.start()
@@ -77,7 +77,7 @@ def test_a_budget_too_small_for_the_buffers_fails_the_engine_start(moe_target: P
 
 @pytest.mark.gpu
 def test_cuda_capture_with_streamed_experts_is_byte_identical(moe_target: Path) -> None:
-    streaming = ExpertStreamingSettings(enabled=True, resident_fraction=0.25, prefetch_layers=2)
+    streaming = StreamedExperts(resident_fraction=0.25, prefetch_layers=2)
     plain = dataclasses.replace(_settings(moe_target, ("cuda:0",), 1), compute_dtype="bfloat16")
     expected, _ = _features(plain)
     got, stores = _features(dataclasses.replace(plain, expert_streaming=streaming))

@@ -16,7 +16,7 @@ from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.deadline import DeadlineCaller, StoreUnresponsiveError
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import OBJECT_NOT_FOUND, TRANSIENT_CODES, IdleTimeoutError, TransportError, code_name
-from runtime.transport.loopback import loopback_endpoints, loopback_master, loopback_recipe
+from runtime.transport.loopback import loopback_endpoints, loopback_master, loopback_recipe, transport_of
 from runtime.transport.settings import ClientSettings
 from runtime.transport.store import StoreClient
 from tests.conftest import free_port
@@ -116,8 +116,8 @@ def test_stopped_master_fails_the_wait_within_idle_timeout(tmp_path: Path) -> No
     with loopback_master(resolved) as master:
         endpoints = loopback_endpoints(resolved)
         with (
-            open_producer(resolved, endpoints=endpoints),
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints),
+            open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
         ):
             os.kill(master.pid, signal.SIGSTOP)
             try:

@@ -24,7 +24,7 @@ from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, TransportError
 from runtime.transport.liveness import Heartbeat
-from runtime.transport.loopback import loopback_endpoints, loopback_env, loopback_master, loopback_recipe
+from runtime.transport.loopback import loopback_endpoints, loopback_env, loopback_master, loopback_recipe, transport_of
 from runtime.transport.settings import TransportSettings
 from runtime.transport.store import StoreClient
 from tests.conftest import free_port
@@ -95,7 +95,7 @@ def test_a_stopped_or_killed_producer_process_is_named_with_its_heartbeat_age(
     not read it before could only say 'no producer heartbeat in the store'."""
     resolved, endpoints = plane
     store_id = resolved.recipe.store_id
-    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
         producer = _spawn(resolved, "producer.log", ["produce", "--max-g", "0"])  # beats, captures nothing
         try:
 
@@ -134,8 +134,8 @@ def test_a_stopped_or_killed_producer_process_is_named_with_its_heartbeat_age(
 def test_a_live_producer_is_named_with_what_it_does(plane: tuple[ResolvedRecipe, Endpoints]) -> None:
     resolved, endpoints = plane
     with (
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
-        open_producer(resolved, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
     ):
         producer.refresh()  # takes the cursor (and rank 0's segment) the trainer published
         producer.heartbeat()
@@ -149,8 +149,8 @@ def test_a_live_producer_is_named_with_what_it_does(plane: tuple[ResolvedRecipe,
 @pytest.mark.slow
 def test_a_closed_producer_and_a_lost_heartbeat_are_named(plane: tuple[ResolvedRecipe, Endpoints]) -> None:
     resolved, endpoints = plane
-    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
-        with open_producer(resolved, endpoints=endpoints) as producer:
+    with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+        with open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer:
             producer.heartbeat()
             beat = consumer.read_heartbeat()
             assert beat is not None, "the consumer saw the producer alive once"
@@ -186,7 +186,7 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
         settings = TransportSettings.from_recipe(resolved.recipe).client(endpoints, 0)
         with (
             StoreClient(settings, name="reader").connect() as reader,
-            open_producer(resolved, endpoints=endpoints, start_cursor=None) as producer,
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=None) as producer,
         ):
 
             def beats_on(what: str, segment: str | None = None) -> None:
@@ -232,7 +232,7 @@ def test_the_producer_keeps_beating_through_rank0_and_master_restarts(tmp_path: 
 
             # its cursor went with its segment: beats stop aiming at the gone segment (no warning per beat)
             _wait_for("the producer kept aiming at the dead rank 0's segment", rank0_forgotten, timeout_s=60)
-            with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+            with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
                 beats_on("in the new rank 0's segment", consumer.client.hostname)
                 master.stop()
                 master.start()

@@ -34,7 +34,7 @@ from runtime.capture.engine_sglang import (
 )
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
-from runtime.transport.loopback import free_port, loopback_endpoints
+from runtime.transport.loopback import free_port, loopback_endpoints, transport_of
 from tests.test_sglang_server import require_capture_venv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -525,7 +525,10 @@ def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoints = loopback_endpoints(resolved)
     try:
-        with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
+        with (
+            loopback_master(resolved),
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=0) as producer,
+        ):
             engine = SGLangEngine(
                 resolved, launch=False, base_url=f"http://127.0.0.1:{server.server_address[1]}", patch_check=None
             )
@@ -536,7 +539,7 @@ def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
             # The sink's commit pipeline (one batch of staging slots by default) commits behind the
             # receipts; the consumer's fetch waits for each sample's meta.
             assert [r.meta["status"] for r in refs] == ["queued"] * 3 and all(r.bytes_written for r in refs)
-            with open_consumer(resolved, 0, 1, endpoints=endpoints) as consumer:
+            with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints) as consumer:
                 for request in requests:
                     got = consumer.fetch(request.g)
                     aux, last = synthetic_states(request.g, len(request.input_ids), 3, 256)

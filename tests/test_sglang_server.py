@@ -34,9 +34,10 @@ import pytest
 import torch
 
 from runtime.capture.engine import CaptureRequest
-from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.engine_sglang import SGLangEngine, SGLangPatchError
 from runtime.capture.producer import CaptureSource
+from runtime.capture.setup import data_setup, embedded_settings
 from runtime.capture.sglang_cpu import (
     CAPTURE_VENV_PYTHON,
     CpuServer,
@@ -98,7 +99,7 @@ def live(sglang_tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _requests(resolved: ResolvedRecipe, gs: list[int]) -> list[CaptureRequest]:
-    source = CaptureSource.from_recipe(resolved)
+    source = CaptureSource.open(data_setup(resolved))
     return [source.request(g) for g in gs]
 
 
@@ -109,6 +110,7 @@ def _report(name: str, value: Any) -> None:
 
 def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embedded_engine(live: CpuServer) -> None:
     from runtime.transport.dataplane import open_consumer
+    from runtime.transport.loopback import transport_of
 
     recipe = live.resolved.recipe
     _report("server start to healthy (s)", round(live.start_s, 1))
@@ -125,7 +127,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     assert [r.g for r in refs] == gs and all(r.bytes_written > 0 for r in refs)
 
     sink = RecordingSink()
-    embedded = EmbeddedEngine(EmbeddedSettings.from_recipe(live.resolved), sink)
+    embedded = EmbeddedEngine(embedded_settings(live.resolved), sink)
     embedded.start()
     started = time.monotonic()
     for request in requests:  # one sample per forward, as the tiny recipe's embedded engine runs
@@ -141,7 +143,7 @@ def test_server_captures_into_mooncake_pass_the_contract_and_agree_with_the_embe
     aux = list(recipe.capture.aux_layer_ids)
     hidden = recipe.capture.hidden_size
     worst_ratio, identical, total = 0.0, 0, 0
-    with open_consumer(live.resolved, 0, recipe.trainer_world_size, endpoints=live.endpoints) as consumer:
+    with open_consumer(transport_of(live.resolved), 0, recipe.trainer_world_size, endpoints=live.endpoints) as consumer:
         for request in requests:
             got = consumer.fetch(request.g)
             assert sample_problems(got, aux, hidden, recipe.data.max_length) == []
@@ -229,12 +231,13 @@ def test_streamed_experts_capture_exactly_what_resident_experts_capture(
     memory and copied into a device buffer before each layer runs): the same requests give the same
     bytes as the all-resident server (``live``)."""
     from runtime.transport.dataplane import open_consumer
+    from runtime.transport.loopback import transport_of
 
     gs = [live.producer.next_to_capture() for _ in range(4)]
     requests = _requests(live.resolved, gs)
     live.engine.capture(requests)
     world = live.resolved.recipe.trainer_world_size
-    with open_consumer(live.resolved, 0, world, endpoints=live.endpoints) as consumer:
+    with open_consumer(transport_of(live.resolved), 0, world, endpoints=live.endpoints) as consumer:
         resident = {g: consumer.fetch(g) for g in gs}
 
     overrides = [
@@ -247,7 +250,7 @@ def test_streamed_experts_capture_exactly_what_resident_experts_capture(
     with serve_on_cpu(tmp_path / "streamed", ports, free_port(), overrides) as server:
         refs = server.engine.capture(requests)
         assert [r.g for r in refs] == gs
-        with open_consumer(server.resolved, 0, world, endpoints=server.endpoints) as consumer:
+        with open_consumer(transport_of(server.resolved), 0, world, endpoints=server.endpoints) as consumer:
             streamed = {g: consumer.fetch(g) for g in gs}
         log_text = (server.resolved.job_dir / "capture" / "sglang_server.log").read_text(errors="replace")
     assert "expert streaming on cpu: 2 of 8 MoE layers resident, 6 streamed" in log_text, log_text[-3000:]

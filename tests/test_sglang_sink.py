@@ -26,7 +26,7 @@ from runtime.capture.sglang_sink import (
 )
 from runtime.capture.sglang_wire import CaptureTicket, WireError, encode_loss_mask
 from runtime.recipe.sizes import SampleSize
-from runtime.transport.loopback import loopback_endpoints
+from runtime.transport.loopback import loopback_endpoints, transport_of
 
 K3_T, K3_H, K3_AUX = 65536, 7168, 5
 H, LAYERS = 256, (1, 3, 5)
@@ -299,7 +299,10 @@ def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
     aux, last = _packed(lengths, 3 * H, seed=11), _packed(lengths, H, seed=12)
     masks = [[i % 2 for i in range(n)] for n in lengths]
     ids = [list(range(1000, 1000 + n)) for n in lengths]
-    with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
+    with (
+        loopback_master(resolved),
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=0) as producer,
+    ):
         claimed = [producer.next_to_capture(), producer.next_to_capture()]
         assert claimed == [0, 1]
         try:
@@ -321,7 +324,7 @@ def test_commits_land_in_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
             flush_sinks(timeout_s=60)
             producer.refresh()
             assert set(producer.window.resident) == {0, 1} and not producer.window.in_flight
-            with open_consumer(resolved, 0, 1, endpoints=endpoints) as consumer:
+            with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints) as consumer:
                 start = 0
                 for g, n in enumerate(lengths):
                     got = consumer.fetch(g)

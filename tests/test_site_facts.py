@@ -12,7 +12,7 @@ import torch
 
 from launcher.cli import main
 from launcher.plan import make_plan
-from runtime import probe_measure
+from runtime.probe import measure as probe_measure
 from runtime.recipe import load_recipe
 from runtime.recipe.site_facts import SiteFactsError, read_site_facts
 

@@ -18,7 +18,7 @@ from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.dataplane import open_consumer, open_producer
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.errors import IdleTimeoutError, MasterStartError, StoreFullError, StoreSetupError
-from runtime.transport.loopback import free_port, loopback_endpoints, loopback_master, loopback_recipe
+from runtime.transport.loopback import free_port, loopback_endpoints, loopback_master, loopback_recipe, transport_of
 from runtime.transport.master import MasterProcess
 from runtime.transport.settings import TransportSettings
 from runtime.transport.synthetic import SampleShape, synthetic_sample
@@ -76,8 +76,8 @@ def test_round_trip_of_all_four_fields_is_exact(master: MasterProcess, tmp_path:
     resolved = _plane(tmp_path, ports, "roundtrip")
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         for tokens in (37, 256):
             g = producer.next_to_capture()
@@ -100,8 +100,8 @@ def test_recapture_is_an_idempotent_upsert(master: MasterProcess, tmp_path: Path
     resolved = _plane(tmp_path, ports, "upsert")
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         first = _sample(0, 50)
         producer.commit(0, first, {})
@@ -160,8 +160,8 @@ def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
         f"_visibility_reader({str(resolved.path)!r}, {count}, {str(out)!r})"
     )
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0),
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0),
     ):
         reader = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
         sent = {}
@@ -182,7 +182,9 @@ def test_meta_last_a_concurrent_reader_never_sees_meta_without_tensors(
 def test_full_segment_put_fails_with_a_clear_error(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "full", ["transport.max_retries=1"])
     endpoints = loopback_endpoints(resolved)
-    with open_producer(resolved, endpoints=endpoints, segment_bytes=16 << 20) as producer:  # Mooncake's minimum
+    with open_producer(
+        transport_of(resolved), resolved.job_dir, endpoints=endpoints, segment_bytes=16 << 20
+    ) as producer:  # Mooncake's minimum
         with pytest.raises(StoreFullError, match="no room in the store for sample g=0"):
             producer.commit(0, _sample(0, 12_000), {})  # 18 MB of hs into a 16 MiB segment
         assert producer.stats()["errors"] == 1
@@ -193,7 +195,7 @@ def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
     dead = (free_port(), free_port(), free_port())
     resolved = loopback_recipe(tmp_path, dead, [*FAST, "transport.connect_timeout_s=1"])
     with pytest.raises(StoreSetupError) as info:
-        open_consumer(resolved, 0, 4, endpoints=loopback_endpoints(resolved))
+        open_consumer(transport_of(resolved), 0, 4, endpoints=loopback_endpoints(resolved))
     message = str(info.value)
     assert f"RPC port 127.0.0.1:{dead[0]} does not accept connections" in message
     assert "transport.connect_timeout_s" in message
@@ -201,7 +203,7 @@ def test_setup_error_names_address_port_and_protocol(tmp_path: Path) -> None:
     loop = loopback_endpoints(resolved)
     foreign = Endpoints(loop.master_address, loop.metadata_url, "10.255.255.1")
     with pytest.raises(StoreSetupError) as info:
-        open_consumer(resolved, 0, 4, endpoints=foreign)
+        open_consumer(transport_of(resolved), 0, 4, endpoints=foreign)
     message = str(info.value)
     assert "bind address 10.255.255.1 is not an address of this node" in message
     assert f"master 127.0.0.1:{dead[0]}" in message and "protocol tcp" in message
@@ -238,7 +240,7 @@ def test_a_healthy_master_client_and_status_print_no_warning(tmp_path: Path, cap
     resolved = loopback_recipe(tmp_path, (free_port(), free_port(), free_port()), [*FAST, *ONE_RANK])
     with (
         loopback_master(resolved, tmp_path / "mooncake_master.log"),
-        open_producer(resolved, endpoints=loopback_endpoints(resolved)) as producer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=loopback_endpoints(resolved)) as producer,
     ):
         producer.heartbeat()
         native = capfd.readouterr().err
@@ -280,7 +282,7 @@ def test_held_native_output_keeps_every_line_of_a_failed_setup(capfd: pytest.Cap
 def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProcess, tmp_path: Path, ports) -> None:
     resolved = _plane(tmp_path, ports, "idle", ["transport.idle_timeout_s=1.5"])
     endpoints = loopback_endpoints(resolved)
-    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
         with pytest.raises(IdleTimeoutError) as info:
             consumer.fetch(5)
         message = str(info.value)
@@ -288,7 +290,9 @@ def test_idle_timeout_names_the_sample_and_the_heartbeat_age(master: MasterProce
         assert "its meta (the commit marker) is not in the store yet" in message
         assert "no producer heartbeat in the store" in message
         # now a producer that beat once and then went silent (hung engine)
-        with open_producer(resolved, endpoints=endpoints, auto_heartbeat=False) as producer:
+        with open_producer(
+            transport_of(resolved), resolved.job_dir, endpoints=endpoints, auto_heartbeat=False
+        ) as producer:
             producer.refresh()  # takes the cursor the trainer published
             producer.heartbeat({"engine": "test"})
             with pytest.raises(IdleTimeoutError) as info:
@@ -316,8 +320,8 @@ def test_producer_pauses_at_high_watermark_and_resumes_below_low(master: MasterP
     resolved = _plane(tmp_path, ports, "wm_samples")  # high 8, low 4, G 4
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         assert _drain(producer) == list(range(8))
         stats = producer.stats()
@@ -350,8 +354,8 @@ def test_producer_pauses_at_byte_watermark_and_resumes_below_low_bytes(
     resolved = _plane(tmp_path, ports, "wm_bytes", extra)
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         assert _drain(producer) == list(range(6))
         stats = producer.stats()
@@ -380,8 +384,8 @@ def test_consumer_wait_logs_name_the_sample_and_the_producer(
     resolved = _plane(tmp_path, ports, "waitlog", ["transport.wait_log_interval_s=0.2", "transport.idle_timeout_s=5"])
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         timer = threading.Timer(1.0, lambda: producer.commit(producer.next_to_capture(), _sample(0, 20), {}))
         timer.start()
@@ -418,9 +422,9 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
         assert "mooncake_master ready" in master.stdout.readline()
         endpoints = loopback_endpoints(resolved)
         with (
-            open_producer(resolved, endpoints=endpoints, share=(0, 2)) as producer,
-            open_producer(resolved, endpoints=endpoints, share=(1, 2)) as second,
-            open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, share=(0, 2)) as producer,
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, share=(1, 2)) as second,
+            open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
         ):
             consumer.ask_for([5])  # what a trainer rank with a feature cache does for a row it lacks
             for _ in range(3):
@@ -497,8 +501,8 @@ def test_round_trip_from_and_to_cuda_is_exact(master: MasterProcess, tmp_path: P
     resolved = _plane(tmp_path, ports, "cuda")
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         for tokens in (64, 2048):
             g = producer.next_to_capture()
@@ -516,8 +520,8 @@ def test_a_corrupt_field_is_detected_and_named(master: MasterProcess, tmp_path: 
     resolved = _plane(tmp_path, ports, "corrupt", ["transport.max_retries=1"])
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         sample = _sample(0, 64)
         producer.commit(producer.next_to_capture(), sample, {})
@@ -542,9 +546,16 @@ def test_writers_place_samples_in_the_producer_segment_and_the_cursor_in_rank0s(
     resolved = _plane(tmp_path, ports, "placement")
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as owner,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
-        open_producer(resolved, endpoints=endpoints, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as owner,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(
+            transport_of(resolved),
+            resolved.job_dir,
+            endpoints=endpoints,
+            segment_bytes=0,
+            auto_heartbeat=False,
+            start_cursor=None,
+        ) as sink,
     ):
         owner.heartbeat()  # names the owner's segment
         for g in range(6):  # like the SGLang sink: a second process-like writer without a segment
@@ -566,8 +577,8 @@ def test_sum16_checksums_from_the_capture_side_are_verified_by_the_reader(
     resolved = _plane(tmp_path, ports, "sum16", ["transport.max_retries=1"])
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         sample = _sample(0, 65)
         checksums = {name: sum16_values(sample[name]) for name in ("hs", "lhs")}
@@ -591,8 +602,8 @@ def test_pipelined_cuda_commit_is_exact_and_verified_on_the_gpu(master: MasterPr
     resolved = _plane(tmp_path, ports, "piped")
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         pipeline = CommitPipeline(producer, slots=2)
         sent = {}
@@ -620,9 +631,9 @@ def test_sample_segment_on_the_trainer_node(master: MasterProcess, tmp_path: Pat
 
     resolved = _plane(tmp_path, ports, "ontrainer", ["transport.segment_placement=trainer"])
     endpoints = loopback_endpoints(resolved)
-    with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
+    with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer:
         assert consumer.client.settings.segment_bytes == CONTROL_SEGMENT_BYTES + 256 * 2**20
-        with open_producer(resolved, endpoints=endpoints) as producer:
+        with open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer:
             assert producer.client.settings.segment_bytes == 0 and producer.client.preferred_segment == ""
             for g in range(3):
                 sent = _sample(g, 4096)
@@ -639,8 +650,8 @@ def test_sample_segment_split_over_both_nodes_holds_more_than_either_half(
     resolved = _plane(tmp_path, ports, "split", ["transport.segment_placement=split"])
     endpoints = loopback_endpoints(resolved)
     with (
-        open_producer(resolved, endpoints=endpoints) as producer,
-        open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
+        open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints) as producer,
+        open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as consumer,
     ):
         assert producer.client.settings.segment_bytes == 128 * 2**20 and producer.client.preferred_segment == ""
         sent = {g: _sample(g, 16384) for g in range(5)}
@@ -661,8 +672,8 @@ def test_rank0_leaving_before_the_producer_knows_the_run_ended_is_no_warning(
 
     resolved = _plane(tmp_path, ports, "leaving")
     endpoints = loopback_endpoints(resolved)
-    with open_producer(resolved, endpoints=endpoints, auto_heartbeat=False) as producer:
-        with open_consumer(resolved, 0, 1, endpoints=endpoints, start_cursor=0) as rank0:
+    with open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, auto_heartbeat=False) as producer:
+        with open_consumer(transport_of(resolved), 0, 1, endpoints=endpoints, start_cursor=0) as rank0:
             producer.heartbeat()
             assert producer.heartbeat_writer.rank0_segment == rank0.client.hostname, "beats aim at rank 0"
             assert _owner(producer.client, "leaving/heartbeat") == rank0.client.hostname

@@ -41,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from runtime.capture.producer import run_capture
+    from runtime.capture.setup import capture_setup
 
     resolved = load_resolved(args.recipe)
     exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     override = chosen_exchange(args, resolved.recipe.capture.moe_exchange) if args.k3_moe_exchange else None
     try:
-        return run_capture(resolved, moe_exchange=override)
+        return run_capture(capture_setup(resolved), moe_exchange=override)
     except DiskFullError as exc:
         # what, where, how much and the fix, in one line: no traceback around it
         logging.getLogger("dspark.capture").error("the capture stops: %s", exc)

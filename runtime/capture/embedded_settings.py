@@ -1,20 +1,33 @@
-"""The embedded capture engine's settings from the recipe, its replica devices and its error type."""
+"""The embedded capture engine's settings (built from the recipe by runtime/capture/setup.py), its replica
+devices and its error type."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from runtime.recipe.loader import ResolvedRecipe
-from runtime.recipe.schema import ExpertStreamingSettings
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class EngineError(RuntimeError):
     """The engine cannot start or serve; the message names the recipe field and the fix."""
+
+
+@dataclass(frozen=True)
+class StreamedExperts:
+    """Routed experts streamed from host memory (``capture.expert_streaming`` when enabled)."""
+
+    gpu_budget_bytes: int | None = None
+    """Device bytes the streamed store may hold; None: from ``resident_fraction``."""
+    resident_fraction: float | None = None
+    """Share of the MoE layers whose experts stay on the device."""
+    prefetch_layers: int = 1
+    """Layers copied ahead of the one running."""
+    pinned: bool = True
+    """Host copies in pinned memory."""
 
 
 @dataclass(frozen=True)
@@ -39,29 +52,8 @@ class EmbeddedSettings:
     staging_slot_bytes: int = 0
     """Size each staging slot is pinned at on first use (the largest sample of the recipe), so
     the slots are not re-pinned as longer samples come; 0: grow to the largest sample seen."""
-    expert_streaming: ExpertStreamingSettings | None = None
+    expert_streaming: StreamedExperts | None = None
     """Routed experts streamed from host memory (``capture.expert_streaming`` when enabled)."""
-
-    @classmethod
-    def from_recipe(cls, resolved: ResolvedRecipe) -> EmbeddedSettings:
-        """Settings of the resolved recipe's ``capture`` section (devices picked here)."""
-        c = resolved.recipe.capture
-        devices = tuple(pick_devices(c.device, c.engines_per_node, c.compute_dtype))
-        return cls(
-            target_path=resolved.resolve_path(c.target_path),
-            aux_layer_ids=tuple(c.aux_layer_ids),
-            hidden_size=c.hidden_size,
-            pad_id=c.special_tokens.pad_id,
-            compute_dtype=c.compute_dtype,
-            devices=devices,
-            batch_size=c.batch_size,
-            target_revision=c.target_revision,
-            expert_parallel=c.expert_parallel,
-            moe_exchange=c.moe_exchange,
-            commit_staging_slots=c.effective_commit_staging_slots(len(devices)),
-            staging_slot_bytes=max_sample_feature_bytes(resolved),
-            expert_streaming=c.expert_streaming if c.expert_streaming.enabled else None,
-        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,10 +61,33 @@ class EmbeddedSettings:
         return COMPUTE_DTYPES[self.compute_dtype]
 
 
-def max_sample_feature_bytes(resolved: ResolvedRecipe) -> int:
-    """Bytes of the ``hs`` + ``lhs`` fields of the recipe's longest sample (bf16)."""
-    c = resolved.recipe.capture
-    return resolved.recipe.data.max_length * (len(c.aux_layer_ids) + 1) * c.hidden_size * 2 + 2 * 64
+@dataclass(frozen=True)
+class EmbeddedPlan:
+    """The embedded engine's settings before its replica devices are picked: the capture's setup
+    builds it from the recipe; :meth:`settings` picks the devices when the engine starts (a missing
+    GPU is then the engine's refusal, inside the smoke gate's engine stage)."""
+
+    base: EmbeddedSettings
+    """Every setting but ``devices`` (empty) and ``commit_staging_slots``."""
+    device: str
+    """``capture.device``: cuda or cpu."""
+    engines_per_node: int | None
+    """Replicas on this node; None: one per visible GPU."""
+    commit_staging_slots: int | None
+    """``capture.commit_staging_slots``; None: one batch of every replica."""
+
+    def settings(self, moe_exchange: str | None = None) -> EmbeddedSettings:
+        """The engine's settings with its devices picked; ``moe_exchange`` overrides the recipe's."""
+        devices = tuple(pick_devices(self.device, self.engines_per_node, self.base.compute_dtype))
+        slots = self.commit_staging_slots
+        if slots is None:
+            slots = self.base.batch_size * max(1, len(devices))
+        return dataclasses.replace(
+            self.base,
+            devices=devices,
+            commit_staging_slots=slots,
+            moe_exchange=moe_exchange or self.base.moe_exchange,
+        )
 
 
 def pick_devices(device: str, engines_per_node: int | None, compute_dtype: str = "bfloat16") -> list[str]:

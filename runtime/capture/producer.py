@@ -1,6 +1,7 @@
 """The capture component's main loop: keep the data-plane window full of captured samples.
 
-``python3 -m runtime.capture --recipe RESOLVED`` runs :func:`run_capture`:
+``python3 -m runtime.capture --recipe RESOLVED`` builds the component's settings once
+(:func:`runtime.capture.setup.capture_setup`) and runs :func:`run_capture` with them:
 
 1. start the Mooncake master when ``capture.owns_master`` says this node owns it;
 2. check the data file against the recipe (SHA-256, rows) and open it for random access;
@@ -16,7 +17,6 @@ The loop ends by itself once the trainer's cursor has passed the last sample of 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
@@ -30,7 +30,7 @@ from runtime.capture.engine import CaptureEngine, CaptureRequest
 from runtime.capture.gate import CaptureGate, NanInjectingSink
 from runtime.capture.master_watch import MasterWatch, trainer_step_text
 from runtime.capture.progress import CaptureProgress
-from runtime.recipe.loader import ResolvedRecipe
+from runtime.capture.setup import CaptureSetup, DataSetup, EngineSetup
 from runtime.shared.data_files import RowIndex, check_data_sha256
 from runtime.shared.prompt_order import PromptOrder
 
@@ -73,22 +73,19 @@ class CaptureSource:
     vocab_size: int
 
     @classmethod
-    def from_recipe(cls, resolved: ResolvedRecipe, verify_sha256: bool = True) -> CaptureSource:
-        """Open ``data.train_path`` (checking its SHA-256 and row count) and build the prompt order."""
-        recipe = resolved.recipe
-        path = resolved.resolve_path(recipe.data.train_path)
+    def open(cls, data: DataSetup, verify_sha256: bool = True) -> CaptureSource:
+        """Open the data file (checking its SHA-256 and row count) and build the prompt order."""
+        path = data.train_path
         if verify_sha256:
-            check_data_sha256(path, recipe.data.expected_sha256, recipe_file=str(resolved.path))
+            check_data_sha256(path, data.expected_sha256, recipe_file=str(data.recipe_file))
         rows = RowIndex(path)
-        if recipe.data.num_rows is not None and len(rows) != recipe.data.num_rows:
+        if data.num_rows is not None and len(rows) != data.num_rows:
             raise DataError(
-                f"{resolved.path}: data.num_rows is {recipe.data.num_rows}, but {path} has {len(rows)} rows; fix: use "
+                f"{data.recipe_file}: data.num_rows is {data.num_rows}, but {path} has {len(rows)} rows; fix: use "
                 f"the intended file or set data.num_rows: {len(rows)}"
             )
-        t = recipe.trainer
-        max_samples = t.max_steps * t.global_batch_size if t.max_steps is not None else None
-        order = PromptOrder(len(rows), t.effective_prompt_seed, t.epochs, max_samples)
-        return cls(order, rows, recipe.data.max_length, recipe.capture.vocab_size)
+        order = PromptOrder(len(rows), data.prompt_seed, data.epochs, data.max_samples)
+        return cls(order, rows, data.max_length_tokens, data.vocab_size)
 
     def request(self, g: int) -> CaptureRequest:
         """The capture request of sample ``g``."""
@@ -266,92 +263,82 @@ def stop_on_signals(
             signal.signal(sig, old)
 
 
-def make_engine(resolved: ResolvedRecipe, sink: Any, moe_exchange: str | None = None) -> CaptureEngine:
+def make_engine(engine: EngineSetup, sink: Any, moe_exchange: str | None = None) -> CaptureEngine:
     """The engine the recipe names, committing through ``sink``. ``moe_exchange`` (the capture
     command line's ``--k3-moe-exchange``) overrides ``capture.moe_exchange``."""
-    engine = resolved.recipe.capture.engine
-    inject_g = resolved.recipe.capture.inject_nan_at_g
-    if engine == "embedded":
-        from runtime.capture.embedded_settings import EmbeddedSettings
+    inject_g = engine.inject_nan_at_g
+    if engine.embedded is not None:
         from runtime.capture.engine_embedded import EmbeddedEngine
 
-        settings = EmbeddedSettings.from_recipe(resolved)
-        if moe_exchange:
-            settings = dataclasses.replace(settings, moe_exchange=moe_exchange)
+        settings = engine.embedded.settings(moe_exchange)
         if inject_g is not None:
             log.warning("smoke self-test: sample g=%d will be committed with NaN hidden states", inject_g)
             sink = NanInjectingSink(sink, inject_g)
         return EmbeddedEngine(settings, sink)
     if inject_g is not None:
         raise ValueError("capture.inject_nan_at_g is a self-test of the embedded engine; unset it for engine: sglang")
-    from runtime.capture.engine_sglang import SGLangEngine
-
+    assert engine.sglang is not None, engine.kind
     # The SGLang server's own sink commits each sample; the window sees them on its next scan.
-    return SGLangEngine(resolved)
+    return engine.sglang()
 
 
-def engine_batch(engine: CaptureEngine, resolved: ResolvedRecipe) -> int:
-    """Samples per capture call: what the engine can take at once."""
-    return int(getattr(engine, "max_batch", resolved.recipe.capture.batch_size))
+def engine_batch(engine: CaptureEngine, batch_size: int) -> int:
+    """Samples per capture call: what the engine can take at once (else ``capture.batch_size``)."""
+    return int(getattr(engine, "max_batch", batch_size))
 
 
-def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: str | None = None) -> int:
+def run_capture(setup: CaptureSetup, endpoints: Any = None, moe_exchange: str | None = None) -> int:
     """The capture component (see the module docstring); returns the process exit code.
     ``moe_exchange`` overrides the recipe's ``capture.moe_exchange`` (``--k3-moe-exchange``)."""
-    from runtime.transport.dataplane import capture_share_of_this_task, open_producer
+    from runtime.transport.dataplane import open_producer
     from runtime.transport.endpoints import mark_endpoints_ended, record_endpoints
     from runtime.transport.master import MasterProcess
-    from runtime.transport.settings import TransportSettings
 
-    recipe = resolved.recipe
     stop = threading.Event()
     finished = threading.Event()
     engine_holder: list[CaptureEngine] = []
-    share = capture_share_of_this_task(resolved)
-    gate = CaptureGate(resolved.job_dir, enabled=resolved.smoke and share[0] == 0)  # one gate file per job
+    share, transport, job_dir = setup.share, setup.transport, setup.job_dir
+    gate = CaptureGate(job_dir, enabled=setup.gate_enabled)
     with ExitStack() as stack:
         stack.enter_context(
             stop_on_signals(
                 stop, lambda: [e.request_stop() for e in engine_holder if hasattr(e, "request_stop")], finished
             )
         )
-        transport = TransportSettings.from_recipe(recipe)
         endpoints = endpoints or transport.endpoints_from_env()
         if share[0] == 0:  # for a look from outside the job: python3 -m runtime.transport status --job DIR
-            record_endpoints(resolved.job_dir, endpoints)
-            stack.callback(mark_endpoints_ended, resolved.job_dir)  # last: after the master has stopped
-        with gate.stage(
-            "master", f"mooncake_master answering at {endpoints.master_host}:{recipe.transport.master_rpc_port}"
-        ):
+            record_endpoints(job_dir, endpoints)
+            stack.callback(mark_endpoints_ended, job_dir)  # last: after the master has stopped
+        with gate.stage("master", f"mooncake_master answering at {endpoints.master_host}:{transport.ports.rpc_port}"):
             if share[1] > 1:
                 log.info(
                     "capture share %d of %d: this node captures the g with g %% %d == %d", *share, share[1], share[0]
                 )
             watch: MasterWatch | None = None
-            if recipe.capture.owns_master and share[0] == 0:  # the first capture node hosts the master
+            if setup.owns_master:
                 master = MasterProcess(
-                    transport.master(endpoints.master_host), resolved.job_dir / "logs" / "mooncake_master.log"
+                    transport.master(endpoints.master_host), job_dir / "logs" / "mooncake_master.log"
                 )
                 master.start()
                 stack.callback(master.stop)
                 watch = MasterWatch(
                     {"mooncake_master": master.process, "the Mooncake metadata server": master.metadata_process},
-                    resolved.job_dir,
+                    job_dir,
                     stop_requested=stop,
                 ).start()
                 stack.callback(watch.stop)  # before master.stop: a stop on purpose is no death
-            producer = open_producer(resolved, endpoints=endpoints, share=share)
+            producer = open_producer(transport, job_dir, endpoints=endpoints, share=share)
             stack.callback(producer.close)
             if watch is not None:
-                g_per_step = recipe.trainer.global_batch_size
+                g_per_step = setup.global_batch_size
                 watch.where = lambda: trainer_step_text(producer.stats().get("cursor"), g_per_step)
-        with gate.stage("data", f"{recipe.data.train_path}: SHA-256 and row count as the recipe says"):
-            source = CaptureSource.from_recipe(resolved)
-        if recipe.trainer.feature_cache.enabled:
+        with gate.stage("data", f"{setup.data.train_path_text}: SHA-256 and row count as the recipe says"):
+            source = CaptureSource.open(setup.data)
+        if setup.rows_captured_once:
             producer.capture_later_epochs_only_when_asked(source.order.num_rows)
-        producer.heartbeat({"capture": {"state": f"loading the {recipe.capture.engine} engine"}})
-        with gate.stage("engine", f"{recipe.capture.engine} engine started and healthy"):
-            engine = make_engine(resolved, producer, moe_exchange)
+        producer.heartbeat({"capture": {"state": f"loading the {setup.engine.kind} engine"}})
+        with gate.stage("engine", f"{setup.engine.kind} engine started and healthy"):
+            engine = make_engine(setup.engine, producer, moe_exchange)
             engine_holder.append(engine)
             stack.callback(engine.close)
             engine.start()
@@ -363,10 +350,10 @@ def run_capture(resolved: ResolvedRecipe, endpoints: Any = None, moe_exchange: s
             producer,
             engine,
             source,
-            engine_batch(engine, resolved),
-            recipe.capture.progress_interval_s,
+            engine_batch(engine, setup.engine.batch_size),
+            setup.progress_interval_s,
             stop,
-            rows_captured_once=recipe.trainer.feature_cache.enabled,
+            rows_captured_once=setup.rows_captured_once,
             share=share,
         )
         with gate.stage("capture", "capture loop ran"):

@@ -103,7 +103,13 @@ def serve_on_cpu(
     launches it. Everything is stopped on exit."""
     from runtime.capture.sglang_sink import close_sinks
     from runtime.transport.dataplane import open_producer
-    from runtime.transport.loopback import loopback_endpoints, loopback_env, loopback_master, loopback_recipe
+    from runtime.transport.loopback import (
+        loopback_endpoints,
+        loopback_env,
+        loopback_master,
+        loopback_recipe,
+        transport_of,
+    )
 
     resolved = loopback_recipe(job_dir, ports, [*cpu_server_overrides(server_port), *(overrides or [])], recipe_path)
     env = {**os.environ, **loopback_env(resolved)}
@@ -112,7 +118,10 @@ def serve_on_cpu(
     os.environ.update(mooncake_env)  # this process's Mooncake clients bind to loopback too
     endpoints = loopback_endpoints(resolved)
     try:
-        with loopback_master(resolved), open_producer(resolved, endpoints=endpoints, start_cursor=0) as producer:
+        with (
+            loopback_master(resolved),
+            open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=0) as producer,
+        ):
             engine = SGLangEngine(resolved, env=env)
             started = time.monotonic()
             try:

@@ -403,19 +403,20 @@ def open_sink(kind: str, recipe_path: str | None, is_commit_rank: bool) -> Captu
     store_id = layer_ids = hidden = revision = None
     commit_slots = 0
     if recipe_path:
-        from runtime.recipe.loader import load_resolved
+        from runtime.capture.setup import sink_setup
 
-        resolved = load_resolved(recipe_path)
-        recipe = resolved.recipe
-        store_id = recipe.store_id
-        layer_ids = tuple(recipe.capture.aux_layer_ids)
-        hidden = recipe.capture.hidden_size
-        revision = recipe.capture.target_revision
+        setup = sink_setup(recipe_path)
+        store_id = setup.store_id
+        layer_ids = setup.aux_layer_ids
+        hidden = setup.hidden_size
+        revision = setup.target_revision
         if kind == "mooncake" and is_commit_rank:
             from runtime.transport.dataplane import open_producer
 
-            producer = open_producer(resolved, segment_bytes=0, auto_heartbeat=False, start_cursor=None)
-            commit_slots = recipe.capture.effective_commit_staging_slots(1)
+            producer = open_producer(
+                setup.transport, setup.job_dir, segment_bytes=0, auto_heartbeat=False, start_cursor=None
+            )
+            commit_slots = setup.commit_staging_slots
     elif kind == "mooncake":
         raise CaptureSinkError("--dspark-capture-sink mooncake needs --dspark-capture-recipe (the resolved recipe)")
     if kind == "mooncake" and not is_commit_rank:

@@ -1,4 +1,4 @@
-"""Site facts measured by ``--probe`` (``runtime/probe.py``), and how ``--plan --site-facts FILE``
+"""Site facts measured by ``--probe`` (``runtime/probe/``), and how ``--plan --site-facts FILE``
 puts them in place of the recipe's assumptions (torch-free: the launcher reads them).
 
 Each probe component writes ``{job_dir}/site_facts/facts_{component}.json``::

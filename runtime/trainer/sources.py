@@ -30,8 +30,9 @@ def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int, dat
             idle_timeout_s=recipe.transport.idle_timeout_s,
         )
     from runtime.transport.dataplane import open_consumer
+    from runtime.transport.settings import TransportSettings
 
-    consumer = open_consumer(resolved, rank, world_size)
+    consumer = open_consumer(TransportSettings.from_recipe(recipe), rank, world_size)
     if not trainer.feature_cache.enabled:
         return consumer
     from runtime.trainer.cached_source import open_cached_source

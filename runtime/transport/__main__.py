@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.user_errors import exit_without_package
@@ -38,12 +39,30 @@ except ModuleNotFoundError as _missing:
     exit_without_package(_missing, "runtime.transport")
 
 
+@dataclass(frozen=True)
+class CommandSetup:
+    """What this command line takes from a resolved recipe, read once by :func:`transport_setup`."""
+
+    settings: TransportSettings
+    job_dir: Path
+    feature_cache: bool
+    """The trainer caches features (status then counts the samples ranks asked for)."""
+
+
+def transport_setup(recipe_path: Path | str) -> CommandSetup:
+    """The transport's settings and the job folder of a resolved recipe: the one place this command
+    line reads the recipe."""
+    resolved = load_resolved(recipe_path)
+    recipe = resolved.recipe
+    return CommandSetup(TransportSettings.from_recipe(recipe), resolved.job_dir, recipe.trainer.feature_cache.enabled)
+
+
 def run_master(args: argparse.Namespace) -> int:
     """Start ``mooncake_master`` from the recipe and keep it until SIGTERM / SIGINT."""
     from runtime.transport.master import MasterProcess
 
-    resolved = load_resolved(args.recipe)
-    settings = TransportSettings.from_recipe(resolved.recipe)
+    setup = transport_setup(args.recipe)
+    settings, job_dir = setup.settings, setup.job_dir
     host = args.host or os.environ.get(ENV_BIND_ADDRESS) or settings.bind_address
     if not host:
         print(f"error: pass --host or set {ENV_BIND_ADDRESS} (transport.bind_address is 'auto')", file=sys.stderr)
@@ -51,16 +70,16 @@ def run_master(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log_path = resolved.job_dir / "logs" / "mooncake_master.log"
+    log_path = job_dir / "logs" / "mooncake_master.log"
     with MasterProcess(settings.master(host), log_path, die_with_parent=True) as master:
-        record_endpoints(resolved.job_dir, Endpoints.on_host(settings.ports, host, host), recorder="master")
+        record_endpoints(job_dir, Endpoints.on_host(settings.ports, host, host), recorder="master")
         print(f"mooncake_master ready (pid {master.pid}) on {host}; log {log_path}", flush=True)
         while not stop.wait(1.0):
             if master.process is not None and master.process.poll() is not None:
                 print(f"mooncake_master exited with {master.process.returncode}; see {log_path}", file=sys.stderr)
-                mark_endpoints_ended(resolved.job_dir)
+                mark_endpoints_ended(job_dir)
                 return 1
-    mark_endpoints_ended(resolved.job_dir)
+    mark_endpoints_ended(job_dir)
     return 0
 
 
@@ -73,9 +92,9 @@ def run_status(args: argparse.Namespace) -> int:
     from runtime.transport.records import Cursor
     from runtime.transport.store import StoreClient
 
-    resolved = load_resolved(args.recipe or Path(args.job) / RESOLVED_FILENAME)
-    settings = TransportSettings.from_recipe(resolved.recipe)
-    job_dir = Path(args.job) if args.job else resolved.job_dir
+    setup = transport_setup(args.recipe or Path(args.job) / RESOLVED_FILENAME)
+    settings = setup.settings
+    job_dir = Path(args.job) if args.job else setup.job_dir
     record = endpoints_record(job_dir)
     if record is not None and record.get("ended_at"):
         print(
@@ -134,7 +153,7 @@ def run_status(args: argparse.Namespace) -> int:
                     else ""
                 )
             )
-            if resolved.recipe.trainer.feature_cache.enabled:
+            if setup.feature_cache:
                 asks = client.exist([want_key(store_id, g) for g in window])
                 print(f"feature cache: {sum(asks)} sample(s) of the window asked for by trainer ranks")
     return 0

@@ -2,17 +2,19 @@
 
 Nobody else touches Mooncake. Endpoints come from the launcher's environment contract
 (``DSPARK_MOONCAKE_MASTER``, ``DSPARK_MOONCAKE_METADATA``, ``DSPARK_BIND_ADDRESS``) unless given
-explicitly (tests, tools). The master itself is started by the capture component through
+explicitly (tests, tools). Both take the transport's typed settings
+(:class:`~runtime.transport.settings.TransportSettings`, built once by the process entry's setup), never
+the recipe. The master itself is started by the capture component through
 :mod:`runtime.transport.master` when ``capture.owns_master`` is set.
 
 Typical use::
 
-    with open_producer(resolved) as producer:            # capture node
+    with open_producer(transport, job_dir) as producer:  # capture node
         while True:
             for g in producer.wait_next(max_count=batch):
                 producer.commit(g, tensors_of(g), meta_of(g))
 
-    consumer = open_consumer(resolved, rank, world)        # each trainer rank
+    consumer = open_consumer(transport, rank, world)       # each trainer rank
     consumer.publish_cursor(cursor_from_checkpoint)        # rank 0, first thing
     for g in consumer.samples_of_step(step):
         sample = consumer.fetch(g, device)
@@ -26,7 +28,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import ENV_TASK_RANK
 from runtime.transport.consumer import Consumer
 from runtime.transport.endpoints import Endpoints
@@ -45,24 +46,24 @@ node's share of the sample segment on top of it."""
 _FRESH_RUN = object()
 
 
-def producer_state_path(resolved: ResolvedRecipe, share: int = 0) -> Path:
+def producer_state_path(job_dir: Path, share: int = 0) -> Path:
     """Where the producer keeps the last cursor it saw (the job folder survives a producer restart)."""
     name = PRODUCER_STATE_FILE if share == 0 else PRODUCER_STATE_FILE.replace(".json", f".{share}.json")
-    return resolved.job_dir / "transport" / name
+    return job_dir / "transport" / name
 
 
-def capture_share_of_this_task(resolved: ResolvedRecipe) -> tuple[int, int]:
+def capture_share_of_this_task(settings: TransportSettings) -> tuple[int, int]:
     """(index, count) of the capture share this process belongs to: its capture task's rank
     (``DSPARK_TASK_RANK``, one task per node) over the nodes one engine spans. The SGLang server's
     sink inherits the variable from its capture task, so it lands in the same share."""
-    settings = TransportSettings.from_recipe(resolved.recipe)
     count = settings.capture_shares
     rank = int(os.environ.get(ENV_TASK_RANK, "0") or 0)
     return (rank // settings.nodes_per_engine) % count, count
 
 
 def open_producer(
-    resolved: ResolvedRecipe,
+    settings: TransportSettings,
+    job_dir: Path,
     *,
     endpoints: Endpoints | None = None,
     start_cursor: int | None | object = _FRESH_RUN,
@@ -70,15 +71,15 @@ def open_producer(
     auto_heartbeat: bool = True,
     share: tuple[int, int] | None = None,
 ) -> Producer:
-    """Connect the capture node's producer: it mounts the global segment and owns the window.
+    """Connect the capture node's producer: it mounts the global segment and owns the window; its
+    cursor state lives in ``job_dir``.
 
     ``start_cursor``: where to start when the store has no cursor and this job saw none before.
     By default 0 for a fresh run and None (wait for the trainer to publish) when the recipe
     resumes from a checkpoint or keeps the whole sample segment on the trainer node.
     ``share``: which g this producer captures (default: :func:`capture_share_of_this_task`).
     """
-    share = share or capture_share_of_this_task(resolved)
-    settings = TransportSettings.from_recipe(resolved.recipe)
+    share = share or capture_share_of_this_task(settings)
     endpoints = endpoints or settings.endpoints_from_env()
     if start_cursor is _FRESH_RUN:
         start_cursor = 0 if settings.producer_may_start_at_zero else None
@@ -92,7 +93,7 @@ def open_producer(
         return Producer(
             client,
             settings.producer,
-            state_path=producer_state_path(resolved, share[0]),
+            state_path=producer_state_path(job_dir, share[0]),
             start_cursor=start_cursor,  # type: ignore[arg-type]
             auto_heartbeat=auto_heartbeat,
             share=share,
@@ -103,7 +104,7 @@ def open_producer(
 
 
 def open_consumer(
-    resolved: ResolvedRecipe,
+    settings: TransportSettings,
     rank: int,
     world_size: int,
     *,
@@ -117,7 +118,6 @@ def open_consumer(
     With ``start_cursor`` rank 0 publishes it at once (the cursor of the checkpoint it resumes
     from, 0 for a fresh run); otherwise call :meth:`Consumer.publish_cursor` when it is known.
     """
-    settings = TransportSettings.from_recipe(resolved.recipe)
     endpoints = endpoints or settings.endpoints_from_env()
     segment = CONTROL_SEGMENT_BYTES + settings.trainer_segment_bytes if rank == 0 else 0
     client = StoreClient(settings.client(endpoints, segment), name=f"trainer rank {rank}").connect()

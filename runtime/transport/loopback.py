@@ -5,7 +5,7 @@ context manager away::
 
     resolved = loopback_recipe(tmp_path, ports=(free_port(), free_port(), free_port()))
     with loopback_master(resolved):
-        producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
+        producer = open_producer(transport_of(resolved), resolved.job_dir, endpoints=loopback_endpoints(resolved))
 """
 
 from __future__ import annotations
@@ -108,14 +108,20 @@ def loopback_recipe(
     return load_resolved(write_resolved(loaded, job_dir, repo_root))
 
 
+def transport_of(resolved: ResolvedRecipe) -> TransportSettings:
+    """The transport's settings of a resolved recipe, for tests and tools (a process entry builds
+    them once in its setup)."""
+    return TransportSettings.from_recipe(resolved.recipe)
+
+
 def loopback_endpoints(resolved: ResolvedRecipe) -> Endpoints:
     """The endpoints of the master :func:`loopback_master` starts, for a client on this machine."""
-    return Endpoints.loopback(TransportSettings.from_recipe(resolved.recipe).ports)
+    return Endpoints.loopback(transport_of(resolved).ports)
 
 
 def loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
     """The launcher's environment contract for a component on this machine."""
-    settings = TransportSettings.from_recipe(resolved.recipe)
+    settings = transport_of(resolved)
     endpoints = Endpoints.loopback(settings.ports)
     return {
         ENV_MOONCAKE_MASTER: endpoints.master_address,
@@ -130,7 +136,7 @@ def loopback_env(resolved: ResolvedRecipe) -> dict[str, str]:
 @contextlib.contextmanager
 def loopback_master(resolved: ResolvedRecipe, log_path: Path | None = None) -> Iterator[MasterProcess]:
     """A running ``mooncake_master`` on 127.0.0.1 with the recipe's ports and limits."""
-    settings = TransportSettings.from_recipe(resolved.recipe).master(LOOPBACK)
+    settings = transport_of(resolved).master(LOOPBACK)
     master = MasterProcess(settings, log_path or resolved.job_dir / "mooncake_master.log")
     master.start()
     try:

@@ -71,9 +71,10 @@ def run_producer(args: argparse.Namespace) -> int:
 
     resolved = load_resolved(args.recipe)
     recipe = resolved.recipe
-    settings = TransportSettings.from_recipe(recipe).producer
+    transport = TransportSettings.from_recipe(recipe)
+    settings = transport.producer
     shape = SampleShape(recipe.capture.vocab_size, recipe.capture.hidden_size, recipe.num_aux_layers)
-    with open_producer(resolved) as producer:
+    with open_producer(transport, resolved.job_dir) as producer:
         print(f"producer ready pid {os.getpid()}", flush=True)
         while True:
             batch = producer.wait_next(max_count=args.batch)
@@ -120,7 +121,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = _load_checkpoint(state_dir)
-    consumer = open_consumer(resolved, rank, world)
+    consumer = open_consumer(TransportSettings.from_recipe(recipe), rank, world)
     if rank == 0:
         consumer.publish_cursor(state["cursor"])
     print(f"rank {rank} ready at step {state['step']} cursor {state['cursor']}", flush=True)

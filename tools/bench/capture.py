@@ -319,7 +319,7 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
     import tempfile
 
     from runtime.transport.dataplane import open_producer
-    from runtime.transport.loopback import free_port, loopback_endpoints, loopback_master, loopback_recipe
+    from runtime.transport.loopback import free_port, loopback_endpoints, loopback_master, loopback_recipe, transport_of
 
     total = preset.batches * preset.batch_size * 64
     job = Path(tempfile.mkdtemp(prefix="bench-capture-"))
@@ -343,7 +343,7 @@ def _store_sink(hidden: int, n_aux: int, preset: Preset) -> tuple[Any, Callable[
     )
     context = loopback_master(resolved)
     context.__enter__()
-    producer = open_producer(resolved, endpoints=loopback_endpoints(resolved))
+    producer = open_producer(transport_of(resolved), resolved.job_dir, endpoints=loopback_endpoints(resolved))
     producer.next_batch(total)  # claim every g the run will write
 
     def close() -> None:

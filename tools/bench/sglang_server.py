@@ -62,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from runtime.capture.engine_embedded import EmbeddedEngine, EmbeddedSettings
+    from runtime.capture.engine_embedded import EmbeddedEngine
+    from runtime.capture.setup import embedded_settings
     from runtime.capture.sglang_cpu import capture_venv_ready, serve_on_cpu
     from runtime.transport.dataplane import open_consumer
+    from runtime.transport.loopback import transport_of
 
     if not capture_venv_ready(REPO):
         raise SystemExit("the capture venv is not built: run tools/bootstrap_sglang")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 ids = torch.randint(4, recipe.capture.vocab_size, (args.tokens,), generator=gen).tolist()
                 requests.append(CaptureRequest(g, 0, g, f"bench-{g}", tuple(ids), (1,) * args.tokens))
             recorder = _Recorder()
-            embedded = EmbeddedEngine(EmbeddedSettings.from_recipe(server.resolved), recorder)
+            embedded = EmbeddedEngine(embedded_settings(server.resolved), recorder)
             embedded.start()
             server.engine.capture(requests[:1])  # first request warms both up (lazy init)
             embedded.capture(requests[:1])
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens = args.tokens * (len(requests) - 1)
             identical = total = 0
             worst_steps = 0.0
-            with open_consumer(server.resolved, 0, recipe.trainer_world_size, endpoints=server.endpoints) as consumer:
+            with open_consumer(
+                transport_of(server.resolved), 0, recipe.trainer_world_size, endpoints=server.endpoints
+            ) as consumer:
                 for request in requests:
                     got = consumer.fetch(request.g)
                     for name in ("hs", "lhs"):

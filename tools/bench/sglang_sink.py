@@ -55,13 +55,14 @@ def _nbytes(sample: dict[str, torch.Tensor]) -> int:
 SINK_CHILD = r"""
 import json, sys, time
 from runtime.recipe.loader import load_resolved
+from runtime.transport.loopback import transport_of
 from runtime.transport.dataplane import open_producer
 from tools.bench.sglang_sink import _sample
 resolved = load_resolved(sys.argv[1])
 tokens, hidden, aux, repeats = (int(v) for v in sys.argv[2:6])
 sample = _sample(tokens, hidden, aux)
 times = []
-with open_producer(resolved, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink:
+with open_producer(transport_of(resolved), resolved.job_dir, segment_bytes=0, auto_heartbeat=False, start_cursor=None) as sink:
     for i in range(repeats):
         t0 = time.perf_counter()
         sink.commit(1, sample, {"bench": "sink"})
@@ -79,6 +80,7 @@ def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
         loopback_env,
         loopback_master,
         loopback_recipe,
+        transport_of,
     )
 
     sample = _sample(tokens, hidden, num_aux)
@@ -101,7 +103,11 @@ def bench_commit(tokens: int, hidden: int, num_aux: int, repeats: int) -> None:
         with (
             loopback_master(resolved),
             open_producer(
-                resolved, endpoints=loopback_endpoints(resolved), start_cursor=None, auto_heartbeat=False
+                transport_of(resolved),
+                resolved.job_dir,
+                endpoints=loopback_endpoints(resolved),
+                start_cursor=None,
+                auto_heartbeat=False,
             ) as owner,
         ):
             owner_times = []

@@ -1,4 +1,4 @@
-"""The site facts ``--probe`` measures inside an allocation (``runtime/probe.py`` calls these).
+"""The site facts ``--probe`` measures inside an allocation (``runtime/probe/__main__.py`` calls these).
 
 - host memory available on the node: ``MemAvailable`` (the probe asks Slurm for a small ``--mem``,
   so its own cgroup limit says nothing of what the job's ``--mem`` will get);

@@ -7,14 +7,14 @@ contract for real:
   all-reduce their ranks;
 - the capture task listens on its bind address at the Mooncake master RPC port, and trainer rank 0
   dials the endpoint it was handed (``DSPARK_MOONCAKE_MASTER``), proving it routes;
-- rank 0 of each component measures the site facts the plan rests on (``runtime/probe_measure.py``)
+- rank 0 of each component measures the site facts the plan rests on (``runtime/probe/measure.py``)
   and writes them to ``{job_dir}/site_facts/facts_{component}.json``, saying what it skipped and why:
   each node's host memory, the most ``--mem`` Slurm and the node allow and its GPUs; the capture
   node's aggregate pinned host-to-device rate with all GPUs copying at once, and a Mooncake put/get
   over loopback (before it listens: the trainer's end stops it); the trainer node's
   feature-cache disk's cold read rate and the link: after the
   route check the capture serves a few objects from a master at the recipe's ports, and trainer rank
-  0 reads them across the two nodes (``runtime/probe_link.py``).
+  0 reads them across the two nodes (``runtime/probe/link.py``).
   ``python3 -m launcher RECIPE --plan --site-facts {job_dir}/site_facts`` puts them in place of the
   recipe's assumptions. ``DSPARK_PROBE_MEASURE_BYTES`` sets the bytes copied, read and put;
   ``DSPARK_PROBE_MEASURE=0`` skips the measurements (the test suite does, but for the tests of them).
@@ -37,15 +37,17 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.user_errors import exit_without_package
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
-    from runtime import probe_link, probe_measure
     from runtime.files import atomic_write_text
     from runtime.native_log import route_native_output
+    from runtime.probe import link as probe_link
+    from runtime.probe import measure as probe_measure
     from runtime.recipe import load_resolved
     from runtime.recipe.fit.slurm_request import probe_measure_bytes
     from runtime.recipe.site_facts import SITE_FACTS_DIRNAME
@@ -133,9 +135,35 @@ def _trainer_all_reduce() -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
+@dataclass(frozen=True)
+class ProbeSetup:
+    """What the probe takes from the resolved recipe, read once by :func:`probe_setup`."""
+
+    job_dir: Path
+    transport: TransportSettings
+    measure_bytes: int
+    """Bytes each measurement moves."""
+    cache_dir: Path | None
+    """The trainer's feature-cache folder when the cache is on (its disk is measured)."""
+
+
+def probe_setup(resolved: Any) -> ProbeSetup:
+    """The probe's settings from the resolved recipe (``DSPARK_JOB_DIR`` and
+    ``DSPARK_PROBE_MEASURE_BYTES`` win over it)."""
+    recipe = resolved.recipe
+    cache = recipe.trainer.feature_cache
+    return ProbeSetup(
+        job_dir=Path(os.environ.get(contracts.ENV_JOB_DIR, resolved.job_dir)),
+        transport=TransportSettings.from_recipe(recipe),
+        # probe_measure_bytes, unless DSPARK_PROBE_MEASURE_BYTES says otherwise
+        measure_bytes=int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", probe_measure_bytes(recipe))),
+        cache_dir=Path(cache.dir) if cache.enabled and cache.dir else None,
+    )
+
+
+def _measure_site_facts(component: str, setup: ProbeSetup) -> Path:
     """Measure this node's site facts and write ``site_facts/facts_{component}.json``; returns its path."""
-    size = _measure_bytes(resolved)
+    size, job_dir = setup.measure_bytes, setup.job_dir
     measured: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
 
@@ -152,22 +180,19 @@ def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
     attempt(f"{component}_host_memory_available_bytes", probe_measure.host_memory_available_bytes)
     attempt(f"{component}_node_mem_cap_gib", probe_measure.node_memory_cap_gib)
     attempt(f"{component}_gpus_per_node", probe_measure.gpus_per_node)
-    recipe = resolved.recipe
     if component == "capture":
         attempt("h2d_gbps_per_gpu", lambda: probe_measure.h2d_gbps_per_gpu(size))
         attempt("store_put_gbps", lambda: _put_rate(size, job_dir / "logs"))
     else:
-        cache = recipe.trainer.feature_cache
-        if cache.enabled and cache.dir:
-            attempt("cache_read_gbps", lambda: probe_measure.cold_read_gbps(Path(cache.dir), size))
+        cache_dir = setup.cache_dir
+        if cache_dir is not None:
+            attempt("cache_read_gbps", lambda: probe_measure.cold_read_gbps(cache_dir, size))
         else:
             skipped["cache_read_gbps"] = "trainer.feature_cache is off: measured the job folder's disk instead"
             attempt("job_dir_read_gbps", lambda: probe_measure.cold_read_gbps(job_dir / SITE_FACTS_DIRNAME, size))
         attempt(
             "link_get_gbps",
-            lambda: probe_link.link_get_gbps(
-                TransportSettings.from_recipe(recipe), os.environ, size, CONNECT_TIMEOUT_S
-            ),
+            lambda: probe_link.link_get_gbps(setup.transport, os.environ, size, CONNECT_TIMEOUT_S),
         )
     payload = {
         "component": component,
@@ -186,26 +211,16 @@ def _measure_site_facts(component: str, resolved: Any, job_dir: Path) -> Path:
     return target
 
 
-def _serve_link(resolved: Any, bind_address: str, job_dir: Path) -> str:
+def _serve_link(setup: ProbeSetup, bind_address: str) -> str:
     """Capture rank 0's side of the link measurement (trainer rank 0 reads); never fails the probe."""
     try:
         served = probe_link.serve_link_objects(
-            TransportSettings.from_recipe(resolved.recipe),
-            bind_address,
-            _measure_bytes(resolved),
-            job_dir / "logs",
-            CONNECT_TIMEOUT_S,
+            setup.transport, bind_address, setup.measure_bytes, setup.job_dir / "logs", CONNECT_TIMEOUT_S
         )
     except Exception as exc:  # the trainer's facts then say the link measurement failed
         served = f"failed: {type(exc).__name__}: {exc}"
     print(f"[probe capture/0] link measurement: {served}", flush=True)
     return served
-
-
-def _measure_bytes(resolved: Any) -> int:
-    """Bytes each measurement moves (:func:`probe_measure_bytes`), unless ``DSPARK_PROBE_MEASURE_BYTES``
-    says otherwise."""
-    return int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", probe_measure_bytes(resolved.recipe)))
 
 
 def _put_rate(size: int, log_dir: Path) -> tuple[float, str]:
@@ -236,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--component", required=True, choices=("capture", "trainer"))
     args = parser.parse_args(argv)
     route_native_output()  # the probe's Mooncake client logs through glog onto fd 2: into logs/native_*
-    resolved = load_resolved(args.recipe)
-    job_dir = Path(os.environ.get(contracts.ENV_JOB_DIR, resolved.job_dir))
+    setup = probe_setup(load_resolved(args.recipe))
+    job_dir = setup.job_dir
     rank = int(os.environ.get(contracts.ENV_TASK_RANK, "0"))
     extra: dict[str, Any] = {}
     facts: Path | None = None
@@ -246,13 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         extra.update(_trainer_all_reduce())
         if rank == 0:
             extra["capture_reply"] = _trainer_dial(os.environ[contracts.ENV_MOONCAKE_MASTER], CONNECT_TIMEOUT_S)
-            facts = _measure_site_facts("trainer", resolved, job_dir) if measure else None
+            facts = _measure_site_facts("trainer", setup) if measure else None
     elif rank == 0:
-        facts = _measure_site_facts("capture", resolved, job_dir) if measure else None
+        facts = _measure_site_facts("capture", setup) if measure else None
         bind_address = os.environ[contracts.ENV_BIND_ADDRESS]
-        extra["trainer_message"] = _capture_listen(
-            bind_address, resolved.recipe.transport.master_rpc_port, CONNECT_TIMEOUT_S
-        )
+        extra["trainer_message"] = _capture_listen(bind_address, setup.transport.ports.rpc_port, CONNECT_TIMEOUT_S)
     path = _record(job_dir, args.component, rank, extra)
     print(f"[probe {args.component}/{rank}] recorded {path}", flush=True)
     if args.component == "capture" and os.environ.get("DSPARK_PROBE_FAIL") != "capture":
@@ -261,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _leave_completed)
     if args.component == "capture" and rank == 0 and measure:
         # Recorded first: the job stops the capture once the trainer, which reads last, is done.
-        _serve_link(resolved, bind_address, job_dir)
+        _serve_link(setup, bind_address)
     if facts is not None:
         print(
             f"[probe {args.component}/{rank}] site facts in {facts}; the plan with them: python3 -m launcher "
