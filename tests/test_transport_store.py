@@ -398,6 +398,18 @@ def test_consumer_wait_logs_name_the_sample_and_the_producer(
     assert "producer heartbeat" in lines[0]
 
 
+def _transport_status(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python3 -m runtime.transport status ARGS`` from the repository, with ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.transport", "status", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @pytest.mark.slow
 def test_cli_master_and_status(tmp_path: Path) -> None:
     import os
@@ -434,22 +446,8 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
             # As on the login node (RUNBOOK section 8): none of the job's variables, only its folder,
             # where the master recorded its endpoints.
             login = {k: v for k, v in env.items() if not k.startswith(("DSPARK_", "MC_"))}
-            out = subprocess.run(
-                [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
-                cwd=REPO,
-                env=login,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            inside = subprocess.run(
-                [sys.executable, "-m", "runtime.transport", "status", "--recipe", str(resolved.path)],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            out = _transport_status(["--job", str(resolved.path.parent)], login)
+            inside = _transport_status(["--recipe", str(resolved.path)], env)
         assert inside.returncode == 0 and "store tiny: cursor 0" in inside.stdout, inside.stderr[-2000:]
         assert out.returncode == 0, out.stderr[-2000:]
         assert "store tiny: cursor 0 (step 0, by rank 0" in out.stdout
@@ -471,14 +469,7 @@ def test_cli_master_and_status(tmp_path: Path) -> None:
             record.pop("ended_at")
             record_file.write_text(json.dumps(record))
         started = time.monotonic()
-        ended = subprocess.run(
-            [sys.executable, "-m", "runtime.transport", "status", "--job", str(resolved.path.parent)],
-            cwd=REPO,
-            env=login,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ended = _transport_status(["--job", str(resolved.path.parent)], login)
         said = "the job has ended" if marked else "no mooncake_master answers at"
         assert ended.returncode == 1 and said in ended.stdout and len(ended.stdout.splitlines()) == 1, ended
         assert time.monotonic() - started < 10 and "Traceback" not in ended.stderr
