@@ -105,15 +105,15 @@ def initialise_glog() -> bool:
         return True
 
 
+HEALTHY_SETUP_MARKS = (b"http=404 body: metadata not found", b"] Failed to retrieve segment descriptor, name ")
+"""What :func:`healthy_setup_line` looks for (Mooncake 0.3.13's wording)."""
+
+
 def healthy_setup_line(line: bytes) -> bool:
     """A line every healthy Mooncake client start prints: the lookup of its own segment's descriptor
     before it registers it (E "metadata not found", W "Failed to retrieve segment descriptor"), or glog's
     preamble."""
     return line.rstrip() == GLOG_PREAMBLE or any(mark in line for mark in HEALTHY_SETUP_MARKS)
-
-
-HEALTHY_SETUP_MARKS = (b"http=404 body: metadata not found", b"] Failed to retrieve segment descriptor, name ")
-"""What :func:`healthy_setup_line` looks for (Mooncake 0.3.13's wording)."""
 
 
 @dataclass

@@ -139,10 +139,11 @@ def replay_greedy(
 def _target_of(results: dict[str, Any]) -> Path:
     try:
         from runtime.recipe import RecipeError, load_resolved
+        from runtime.recipe.loader import RESOLVED_FILENAME
     except ModuleNotFoundError as missing:
         exit_without_package(missing, COMMAND)
 
-    resolved_path = Path(results["job_dir"]) / "recipe.resolved.json"
+    resolved_path = Path(results["job_dir"]) / RESOLVED_FILENAME
     try:
         resolved = load_resolved(resolved_path)
     except (RecipeError, OSError) as exc:
