@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO_ROOT
 
 ROOTS = ("launcher", "runtime", "tools", "tests")
@@ -410,12 +412,24 @@ def test_only_the_transport_settings_read_the_recipe() -> None:
     assert not heavy_paths(TRANSPORT_SETTINGS, modules), heavy_paths(TRANSPORT_SETTINGS, modules)
 
 
-RECIPE_TYPE_MODULES = ("runtime.recipe.schema", "runtime.recipe.loader")
-"""The recipe's types: the schema (``Recipe`` and its sections) and the loader (``ResolvedRecipe``, loading)."""
-RECIPE_TYPE_NAMES = frozenset(
-    {"Recipe", "ResolvedRecipe", "LoadedRecipe", "load_recipe", "load_resolved", "write_resolved"}
+RECIPE_LOADER = "runtime.recipe.loader"
+"""Everything here is the whole recipe: ``ResolvedRecipe``, ``LoadedRecipe`` and their loading."""
+RECIPE_SCHEMA = "runtime.recipe.schema"
+WHOLE_RECIPE_SECTIONS = frozenset(
+    ("Recipe", "JobSection", "CaptureSection", "TransportSection", "TrainerSection", "DataSection")
+    + ("EvalSection", "PlanSection")
 )
-"""The same types as the ``runtime.recipe`` package re-exports them."""
+"""The schema's root and its top-level sections: each holds the settings of many parts. The leaf
+sections (``DraftConfig``, ``ScheduleConfig``, ``MetricsConfig``, ...) are one part's own frozen
+settings, and a part may take its own (see :func:`test_a_recipe_section_is_frozen`)."""
+RECIPE_TYPE_NAMES = WHOLE_RECIPE_SECTIONS | {
+    "ResolvedRecipe",
+    "LoadedRecipe",
+    "load_recipe",
+    "load_resolved",
+    "write_resolved",
+}
+"""The whole-recipe types as the ``runtime.recipe`` package re-exports them."""
 RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.probe", "runtime.moe")
 """Rooms whose parts take their own frozen settings, never the recipe (runtime/trainer and
 runtime/evaluate are not converted yet)."""
@@ -440,13 +454,28 @@ def recipe_type_imports(path: Path) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names if a.name.startswith(RECIPE_TYPE_MODULES)]
+            found += [(node.lineno, a.name) for a in node.names if a.name in (RECIPE_LOADER, RECIPE_SCHEMA)]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module in RECIPE_TYPE_MODULES:
-                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-            elif node.module == "runtime.recipe":
-                found += [(node.lineno, f"runtime.recipe.{a.name}") for a in node.names if a.name in RECIPE_TYPE_NAMES]
+            whole = (
+                [a.name for a in node.names]
+                if node.module == RECIPE_LOADER
+                else [a.name for a in node.names if a.name in RECIPE_TYPE_NAMES]
+                if node.module in (RECIPE_SCHEMA, "runtime.recipe")
+                else []
+            )
+            found += [(node.lineno, f"{node.module}.{name}") for name in whole]
     return found
+
+
+def test_a_recipe_section_is_frozen() -> None:
+    """A part that takes its own leaf section of the recipe cannot change it under another part."""
+    import pydantic
+
+    from runtime.recipe import load_recipe
+
+    draft = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe.trainer.draft
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        draft.num_layers = draft.num_layers + 1
 
 
 def recipe_past_the_door(repo_root: Path = REPO_ROOT) -> list[str]:

@@ -59,11 +59,10 @@ def test_bad_values_fail_at_load_time_naming_the_field(override: str, expected: 
 
 def test_watermark_fix_is_never_a_negative_number() -> None:
     loaded = load_recipe(TINY)
-    recipe = loaded.recipe.model_copy(deep=True)
-    recipe.capture.batch_size = 64
-    for field in ("store_cap_bytes", "high_watermark_bytes", "global_segment_bytes"):
-        setattr(recipe.transport, field, 16 << 20)
-    recipe.transport.low_watermark_bytes = 8 << 20
+    sizes = dict.fromkeys(("store_cap_bytes", "high_watermark_bytes", "global_segment_bytes"), 16 << 20)
+    transport = loaded.recipe.transport.model_copy(update={**sizes, "low_watermark_bytes": 8 << 20})
+    capture = loaded.recipe.capture.model_copy(update={"batch_size": 64})
+    recipe = loaded.recipe.model_copy(update={"capture": capture, "transport": transport})
     found = [p for p in check_recipe(recipe) if p.path == "transport.high_watermark_bytes"]
     assert found, "the overshoot is reported"
     assert "at most -" not in found[0].fix

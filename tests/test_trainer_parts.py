@@ -216,8 +216,10 @@ def test_start_plans(tmp_path: Path) -> None:
     save(ckpt_dir, 5, torch.nn.Linear(2, 2), digest)
     restart = plan_start(recipe, ckpt_dir, digest)  # same job restarted (requeue): resumes by itself
     assert restart.kind == "resume" and restart.path.name == "step_00000005"
+    # launch-time checks refuse this pair; at run time auto wins
     both = tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe
-    both.trainer.checkpoint.resume_from = "auto"  # launch-time checks refuse this pair; at run time auto wins
+    checkpoint = both.trainer.checkpoint.model_copy(update={"resume_from": "auto"})
+    both = both.model_copy(update={"trainer": both.trainer.model_copy(update={"checkpoint": checkpoint})})
     auto_over_init = plan_start(both, ckpt_dir, digest)
     assert auto_over_init.kind == "resume" and auto_over_init.path.name == "step_00000005"
     with pytest.raises(checkpoints.CheckpointError, match="written by another recipe"):

@@ -89,7 +89,10 @@ class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, docstrings become descriptions."""
 
     # allow_inf_nan=False: lr: .inf or 1e400 (which parses to inf) is refused at load time.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False)
+    # frozen=True: a section handed to a part is that part's settings; no part can change them under another.
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False, frozen=True
+    )
 
     @model_validator(mode="before")
     @classmethod
