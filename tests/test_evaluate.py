@@ -319,10 +319,11 @@ def test_draft_sources(tmp_path: Path) -> None:
 
 
 def test_a_draft_for_another_target_is_refused_with_every_difference(tmp_path: Path) -> None:
+    from runtime.trainer.draft_spec import DraftSpec
     from runtime.trainer.export import draft_config
 
     recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe
-    config = draft_config(recipe, torch.float32)
+    config = draft_config(DraftSpec.from_recipe(recipe), torch.float32)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert draft_config_from_export(path, recipe) == recipe.trainer.draft

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtime.recipe import load_recipe
+from runtime.trainer.draft_spec import DraftSpec
 from runtime.trainer.export import ARCHITECTURE, draft_config, read_exported_weights
 from runtime.trainer.model import DSparkDraft
 
@@ -139,7 +140,7 @@ def test_exported_names_equal_what_sglang_loads(wheel_sources: dict[str, str], m
 
 def test_config_keys_are_the_ones_sglang_reads(wheel_sources: dict[str, str], tmp_path: Path) -> None:
     recipe = k3_recipe()
-    config = draft_config(recipe, torch.bfloat16)
+    config = draft_config(DraftSpec.from_recipe(recipe), torch.bfloat16)
     assert f"{ARCHITECTURE}" in wheel_sources["dspark"].split("EntryClass", 1)[1]
     parsers = wheel_sources["dspark_config"] + wheel_sources["dflash_utils"]
     for key in config["dflash_config"]:

@@ -369,6 +369,7 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, 
         serving_command,
         serving_environment,
     )
+    from runtime.trainer.draft_spec import DraftSpec
     from runtime.trainer.export import export_draft
 
     started = time.monotonic()
@@ -386,7 +387,11 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, 
     if source.kind == "checkpoint":
         model = build_draft(source, recipe, seed=settings.seed, device="cpu", dtype=torch.float32)
         draft_path = export_draft(
-            model, work_dir / f"export-{source.label}", recipe, dtype=torch.bfloat16, is_main=True
+            model,
+            work_dir / f"export-{source.label}",
+            DraftSpec.from_recipe(recipe),
+            dtype=torch.bfloat16,
+            is_main=True,
         )
     assert draft_path is not None
     block_size = recipe.trainer.draft.block_size

@@ -41,10 +41,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from runtime.recipe.schema import Recipe
 from runtime.shared.checkpoint_folders import EXPORT_CONFIG_FILE
 from runtime.shared.checkpoint_integrity import write_export_manifest
 from runtime.trainer.distributed import barrier
+from runtime.trainer.draft_spec import DraftSpec
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = EXPORT_CONFIG_FILE
@@ -54,10 +54,9 @@ IGNORED_ON_IMPORT = ("embed_tokens.", "lm_head.", "rotary_emb.")
 as SGLang does: the frozen vocabulary tensors come from the target."""
 
 
-def draft_config(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
+def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
     """``config.json`` of the exported draft."""
-    draft = recipe.trainer.draft
-    capture = recipe.capture
+    draft = spec.draft
     rope_scaling = None
     if draft.rope_scaling is not None:
         rope_scaling = {
@@ -69,8 +68,8 @@ def draft_config(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
         }
     dspark = {
         "block_size": draft.block_size,
-        "target_layer_ids": list(capture.aux_layer_ids),
-        "num_target_layers": capture.num_target_layers,
+        "target_layer_ids": list(spec.aux_layer_ids),
+        "num_target_layers": spec.num_target_layers,
         "mask_token_id": draft.mask_token_id,
         "markov_rank": draft.markov_rank,
         "markov_head_type": draft.markov_type,
@@ -90,21 +89,21 @@ def draft_config(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
         "rope_theta": draft.rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": draft.max_position_embeddings,
-        "vocab_size": capture.vocab_size,
+        "vocab_size": spec.vocab_size,
         "tie_word_embeddings": False,
-        "bos_token_id": capture.special_tokens.bos_id,
-        "eos_token_id": capture.special_tokens.eos_id,
-        "pad_token_id": capture.special_tokens.pad_id,
+        "bos_token_id": spec.special_tokens.bos_id,
+        "eos_token_id": spec.special_tokens.eos_id,
+        "pad_token_id": spec.special_tokens.pad_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
         **dspark,
         "dflash_config": dspark,
-        "num_anchors": recipe.trainer.loss.num_anchors,
+        "num_anchors": spec.num_anchors,
         "enable_confidence_head": draft.confidence_head,
         "confidence_head_with_markov": draft.confidence_head and draft.confidence_uses_markov_embedding,
     }
 
 
-def export_draft(model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype: torch.dtype, is_main: bool) -> Path:
+def export_draft(model: torch.nn.Module, target: Path, spec: DraftSpec, *, dtype: torch.dtype, is_main: bool) -> Path:
     """Write ``target/`` (collective: every rank calls it; rank 0 writes). Returns ``target``."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
@@ -113,7 +112,7 @@ def export_draft(model: torch.nn.Module, target: Path, recipe: Recipe, *, dtype:
         tmp.mkdir(parents=True)
         tensors = {name: tensor.detach().to(dtype).contiguous() for name, tensor in full.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-recipes"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(draft_config(recipe, dtype), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(draft_config(spec, dtype), indent=2) + "\n")
         write_export_manifest(tmp)  # an eval checks every file against it
         if target.exists():
             shutil.rmtree(target)

@@ -42,6 +42,7 @@ from runtime.trainer.distributed import (
     init_process_group,
     shard_model,
 )
+from runtime.trainer.draft_spec import DraftSpec
 from runtime.trainer.export import export_draft
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.trainer.gate import SmokeGate
@@ -253,7 +254,7 @@ class Trainer:
         target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(s.total_steps)}"
         # also after a restart that found every step done but no export (a crash while exporting)
         if cfg.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
-            export_draft(model, target, self.recipe, dtype=s.param_dtype, is_main=s.is_main)
+            export_draft(model, target, DraftSpec.from_recipe(self.recipe), dtype=s.param_dtype, is_main=s.is_main)
             writer.say(f"[trainer] exported the draft for SGLang to {target}")
             self.gate.on_export(target)
         writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s")
