@@ -43,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.recipe.schema import top_level_sections
 from tests.conftest import REPO_ROOT
 
 ROOTS = ("launcher", "runtime", "tools", "tests")
@@ -415,10 +416,7 @@ def test_only_the_transport_settings_read_the_recipe() -> None:
 RECIPE_LOADER = "runtime.recipe.loader"
 """Everything here is the whole recipe: ``ResolvedRecipe``, ``LoadedRecipe`` and their loading."""
 RECIPE_SCHEMA = "runtime.recipe.schema"
-WHOLE_RECIPE_SECTIONS = frozenset(
-    ("Recipe", "JobSection", "CaptureSection", "TransportSection", "TrainerSection", "DataSection")
-    + ("EvalSection", "PlanSection")
-)
+WHOLE_RECIPE_SECTIONS = frozenset({"Recipe", *(section.__name__ for section in top_level_sections())})
 """The schema's root and its top-level sections: each holds the settings of many parts. The leaf
 sections (``DraftConfig``, ``ScheduleConfig``, ``MetricsConfig``, ...) are one part's own frozen
 settings, and a part may take its own (see :func:`test_a_recipe_section_is_frozen`)."""

@@ -23,9 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
+import os
 import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
@@ -133,13 +137,157 @@ def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tu
     return walk, code
 
 
+WALK_DIR_ENV = "DSPARK_RECIPE_WALK_DIR"
+"""Set (with ``tools/room_walk_site`` on PYTHONPATH) to record the recipe's walk in every process."""
+STAYS_SUFFIX = ".recipe-walk.jsonl"
+
+
+@dataclass(frozen=True)
+class Stay:
+    """One call of a repository function that received the whole recipe."""
+
+    module: str
+    """The room: the called function's module."""
+    function: str
+    above: tuple[str, ...]
+    """The rooms of the stays on the call stack above this one, outermost first."""
+
+
+def whole_recipe_types() -> tuple[type, ...]:
+    """What counts as the whole recipe: the resolved and loaded recipe, its root, its top-level sections."""
+    from runtime.recipe.loader import LoadedRecipe, ResolvedRecipe
+    from runtime.recipe.schema import Recipe, top_level_sections
+
+    return (ResolvedRecipe, LoadedRecipe, Recipe, *top_level_sections())
+
+
+class RecipeFollower:
+    """A profile hook that records every call of a ``runtime`` function (outside ``runtime.recipe``,
+    whose own methods carry the recipe as ``self``) with the whole recipe among its arguments.
+
+    Each stay is appended to ``sink`` as one JSON line at once: a process may leave by ``os._exit``."""
+
+    def __init__(self, sink: io.TextIOBase | Any, main_module: str = "__main__") -> None:
+        self.sink = sink
+        self.main_module = main_module
+        """The module ``python3 -m`` runs as ``__main__`` (the entry: a room too)."""
+        self.types = whole_recipe_types()
+        self.open_stays: dict[int, str] = {}
+        """id(frame) -> room, for the stays still on a stack."""
+
+    def profile(self, frame: FrameType, event: str, _arg: Any) -> None:
+        """The ``sys.setprofile`` / ``threading.setprofile`` hook."""
+        if event == "return":
+            self.open_stays.pop(id(frame), None)
+            return
+        if event != "call" or not _is_function(frame.f_code):
+            return
+        module = str(frame.f_globals.get("__name__", ""))
+        module = self.main_module if module == "__main__" else module
+        if not module.startswith("runtime.") or module.startswith("runtime.recipe"):
+            return
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        arguments = frame.f_locals  # a snapshot on this Python: take it once
+        if not any(isinstance(arguments.get(name), self.types) for name in names):
+            return
+        above = []
+        at = frame.f_back
+        while at is not None:
+            if id(at) in self.open_stays:
+                above.append(self.open_stays[id(at)])
+            at = at.f_back
+        self.open_stays[id(frame)] = module
+        line = {"module": module, "function": code.co_qualname, "above": above[::-1]}
+        self.sink.write(json.dumps(line) + "\n")
+        self.sink.flush()
+
+
+def follow_recipe_in_this_process(walk_dir: Path) -> None:
+    """Record this process's recipe walk into ``walk_dir/<pid>.recipe-walk.jsonl`` (every thread)."""
+    walk_dir.mkdir(parents=True, exist_ok=True)
+    argv = list(sys.orig_argv)
+    entry = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else " ".join(argv[1:2])
+    sink = (walk_dir / f"{os.getpid()}{STAYS_SUFFIX}").open("w")
+    sink.write(json.dumps({"process": f"{entry} (pid {os.getpid()})", "argv": argv}) + "\n")
+    sink.flush()
+    follower = RecipeFollower(sink, main_module=entry)
+    threading.setprofile(follower.profile)
+    sys.setprofile(follower.profile)
+
+
+@dataclass(frozen=True)
+class RecipeWalk:
+    """The recipe's walk through one process: its stays in the order taken."""
+
+    process: str
+    stays: tuple[Stay, ...]
+
+    @property
+    def rooms(self) -> list[str]:
+        """The rooms entered, in first-entered order."""
+        return list(dict.fromkeys(stay.module for stay in self.stays))
+
+    @property
+    def climbs_back_up(self) -> int:
+        """Stays in a room that already holds the recipe higher on the same call stack (a part
+        handing the recipe back up to a room that had handed it down)."""
+        return sum(
+            1 for stay in self.stays if stay.above and stay.module != stay.above[-1] and stay.module in stay.above
+        )
+
+    @property
+    def returns(self) -> int:
+        """Stays in a room the recipe had been in and left before."""
+        seen: set[str] = set()
+        count, previous = 0, None
+        for stay in self.stays:
+            if stay.module != previous and stay.module in seen:
+                count += 1
+            seen.add(stay.module)
+            previous = stay.module
+        return count
+
+    def render(self) -> str:
+        """One summary line, then the rooms in order."""
+        return "\n".join(
+            [
+                f"{self.process}: {len(self.stays)} stays in {len(self.rooms)} rooms, "
+                f"{self.climbs_back_up} climbs back up, {self.returns} returns to a room it had left",
+                *(f"  {room}" for room in self.rooms),
+            ]
+        )
+
+
+def read_recipe_walks(walk_dir: Path) -> list[RecipeWalk]:
+    """The walks recorded in ``walk_dir`` by processes that received the recipe, by process."""
+    walks = []
+    for path in sorted(walk_dir.glob(f"*{STAYS_SUFFIX}")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if len(lines) > 1:
+            stays = tuple(Stay(d["module"], d["function"], tuple(d["above"])) for d in lines[1:])
+            walks.append(RecipeWalk(lines[0]["process"], stays))
+    return walks
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: print the walk of one launcher command."""
+    """Command line: print the walk of one launcher command, or the recorded recipe walks."""
     parser = argparse.ArgumentParser(prog="python3 -m tools.room_walk", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rooms", default=",".join(DEFAULT_ROOMS), help="comma-separated module prefixes")
     parser.add_argument("--edges", action="store_true", help="list every distinct cross-room edge")
+    parser.add_argument(
+        "--recipe-walks",
+        type=Path,
+        metavar="DIR",
+        help=f"print the recipe walks recorded in DIR (a run with {WALK_DIR_ENV}=DIR and "
+        "PYTHONPATH=tools/room_walk_site) instead of walking a launcher command",
+    )
     parser.add_argument("launcher_args", nargs=argparse.REMAINDER, help="-- then the launcher's arguments")
     args = parser.parse_args(argv)
+    if args.recipe_walks is not None:
+        walks = read_recipe_walks(args.recipe_walks)
+        print("\n".join(walk.render() for walk in walks) or f"no recipe walk recorded in {args.recipe_walks}")
+        return 0 if walks else 1
     launcher_args = args.launcher_args[1:] if args.launcher_args[:1] == ["--"] else args.launcher_args
     walk, code = walk_launcher(launcher_args, tuple(r for r in args.rooms.split(",") if r))
     print(walk.render(args.edges))

@@ -1024,3 +1024,16 @@ class Recipe(Section):
     def num_aux_layers(self) -> int:
         """Number of captured auxiliary layers."""
         return len(self.capture.aux_layer_ids)
+
+
+def top_level_sections() -> tuple[type[Section], ...]:
+    """The section types directly under the recipe's root (``job``, ``capture``, ``trainer``, ...).
+
+    Each holds the settings of many parts: a part takes its own leaf section (``trainer.draft``,
+    ``trainer.schedule``, ...), never one of these."""
+    found: list[type[Section]] = []
+    for field in Recipe.model_fields.values():
+        for candidate in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, Section):
+                found.append(candidate)
+    return tuple(found)
