@@ -18,6 +18,7 @@ import torch
 from runtime.recipe import load_recipe
 from runtime.shared.prompt_order import PromptOrder
 from runtime.trainer.feature_cache import FeatureCache, FeatureCacheError, features_digest
+from runtime.trainer.setup import feature_source
 from runtime.transport.window import WindowLimits, WindowState
 from tests.support.cache_entries import make_sample
 from tests.support.tiny_runs import committed_per_capture_task, final_weights, metrics, run_tiny
@@ -60,9 +61,13 @@ def test_a_disk_that_cannot_hold_the_rows_is_refused_with_both_numbers(tmp_path:
 
 
 def test_the_digest_follows_what_determines_the_features_only() -> None:
-    base = load_recipe(REPO / "recipes" / "tiny.yaml")
-    other_target = load_recipe(REPO / "recipes" / "tiny.yaml", overrides=["capture.aux_layer_ids=[1,2,5]"])
-    other_seed = load_recipe(REPO / "recipes" / "tiny.yaml", overrides=["trainer.seed=7", "trainer.epochs=3"])
+    base = feature_source(load_recipe(REPO / "recipes" / "tiny.yaml").recipe)
+    other_target = feature_source(
+        load_recipe(REPO / "recipes" / "tiny.yaml", overrides=["capture.aux_layer_ids=[1,2,5]"]).recipe
+    )
+    other_seed = feature_source(
+        load_recipe(REPO / "recipes" / "tiny.yaml", overrides=["trainer.seed=7", "trainer.epochs=3"]).recipe
+    )
     assert features_digest(base, "d" * 64) == features_digest(other_seed, "d" * 64)
     assert features_digest(base, "d" * 64) != features_digest(other_target, "d" * 64)
     assert features_digest(base, "d" * 64) != features_digest(base, "e" * 64)

@@ -21,7 +21,8 @@ from runtime.trainer.guard import FiniteGuard, NonFiniteUpdate, inspect_update
 from runtime.trainer.metrics import MetricsSetupError, MetricsWriter
 from runtime.trainer.resume import plan_start
 from runtime.trainer.schedules import build_schedule
-from runtime.trainer.settings import TrainerSetupError, derive_settings
+from runtime.trainer.settings import TrainerSetupError
+from runtime.trainer.setup import derive_settings
 from runtime.trainer.sources import SampleShapeError, check_sample
 from runtime.trainer.synthetic import synthetic_sample, write_target_checkpoint
 
@@ -206,30 +207,30 @@ def test_weight_hashes_follow_their_scheme_and_old_checkpoints_still_load(tmp_pa
 def test_start_plans(tmp_path: Path) -> None:
     digest = "d" * 64
     ckpt_dir = tmp_path / "ckpt"
-    recipe = tiny().recipe
-    assert plan_start(recipe, ckpt_dir, digest).kind == "fresh"
-    assert plan_start(tiny("trainer.checkpoint.resume_from=auto").recipe, ckpt_dir, digest).kind == "fresh"
+    checkpoint = tiny().recipe.trainer.checkpoint
+    assert plan_start(checkpoint, ckpt_dir, digest).kind == "fresh"
+    auto = tiny("trainer.checkpoint.resume_from=auto").recipe.trainer.checkpoint
+    assert plan_start(auto, ckpt_dir, digest).kind == "fresh"
     warm_dir = tmp_path / "warm"
     save(warm_dir, 3, torch.nn.Linear(2, 2), "other")
-    warm = plan_start(tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe, ckpt_dir, digest)
+    warm = plan_start(tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe.trainer.checkpoint, ckpt_dir, digest)
     assert warm.kind == "init" and warm.path.name == "step_00000003"
     save(ckpt_dir, 5, torch.nn.Linear(2, 2), digest)
-    restart = plan_start(recipe, ckpt_dir, digest)  # same job restarted (requeue): resumes by itself
+    restart = plan_start(checkpoint, ckpt_dir, digest)  # same job restarted (requeue): resumes by itself
     assert restart.kind == "resume" and restart.path.name == "step_00000005"
     # launch-time checks refuse this pair; at run time auto wins
-    both = tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe
-    checkpoint = both.trainer.checkpoint.model_copy(update={"resume_from": "auto"})
-    both = both.model_copy(update={"trainer": both.trainer.model_copy(update={"checkpoint": checkpoint})})
-    auto_over_init = plan_start(both, ckpt_dir, digest)
+    both = tiny(f"trainer.checkpoint.init_from={warm_dir}").recipe.trainer.checkpoint
+    auto_over_init = plan_start(both.model_copy(update={"resume_from": "auto"}), ckpt_dir, digest)
     assert auto_over_init.kind == "resume" and auto_over_init.path.name == "step_00000005"
     with pytest.raises(checkpoints.CheckpointError, match="written by another recipe"):
-        plan_start(recipe, ckpt_dir, "e" * 64)
+        plan_start(checkpoint, ckpt_dir, "e" * 64)
     with pytest.raises(ValueError, match="exclude each other"):
         tiny(f"trainer.checkpoint.resume_from={ckpt_dir}", f"trainer.checkpoint.init_from={warm_dir}")
     with pytest.raises(
         checkpoints.CheckpointError, match="trainer.checkpoint.resume_from is .*no complete checkpoint there"
     ):
-        plan_start(tiny(f"trainer.checkpoint.resume_from={tmp_path / 'missing'}").recipe, ckpt_dir, digest)
+        missing = tiny(f"trainer.checkpoint.resume_from={tmp_path / 'missing'}").recipe.trainer.checkpoint
+        plan_start(missing, ckpt_dir, digest)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@ metrics. Entry point: ``python3 -m runtime.trainer --recipe RESOLVED``.
 
 Modules, one job each:
 
+- ``setup``: the door: ``trainer_setup`` reads the resolved recipe and the launcher's environment once
+  and builds every part's frozen settings (``TrainerSetup``); no module below it takes the recipe
+- ``settings``: ``RunSettings``, the run's derived values (rank, device, dtypes, steps, folders)
+- ``draft_spec``: the draft's shape, built once from the recipe
 - ``layout``: anchors, block slots, labels, eval mask and slot weights of one sample
 - ``attention_mask``: the DSpark block mask (dense for SDPA, BlockMask for flex_attention)
 - ``rope``: rotary embeddings (plain, linear, dynamic NTK, YaRN)

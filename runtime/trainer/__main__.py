@@ -1,7 +1,7 @@
 """``python3 -m runtime.trainer --recipe RESOLVED``: one DSpark trainer rank.
 
 Reads only the resolved recipe and the launcher's environment contract (RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DSPARK_JOB_DIR).
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DSPARK_JOB_DIR), once, in :func:`runtime.trainer.setup.trainer_setup`.
 
 Exit codes: 0 done; 143 stopped by SIGTERM after checkpointing at a step boundary; 1 failed.
 """
@@ -23,7 +23,8 @@ try:  # a stock python3 instead of the venv's: one line, not a traceback
     from runtime.shared.data_files import DataFileError
     from runtime.shared.lifecycle import exit_when_orphaned
     from runtime.shared.refusal import report_refusal
-    from runtime.trainer.settings import TrainerSetupError, derive_settings
+    from runtime.trainer.settings import TrainerSetupError
+    from runtime.trainer.setup import trainer_setup
 except ModuleNotFoundError as _missing:
     exit_without_package(_missing, "runtime.trainer")
 
@@ -37,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     resolved = load_resolved(args.recipe)
     exit_when_orphaned(int(os.environ.get(ENV_PARENT_PID) or 0), resolved.recipe.job.stop_grace_s)
     try:
-        settings = derive_settings(resolved)
+        setup = trainer_setup(resolved)
     except TrainerSetupError as exc:
         return report_refusal(exc, resolved.job_dir, "trainer", int(os.environ.get("RANK", "0")))
+    settings = setup.run
     # Our own loggers at INFO (the consumer's "waiting for sample g" lines, the producer's heartbeat
     # age); other libraries stay at WARNING.
     logging.basicConfig(
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.trainer.loop import Trainer
     from runtime.trainer.metrics import MetricsSetupError
 
-    trainer = Trainer(resolved, settings)
+    trainer = Trainer(setup)
     try:
         return trainer.run()
     except DiskFullError as exc:

@@ -17,20 +17,37 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from runtime.recipe.fit.store_budget import largest_sample
-from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.units import format_bytes
 from runtime.shared.contracts import CapturedSample
-from runtime.shared.data_files import RowIndex
 from runtime.shared.prompt_order import PromptOrder
-from runtime.trainer.feature_cache import FeatureCache, cache_root, features_digest
+from runtime.trainer.feature_cache import CacheFolder, FeatureCache, cache_root
 from runtime.transport.consumer import Consumer
 
 log = logging.getLogger("dspark.trainer.cached_source")
+
+
+@dataclass(frozen=True)
+class CachedSourceSettings:
+    """The feature cache of a trainer rank (``trainer.feature_cache``) and the prompt order it follows."""
+
+    folder: CacheFolder
+    features_digest: str
+    """:func:`~runtime.trainer.feature_cache.features_digest` of the run's target and data."""
+    largest_sample_bytes: int
+    """One entry at ``data.max_length`` tokens: what the disk must hold per row still to cache."""
+    num_rows: int
+    """Prompt rows N of the data file."""
+    prompt_seed: int
+    epochs: int
+    max_samples: int | None
+    """``trainer.max_steps`` x G; None: every epoch."""
+    lookahead_steps: int
+    """``trainer.feature_cache.lookahead_steps``."""
 
 
 class CachedSource:
@@ -116,13 +133,9 @@ class CachedSource:
         self.inner.close()
 
 
-def open_cached_source(resolved: ResolvedRecipe, inner: Consumer, data_digest: str) -> CachedSource:
+def open_cached_source(settings: CachedSourceSettings, inner: Consumer) -> CachedSource:
     """The cached source of one trainer rank: checks the cache folder's space before anything trains."""
-    recipe = resolved.recipe
-    t = recipe.trainer
-    rows = recipe.data.num_rows or len(RowIndex(resolved.resolve_path(recipe.data.train_path)))
-    max_samples = t.max_steps * t.global_batch_size if t.max_steps is not None else None
-    order = PromptOrder(rows, t.effective_prompt_seed, t.epochs, max_samples)
-    cache = FeatureCache(cache_root(resolved), features_digest(resolved, data_digest))
-    cache.open(rows, largest_sample(recipe).total_bytes)
-    return CachedSource(inner, cache, order, t.feature_cache.lookahead_steps)
+    order = PromptOrder(settings.num_rows, settings.prompt_seed, settings.epochs, settings.max_samples)
+    cache = FeatureCache(cache_root(settings.folder), settings.features_digest)
+    cache.open(settings.num_rows, settings.largest_sample_bytes)
+    return CachedSource(inner, cache, order, settings.lookahead_steps)

@@ -21,13 +21,12 @@ import errno
 import hashlib
 import json
 import logging
-import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.units import format_bytes
 from runtime.shared.contracts import TENSOR_FIELDS, CapturedSample
 from runtime.trainer.entry_reader import EntryReader
@@ -45,42 +44,69 @@ class FeatureCacheError(RuntimeError):
     """The cache folder cannot be used (the message names the folder, the numbers and the fix)."""
 
 
-def features_digest(resolved: ResolvedRecipe, data_digest: str) -> str:
-    """SHA-256 over everything that determines a row's captured features (and nothing else: seeds,
-    epochs and batch sizes do not change them)."""
-    recipe = resolved.recipe
-    cap = recipe.capture
+@dataclass(frozen=True)
+class FeatureSource:
+    """Everything that determines a row's captured features (and nothing else: seeds, epochs and
+    batch sizes do not change them); the recipe's values, as it writes them."""
+
+    engine: str
+    target_path: str
+    target_revision: str | None
+    num_target_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    compute_dtype: str
+    max_length_tokens: int
+    """``data.max_length``."""
+
+
+def features_digest(features: FeatureSource, data_digest: str) -> str:
+    """SHA-256 over ``features`` and the data file's SHA-256: the key of a cache's entries."""
     identity = {
         "format": CACHE_FORMAT_VERSION,
-        "engine": cap.engine,
-        "target_path": cap.target_path,
-        "target_revision": cap.target_revision,
-        "num_target_layers": cap.num_target_layers,
-        "hidden_size": cap.hidden_size,
-        "vocab_size": cap.vocab_size,
-        "aux_layer_ids": list(cap.aux_layer_ids),
-        "compute_dtype": cap.compute_dtype,
+        "engine": features.engine,
+        "target_path": features.target_path,
+        "target_revision": features.target_revision,
+        "num_target_layers": features.num_target_layers,
+        "hidden_size": features.hidden_size,
+        "vocab_size": features.vocab_size,
+        "aux_layer_ids": list(features.aux_layer_ids),
+        "compute_dtype": features.compute_dtype,
         "data_digest": data_digest,
-        "max_length": recipe.data.max_length,
+        "max_length": features.max_length_tokens,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def cache_root(resolved: ResolvedRecipe) -> Path:
-    """``trainer.feature_cache.dir`` with ``${VAR}`` taken from this process's environment."""
-    configured = resolved.recipe.trainer.feature_cache.dir
-    if not configured:
+@dataclass(frozen=True)
+class CacheFolder:
+    """``trainer.feature_cache.dir``: as the recipe writes it, and resolved with ``${VAR}`` taken from
+    this process's environment (checked by :func:`cache_root` when the cache opens)."""
+
+    configured: str | None
+    """As the recipe writes it; None: not set."""
+    expanded: str | None
+    """With this process's environment variables expanded."""
+    path: Path | None
+    """The folder, absolute; None when not set or a variable is missing."""
+    recipe_file: Path
+    """The resolved recipe (named in refusals)."""
+
+
+def cache_root(folder: CacheFolder) -> Path:
+    """The cache's folder, or :class:`FeatureCacheError` naming the field and the fix."""
+    if not folder.configured:
         raise FeatureCacheError(
-            f"{resolved.path}: trainer.feature_cache.enabled is true but trainer.feature_cache.dir is not set; "
+            f"{folder.recipe_file}: trainer.feature_cache.enabled is true but trainer.feature_cache.dir is not set; "
             "fix: set it to a folder on the trainer node's local disk"
         )
-    expanded = os.path.expandvars(configured)
-    if "$" in expanded:
+    if folder.path is None:
         raise FeatureCacheError(
-            f"{resolved.path}: trainer.feature_cache.dir {configured!r} names an environment variable this "
-            f"process does not have ({expanded!r}); fix: export it in job.env, or give a plain path"
+            f"{folder.recipe_file}: trainer.feature_cache.dir {folder.configured!r} names an environment variable this "
+            f"process does not have ({folder.expanded!r}); fix: export it in job.env, or give a plain path"
         )
-    return resolved.resolve_path(expanded)
+    return folder.path
 
 
 class FeatureCache:

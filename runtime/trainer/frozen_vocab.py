@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,18 @@ from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class FrozenVocabSource:
+    """Where the draft's frozen embedding and lm_head come from: the target's tensors by name."""
+
+    target_dir: Path
+    """``capture.target_path``, resolved."""
+    embed_tensor_name: str
+    """``trainer.embed_tensor_name``."""
+    lm_head_tensor_name: str
+    """``trainer.lm_head_tensor_name``."""
 
 
 class TargetTensorError(LookupError):

@@ -18,6 +18,7 @@ smoke mode every call does nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,20 +40,38 @@ from runtime.trainer.distributed import gather_objects
 from runtime.trainer.guard import NonFiniteUpdate, UpdateCheck
 
 if TYPE_CHECKING:
-    from runtime.recipe.schema import Recipe
     from runtime.shared.contracts import CapturedSample
     from runtime.trainer.checkpoints import SavedCheckpoint
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What the trainer's smoke gate records and checks (built by the trainer's setup)."""
+
+    enabled: bool
+    """A smoke run: the gate records; otherwise every call does nothing."""
+    job_dir: Path
+    """Where ``trainer_gate.json`` goes."""
+    checks_captured_samples: bool
+    """``trainer.sample_source`` is mooncake: the samples come from the capture engine and are held to
+    its contract (synthetic sample files are not)."""
+    aux_layer_ids: tuple[int, ...]
+    """``capture.aux_layer_ids``."""
+    hidden_size: int
+    """``capture.hidden_size``."""
+    max_length_tokens: int
+    """``data.max_length``."""
 
 
 class SmokeGate:
     """Builds and writes this trainer's smoke-gate record (inactive outside smoke mode)."""
 
-    def __init__(self, recipe: Recipe, *, job_dir: Path, rank: int, world_size: int, enabled: bool) -> None:
-        self.recipe = recipe
-        self.path = job_dir / TRAINER_GATE_FILE
+    def __init__(self, settings: GateSettings, *, rank: int, world_size: int) -> None:
+        self.settings = settings
+        self.path = settings.job_dir / TRAINER_GATE_FILE
         self.rank = rank
         self.world_size = world_size
-        self.enabled = enabled
+        self.enabled = settings.enabled
         self.record = TrainerGateRecord()
         self.contract = SampleContractRecord()
         """The capture contract as checked on every captured sample this rank received."""
@@ -60,9 +79,9 @@ class SmokeGate:
     def on_sample(self, sample: CapturedSample) -> None:
         """Check the capture contract on a received sample (captured samples only: the contract
         is about what the capture engine produced, not about synthetic sample files)."""
-        if not self.enabled or self.recipe.trainer.sample_source != "mooncake":
+        settings = self.settings
+        if not self.enabled or not settings.checks_captured_samples:
             return
-        capture = self.recipe.capture
         self.contract.samples.append(sample.g)
         if self.contract.fields is None:
             self.contract.fields = {
@@ -70,7 +89,7 @@ class SmokeGate:
                 for name, t in sample.tensors().items()
             }
         self.contract.problems += sample_problems(
-            sample, capture.aux_layer_ids, capture.hidden_size, self.recipe.data.max_length
+            sample, settings.aux_layer_ids, settings.hidden_size, settings.max_length_tokens
         )
 
     def on_update_inspected(

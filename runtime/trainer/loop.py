@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from runtime.recipe.loader import ResolvedRecipe
 from runtime.shared.contracts import (
     TRAINER_EXIT_STOPPED,
     CapturedSample,
@@ -42,7 +41,6 @@ from runtime.trainer.distributed import (
     init_process_group,
     shard_model,
 )
-from runtime.trainer.draft_spec import DraftSpec
 from runtime.trainer.export import export_draft
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.trainer.gate import SmokeGate
@@ -55,7 +53,7 @@ from runtime.trainer.peer_watch import PeerLost, PeerWatch
 from runtime.trainer.prefetch import PreparedSample, StepPrefetcher
 from runtime.trainer.resume import StartPlan, check_resume_compatible, plan_start
 from runtime.trainer.schedules import build_schedule
-from runtime.trainer.settings import RunSettings
+from runtime.trainer.setup import TrainerSetup
 from runtime.trainer.sources import check_sample, open_sample_source
 
 LOSS_SUMS: tuple[str, ...] = ("loss_ce", "loss_l1", "loss_confidence")
@@ -85,19 +83,12 @@ class StepOutcome:
 class Trainer:
     """One trainer rank."""
 
-    def __init__(self, resolved: ResolvedRecipe, settings: RunSettings) -> None:
-        self.resolved = resolved
-        self.recipe = resolved.recipe
+    def __init__(self, setup: TrainerSetup) -> None:
+        self.setup = setup
+        settings = setup.run
         self.settings = settings
-        self.trainer_cfg = self.recipe.trainer
         self.stop_requested = False
-        self.gate = SmokeGate(
-            self.recipe,
-            job_dir=settings.job_dir,
-            rank=settings.rank,
-            world_size=settings.world_size,
-            enabled=settings.smoke,
-        )
+        self.gate = SmokeGate(setup.gate, rank=settings.rank, world_size=settings.world_size)
         self._copy_stream: Any = None
         self._fetch_left_running = False
         """A dropped step left its prefetch thread inside a fetch (the store may be gone): the source is
@@ -107,7 +98,7 @@ class Trainer:
             settings.world_size,
             settings.master_addr,
             settings.master_port,
-            give_up_after_s=self.recipe.transport.idle_timeout_s,
+            give_up_after_s=setup.idle_timeout_s,
             on_give_up=lambda message: self.gate.on_failure(PeerLost(message)),
         )
         """Beats for this rank and stops it when another rank falls silent (started after the rendezvous)."""
@@ -115,23 +106,18 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _build_model(self) -> DSparkDraft:
-        cfg = self.trainer_cfg
-        torch.manual_seed(cfg.seed)  # identical init on every rank, whatever the world size
+        spec, vocab = self.setup.draft_spec, self.setup.frozen_vocab
+        torch.manual_seed(self.setup.seed)  # identical init on every rank, whatever the world size
         with torch.device(self.settings.device):
-            model = DSparkDraft(
-                cfg.draft,
-                vocab_size=self.recipe.capture.vocab_size,
-                num_aux_layers=self.recipe.num_aux_layers,
-                attention_backend=self.settings.attention_backend,
-                max_length=self.recipe.data.max_length,
-                compile_regions=self.settings.compile_regions,
+            model = spec.build(
+                attention_backend=self.settings.attention_backend, compile_regions=self.settings.compile_regions
             )
         embed, lm_head = load_frozen_vocab(
-            self.resolved.resolve_path(self.recipe.capture.target_path),
-            embed_tensor_name=cfg.embed_tensor_name,
-            lm_head_tensor_name=cfg.lm_head_tensor_name,
-            vocab_size=self.recipe.capture.vocab_size,
-            hidden_size=self.recipe.capture.hidden_size,
+            vocab.target_dir,
+            embed_tensor_name=vocab.embed_tensor_name,
+            lm_head_tensor_name=vocab.lm_head_tensor_name,
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.target_hidden_size,
             dtype=self.settings.param_dtype,
             device=self.settings.device,
         )
@@ -154,10 +140,9 @@ class Trainer:
     def run(self) -> int:
         """Train to the end (or to a stop request); returns the process exit code."""
         s = self.settings
-        cfg = self.trainer_cfg
-        init_process_group(s, self.recipe.transport.idle_timeout_s)
+        init_process_group(s, self.setup.idle_timeout_s)
         self._install_stop_handler()
-        writer = MetricsWriter(s.job_dir, cfg.metrics, run_name=self.recipe.job.name, enabled=s.is_main)
+        writer = MetricsWriter(s.job_dir, self.setup.metrics, run_name=self.setup.job_name, enabled=s.is_main)
         self._peers.start()
         try:
             return self._run(writer)
@@ -170,20 +155,20 @@ class Trainer:
 
     def _run(self, writer: MetricsWriter) -> int:
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         model = self._build_model()
         optimizer = torch.optim.AdamW(
             model.parameters(),
-            lr=cfg.optimizer.lr,
-            betas=cfg.optimizer.betas,
-            eps=cfg.optimizer.eps,
-            weight_decay=cfg.optimizer.weight_decay,
+            lr=setup.optimizer.lr,
+            betas=setup.optimizer.betas,
+            eps=setup.optimizer.eps,
+            weight_decay=setup.optimizer.weight_decay,
         )
-        schedule = build_schedule(cfg.schedule, base_lr=cfg.optimizer.lr, run_total_steps=s.total_steps)
-        plan = plan_start(self.recipe, s.checkpoint_dir, self.resolved.digest)
+        schedule = build_schedule(setup.schedule, base_lr=setup.optimizer.lr, run_total_steps=s.total_steps)
+        plan = plan_start(setup.checkpoint, s.checkpoint_dir, setup.recipe_digest)
         start_step, guard = self._start(plan, model, optimizer, writer)
         writer.resume_at(start_step)
-        source = open_sample_source(self.resolved, s.rank, s.world_size, s.data_digest)
+        source = open_sample_source(setup.source, s.rank, s.world_size)
         source.stopping = lambda: self.stop_requested
         try:
             return self._train(model, optimizer, schedule, plan, start_step, guard, source, writer)
@@ -210,14 +195,14 @@ class Trainer:
         writer: MetricsWriter,
     ) -> int:
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         if s.is_main:  # the producer's window starts at the cursor: a resumed run republishes its own
-            source.publish_cursor(start_step * cfg.global_batch_size)
+            source.publish_cursor(start_step * setup.batch.global_batch_size)
         writer.say(
             f"[trainer] {plan.kind} ({plan.reason}{': ' + str(plan.path) if plan.path else ''}); steps "
             f"{start_step}..{s.total_steps - 1} of {s.total_steps}, world {s.world_size}, device {s.device}, "
-            f"attention {s.attention_backend}, G={cfg.global_batch_size} ({cfg.micro_batch_size} x "
-            f"{cfg.gradient_accumulation_steps} x {s.world_size}), {sum(p.numel() for p in model.parameters()):,} "
+            f"attention {s.attention_backend}, G={setup.batch.global_batch_size} ({setup.batch.micro_batch_size} x "
+            f"{setup.batch.gradient_accumulation_steps} x {s.world_size}), {sum(p.numel() for p in model.parameters()):,} "
             "trainable parameters"
         )
         run_started = time.monotonic()
@@ -235,14 +220,14 @@ class Trainer:
             record = self._record(step, outcome, schedule.lr(step), guard)
             writer.write(record)
             done = step + 1
-            if done % cfg.log_every_steps == 0 or done == s.total_steps or s.smoke:
+            if done % setup.log_every_steps == 0 or done == s.total_steps or s.smoke:
                 writer.say(progress_line(record, s.total_steps, time.monotonic() - run_started, done - start_step))
             stop = self._any_rank_stopping()
             if not stop:
                 # On a stop the store may be gone already (Slurm signals the master with the trainer):
                 # the checkpoint comes first, and the resumed run republishes its cursor.
                 source.commit_step(step)
-            if done % cfg.checkpoint.every_steps == 0 or done == s.total_steps or s.smoke or stop:
+            if done % setup.checkpoint.every_steps == 0 or done == s.total_steps or s.smoke or stop:
                 last_saved = self._save(done, model, optimizer, schedule.state(), guard, writer)
             if s.smoke:
                 self._smoke_step_done(done, outcome, model, last_saved)
@@ -253,8 +238,8 @@ class Trainer:
                 return EXIT_STOPPED
         target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(s.total_steps)}"
         # also after a restart that found every step done but no export (a crash while exporting)
-        if cfg.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
-            export_draft(model, target, DraftSpec.from_recipe(self.recipe), dtype=s.param_dtype, is_main=s.is_main)
+        if setup.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
+            export_draft(model, target, setup.draft_spec, dtype=s.param_dtype, is_main=s.is_main)
             writer.say(f"[trainer] exported the draft for SGLang to {target}")
             self.gate.on_export(target)
         writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s")
@@ -265,8 +250,8 @@ class Trainer:
         self, plan: StartPlan, model: DSparkDraft, optimizer: torch.optim.Optimizer, writer: MetricsWriter
     ) -> tuple[int, FiniteGuard]:
         s = self.settings
-        cfg = self.trainer_cfg
-        guard = FiniteGuard(smoke=s.smoke, max_consecutive_skips=cfg.max_consecutive_skips)
+        setup = self.setup
+        guard = FiniteGuard(smoke=s.smoke, max_consecutive_skips=setup.max_consecutive_skips)
         if plan.kind == "resume" and plan.path is not None:
             state = self._verified_state(plan.path)
             check_resume_compatible(state, self._identity(), plan.path)
@@ -327,14 +312,14 @@ class Trainer:
         return dict(verdict)
 
     def _identity(self) -> dict[str, Any]:
-        cfg = self.trainer_cfg
+        setup = self.setup
         return {
-            "schedule_type": cfg.schedule.type,
+            "schedule_type": setup.schedule.type,
             "world_size": self.settings.world_size,
             "data_digest": self.settings.data_digest,
-            "prompt_seed": cfg.effective_prompt_seed,
-            "global_batch_size": cfg.global_batch_size,
-            "draft": cfg.draft.model_dump(mode="json"),
+            "prompt_seed": setup.prompt_seed,
+            "global_batch_size": setup.batch.global_batch_size,
+            "draft": setup.draft_spec.draft.model_dump(mode="json"),
         }
 
     # ------------------------------------------------------------------ one step
@@ -352,15 +337,17 @@ class Trainer:
         None when a stop was requested and some rank's samples did not come: every rank learns it from
         the micro-step's all-reduce and drops the step together, before any update is applied."""
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         started = time.monotonic()
-        gs = step_sample_indices(step, s.rank, s.world_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+        gs = step_sample_indices(
+            step, s.rank, s.world_size, setup.batch.micro_batch_size, setup.batch.gradient_accumulation_steps
+        )
         local = self._zero_sums()
         prefetch = StepPrefetcher(self._fetcher(source), gs)
         consumed: list[tuple[int, int | None]] = []
         dropped = False
         try:
-            for _m in range(cfg.gradient_accumulation_steps):
+            for _m in range(setup.batch.gradient_accumulation_steps):
                 batch = self._fetch_micro_batch(prefetch)
                 layouts = [p.layout if p.layout is not None else self._layout(p.sample) for p in batch or []]
                 # One host all-reduce per micro-step: the global weight sum, and how many ranks are
@@ -449,18 +436,19 @@ class Trainer:
         """The next micro-batch's samples, received on the compute stream and checked; None when a stop
         is requested and they are not there (:meth:`StepPrefetcher.next`)."""
         batch = []
-        for _ in range(self.trainer_cfg.micro_batch_size):
+        for _ in range(self.setup.batch.micro_batch_size):
             prepared = prefetch.next(stopping=lambda: self.stop_requested)
             if prepared is None:
                 return None
             batch.append(self._received(prepared))
+        spec = self.setup.draft_spec
         for prepared in batch:
             self.gate.on_sample(prepared.sample)
             check_sample(
                 prepared.sample,
-                num_aux_layers=self.recipe.num_aux_layers,
-                hidden_size=self.recipe.capture.hidden_size,
-                vocab_size=self.recipe.capture.vocab_size,
+                num_aux_layers=spec.num_aux_layers,
+                hidden_size=spec.target_hidden_size,
+                vocab_size=spec.vocab_size,
                 ids_range=prepared.ids_range,
             )
         return batch
@@ -471,20 +459,20 @@ class Trainer:
         """This rank's float64 accumulators of one step (scalar sums, losses, per-slot sums)."""
         device = self.settings.device
         local = {name: torch.zeros((), dtype=torch.float64, device=device) for name in SCALAR_SUMS + LOSS_SUMS}
-        block_size = self.trainer_cfg.draft.block_size
+        block_size = self.setup.draft_spec.draft.block_size
         local.update({name: torch.zeros(block_size, dtype=torch.float64, device=device) for name in SLOT_SUMS})
         return local
 
     def _layout(self, sample: CapturedSample, host_ids: torch.Tensor | None = None) -> BlockLayout:
-        cfg = self.trainer_cfg
+        setup = self.setup
         return build_layout(
             sample.ids if host_ids is None else host_ids,
             sample.mask,
-            num_anchors=cfg.loss.num_anchors,
-            block_size=cfg.draft.block_size,
-            mask_token_id=cfg.draft.mask_token_id,
-            loss_decay_gamma=cfg.loss.loss_decay_gamma,
-            generator=anchor_generator(cfg.seed, sample.g),
+            num_anchors=setup.loss.num_anchors,
+            block_size=setup.draft_spec.draft.block_size,
+            mask_token_id=setup.draft_spec.draft.mask_token_id,
+            loss_decay_gamma=setup.loss.loss_decay_gamma,
+            generator=anchor_generator(setup.seed, sample.g),
         )
 
     def _forward_backward(
@@ -499,13 +487,13 @@ class Trainer:
         this micro-step (a host number all-reduced on the host: no GPU work waits for it, nor it for
         the GPU), then forward and backward sample by sample, sums into ``local``."""
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         device = s.device
-        accumulation = cfg.gradient_accumulation_steps
+        accumulation = setup.batch.gradient_accumulation_steps
         coefficients = loss_coefficients(
-            ce_weight=cfg.loss.ce_weight,
-            l1_weight=cfg.loss.l1_weight,
-            confidence_weight=cfg.loss.confidence_weight,
+            ce_weight=setup.loss.ce_weight,
+            l1_weight=setup.loss.l1_weight,
+            confidence_weight=setup.loss.confidence_weight,
             global_weight_sum=global_weight,
             gradient_scale=s.world_size / accumulation,
             chunk_rows=s.chunk_rows,
@@ -535,7 +523,7 @@ class Trainer:
         """Clip, check finiteness on every rank, let the guard decide, step the optimizer.
         Returns the grad norm, every rank's term flags and whether the update was applied."""
         s = self.settings
-        grad_norm_tensor = torch.nn.utils.clip_grad_norm_(model.parameters(), self.trainer_cfg.optimizer.max_grad_norm)
+        grad_norm_tensor = torch.nn.utils.clip_grad_norm_(model.parameters(), self.setup.optimizer.max_grad_norm)
         if hasattr(grad_norm_tensor, "full_tensor"):
             grad_norm_tensor = grad_norm_tensor.full_tensor()
         grad_norm = float(grad_norm_tensor)
@@ -555,7 +543,7 @@ class Trainer:
         """Sum the step's accumulators over all ranks (one all-reduce); returns the sums with the
         weighted total loss, and the mean data-wait time per rank."""
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         names = list(SCALAR_SUMS + LOSS_SUMS)
         packed = torch.cat([torch.stack([local[n] for n in names])] + [local[n] for n in SLOT_SUMS])
         packed = torch.cat([packed, torch.tensor([wait_s], dtype=torch.float64, device=s.device)])
@@ -563,10 +551,10 @@ class Trainer:
         sums: dict[str, Any] = {n: float(packed[i]) for i, n in enumerate(names)}
         offset = len(names)
         for name in SLOT_SUMS:
-            sums[name] = packed[offset : offset + cfg.draft.block_size].tolist()
-            offset += cfg.draft.block_size
+            sums[name] = packed[offset : offset + setup.draft_spec.draft.block_size].tolist()
+            offset += setup.draft_spec.draft.block_size
         wait_sum = float(packed[offset])
-        loss = cfg.loss
+        loss = setup.loss
         sums["loss_total"] = (
             loss.ce_weight * sums["loss_ce"]
             + loss.l1_weight * sums["loss_l1"]
@@ -581,16 +569,16 @@ class Trainer:
 
     def _record(self, step: int, outcome: StepOutcome, lr: float, guard: FiniteGuard) -> dict[str, Any]:
         s = self.settings
-        cfg = self.trainer_cfg
+        setup = self.setup
         done = step + 1
-        cursor = done * cfg.global_batch_size
+        cursor = done * setup.batch.global_batch_size
         record: dict[str, Any] = {"step": done, "epoch": cursor // s.num_rows, "cursor": cursor, "lr": lr}
-        record.update(step_metrics(sums=outcome.sums, block_size=cfg.draft.block_size))
+        record.update(step_metrics(sums=outcome.sums, block_size=setup.draft_spec.draft.block_size))
         step_time = max(outcome.step_time_s, 1e-9)
         record.update(
             grad_norm=outcome.grad_norm,
             tokens_per_s=record["tokens"] / step_time,
-            samples_per_s=cfg.global_batch_size / step_time,
+            samples_per_s=setup.batch.global_batch_size / step_time,
             step_time_s=outcome.step_time_s,
             data_wait_s=outcome.wait_s,
             data_wait_fraction=min(1.0, outcome.wait_s / step_time),
@@ -616,21 +604,21 @@ class Trainer:
         writer: MetricsWriter,
     ) -> checkpoints.SavedCheckpoint:
         s = self.settings
-        cfg = self.trainer_cfg
-        cursor = done * cfg.global_batch_size
+        setup = self.setup
+        cursor = done * setup.batch.global_batch_size
         rng = gather_objects(checkpoints.rng_state(), s.world_size)
         state = {
             "step": done,
             "cursor": cursor,
             "epoch": cursor // s.num_rows,
-            "global_batch_size": cfg.global_batch_size,
+            "global_batch_size": setup.batch.global_batch_size,
             "world_size": s.world_size,
-            "schedule": {"type": cfg.schedule.type, "state": {**schedule_state, "next_step": done}},
-            "recipe_digest": self.resolved.digest,
+            "schedule": {"type": setup.schedule.type, "state": {**schedule_state, "next_step": done}},
+            "recipe_digest": self.setup.recipe_digest,
             "data_digest": s.data_digest,
-            "prompt_seed": cfg.effective_prompt_seed,
-            "draft": cfg.draft.model_dump(mode="json"),
-            "seed": cfg.seed,
+            "prompt_seed": setup.prompt_seed,
+            "draft": setup.draft_spec.draft.model_dump(mode="json"),
+            "seed": setup.seed,
             "skipped_updates": guard.skipped_total,
             "consecutive_skips": guard.consecutive,
             "smoke": s.smoke,
@@ -643,7 +631,7 @@ class Trainer:
             optimizer=optimizer,
             state=state,
             rng_states=rng,
-            keep_last=cfg.checkpoint.keep_last,
+            keep_last=setup.checkpoint.keep_last,
             is_main=s.is_main,
         )
         writer.say(

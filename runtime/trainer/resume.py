@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.recipe.schema import Recipe
+from runtime.recipe.schema import CheckpointConfig
 from runtime.trainer.checkpoints import CheckpointError, find_latest, read_state, resolve_checkpoint_path
 
 
@@ -33,9 +33,8 @@ class StartPlan:
     reason: str
 
 
-def plan_start(recipe: Recipe, checkpoint_dir: Path, recipe_digest: str) -> StartPlan:
-    """Decide how to start (see the module docstring)."""
-    ckpt = recipe.trainer.checkpoint
+def plan_start(ckpt: CheckpointConfig, checkpoint_dir: Path, recipe_digest: str) -> StartPlan:
+    """Decide how to start from ``trainer.checkpoint`` (see the module docstring)."""
     init = ckpt.init_from
     if ckpt.resume_from and init and ckpt.resume_from != "auto":
         raise CheckpointError(

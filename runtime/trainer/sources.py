@@ -2,43 +2,65 @@
 
 from __future__ import annotations
 
-from runtime.recipe.loader import ResolvedRecipe
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from runtime.shared.contracts import CapturedSample, SampleConsumer, field_problems, sample_num_tokens
+
+if TYPE_CHECKING:
+    from runtime.trainer.cached_source import CachedSourceSettings
+    from runtime.transport.settings import TransportSettings
 
 
 class SampleShapeError(ValueError):
     """A fetched sample does not match the capture contract the recipe describes."""
 
 
-def open_sample_source(resolved: ResolvedRecipe, rank: int, world_size: int, data_digest: str) -> SampleConsumer:
-    """The recipe's sample source: the Mooncake data plane (behind the node-local feature cache
-    when ``trainer.feature_cache.enabled``), or a folder of sample files. ``data_digest``: the
-    data file's SHA-256 (part of the cache's key)."""
-    recipe = resolved.recipe
-    trainer = recipe.trainer
-    if trainer.sample_source == "files":
-        if not trainer.sample_dir:
+@dataclass(frozen=True)
+class SourceSettings:
+    """Where a trainer rank gets its samples (``trainer.sample_source`` and what it needs)."""
+
+    kind: str
+    """``trainer.sample_source``: mooncake or files."""
+    sample_dir: Path | None
+    """``trainer.sample_dir``, resolved (files); None: not set."""
+    recipe_file: Path
+    """The resolved recipe (named in refusals)."""
+    global_batch_size: int
+    idle_timeout_s: float
+    """``transport.idle_timeout_s``."""
+    transport: TransportSettings
+    """The Mooncake data plane's settings (mooncake)."""
+    feature_cache: CachedSourceSettings | None
+    """The node-local feature cache in front of the data plane; None: ``trainer.feature_cache`` is off."""
+
+
+def open_sample_source(settings: SourceSettings, rank: int, world_size: int) -> SampleConsumer:
+    """The run's sample source: the Mooncake data plane (behind the node-local feature cache when
+    ``trainer.feature_cache.enabled``), or a folder of sample files."""
+    if settings.kind == "files":
+        if settings.sample_dir is None:
             raise ValueError(
-                f"{resolved.path}: trainer.sample_source is 'files' but trainer.sample_dir is not set; "
+                f"{settings.recipe_file}: trainer.sample_source is 'files' but trainer.sample_dir is not set; "
                 "fix: set trainer.sample_dir to the folder of {g:012d}.safetensors samples"
             )
         from runtime.trainer.file_source import FileSampleSource
 
         return FileSampleSource(
-            resolved.resolve_path(trainer.sample_dir),
-            global_batch_size=trainer.global_batch_size,
-            idle_timeout_s=recipe.transport.idle_timeout_s,
+            settings.sample_dir,
+            global_batch_size=settings.global_batch_size,
+            idle_timeout_s=settings.idle_timeout_s,
         )
     from runtime.transport.dataplane import open_consumer
-    from runtime.transport.settings import TransportSettings
 
-    consumer = open_consumer(TransportSettings.from_recipe(recipe), rank, world_size)
-    if not trainer.feature_cache.enabled:
+    consumer = open_consumer(settings.transport, rank, world_size)
+    if settings.feature_cache is None:
         return consumer
     from runtime.trainer.cached_source import open_cached_source
 
     try:
-        return open_cached_source(resolved, consumer, data_digest)
+        return open_cached_source(settings.feature_cache, consumer)
     except BaseException:
         consumer.close()
         raise

@@ -53,6 +53,7 @@ from runtime.trainer.guard import FiniteGuard
 from runtime.trainer.loop import Trainer
 from runtime.trainer.model import DSparkDraft
 from runtime.trainer.settings import RunSettings
+from runtime.trainer.setup import TrainerSetup, setup_for_run
 from runtime.transport.loopback import free_port
 from tools.bench.gpu_gaps import trace_gpu_gaps
 from tools.bench.trainer import (
@@ -133,7 +134,7 @@ def bench_recipe(
 
 
 def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSettings:
-    """What :func:`runtime.trainer.settings.derive_settings` would give on this device, without a
+    """What :func:`runtime.trainer.setup.derive_settings` would give on this device, without a
     job folder or data file: the recipe's dtypes and attention backend on GPU (K3: bf16 compute,
     fp32 reduction, flex; tiny: fp32, SDPA), fp32 + SDPA on CPU (flex has no CPU backward)."""
     cfg = recipe.trainer
@@ -158,21 +159,14 @@ def run_settings(recipe: Recipe, setup: RankSetup, total_steps: int) -> RunSetti
     )
 
 
-def build_model(recipe: Recipe, settings: RunSettings) -> DSparkDraft:
+def build_model(trainer_settings: TrainerSetup) -> DSparkDraft:
     """The draft as :meth:`Trainer._build_model` builds it, with random frozen embedding / lm_head
     in place of the target's (a K3 vocabulary pair is 4.7 GiB to read; its values do not matter)."""
-    cfg = recipe.trainer
-    torch.manual_seed(cfg.seed)
+    settings, spec = trainer_settings.run, trainer_settings.draft_spec
+    torch.manual_seed(trainer_settings.seed)
     with torch.device(settings.device):
-        model = DSparkDraft(
-            cfg.draft,
-            vocab_size=recipe.capture.vocab_size,
-            num_aux_layers=recipe.num_aux_layers,
-            attention_backend=settings.attention_backend,
-            max_length=recipe.data.max_length,
-            compile_regions=settings.compile_regions,
-        )
-    vocab, hidden = recipe.capture.vocab_size, cfg.draft.hidden_size
+        model = spec.build(attention_backend=settings.attention_backend, compile_regions=settings.compile_regions)
+    vocab, hidden = spec.vocab_size, spec.draft.hidden_size
     embed = (torch.randn(vocab, hidden, device=settings.device) * 0.02).to(settings.param_dtype)
     lm_head = (torch.randn(vocab, hidden, device=settings.device) / hidden**0.5).to(settings.param_dtype)
     model.attach_frozen_vocab(embed, lm_head)
@@ -259,13 +253,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         smoke=False,
         overrides=[],
     )
-    trainer = Trainer(resolved, settings)
-    model = build_model(recipe, settings)
-    opt = recipe.trainer.optimizer
+    trainer_settings = setup_for_run(resolved, settings)
+    trainer = Trainer(trainer_settings)
+    model = build_model(trainer_settings)
+    opt = trainer_settings.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
     )
-    guard = FiniteGuard(smoke=False, max_consecutive_skips=recipe.trainer.max_consecutive_skips)
+    guard = FiniteGuard(smoke=False, max_consecutive_skips=trainer_settings.max_consecutive_skips)
     parameters = sum(p.numel() for p in model.parameters())  # sharded DTensors report their global size
     source = SyntheticSource(*synthetic_sample(shapes, setup.device))
     say(
