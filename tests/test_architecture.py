@@ -435,9 +435,7 @@ RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.pro
 runtime/evaluate are not converted yet)."""
 RECIPE_DOORS = {
     "runtime.capture.__main__": "the capture's process entry: loads the resolved recipe",
-    "runtime.capture.setup": "capture_setup / sink_setup: the capture's settings, built once",
-    "runtime.capture.engine_sglang": "not converted yet: SGLangEngine takes the resolved recipe (the setup binds it)",
-    "runtime.capture.sglang_streaming": "not converted yet: the SGLang server's expert streaming reads the recipe file",
+    "runtime.capture.setup": "capture_setup / sink_setup / expert_streaming_plan: the capture's settings, built once",
     "runtime.capture.sglang_cpu": "a door for tests and tools: a CPU SGLang server on a loopback recipe",
     "runtime.transport.settings": "TransportSettings.from_recipe: the transport's settings, built once per entry",
     "runtime.transport.__main__": "the transport's command line: loads the resolved recipe",
