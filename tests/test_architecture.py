@@ -430,9 +430,9 @@ RECIPE_TYPE_NAMES = WHOLE_RECIPE_SECTIONS | {
     "write_resolved",
 }
 """The whole-recipe types as the ``runtime.recipe`` package re-exports them."""
-RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.probe", "runtime.moe")
-"""Rooms whose parts take their own frozen settings, never the recipe (runtime/trainer and
-runtime/evaluate are not converted yet)."""
+RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.probe", "runtime.moe", "runtime.evaluate")
+"""Rooms whose parts take their own frozen settings, never the recipe (runtime/trainer is not
+converted yet)."""
 RECIPE_DOORS = {
     "runtime.capture.__main__": "the capture's process entry: loads the resolved recipe",
     "runtime.capture.setup": "capture_setup / sink_setup / expert_streaming_plan: the capture's settings, built once",
@@ -442,6 +442,9 @@ RECIPE_DOORS = {
     "runtime.transport.synthetic": "a process entry: the synthetic producer and trainer of the transport tests",
     "runtime.transport.loopback": "a door for tests and tools: a loopback recipe, master and environment",
     "runtime.probe.__main__": "the probe's process entry: loads the resolved recipe",
+    "runtime.evaluate.__main__": "the evaluation's process entry: loads the resolved recipe and its eval section",
+    "runtime.evaluate.setup": "eval_setup: the evaluation's settings, built once",
+    "runtime.evaluate.during_training": "the process entry of the acceptance during training: loads the resolved recipe",
 }
 """Modules of :data:`RECIPE_STOPS_AT_THE_DOOR` allowed the recipe types, each with why."""
 
