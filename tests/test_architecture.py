@@ -428,14 +428,18 @@ RECIPE_TYPE_NAMES = WHOLE_RECIPE_SECTIONS | {
     "write_resolved",
 }
 """The whole-recipe types as the ``runtime.recipe`` package re-exports them."""
-RECIPE_STOPS_AT_THE_DOOR = ("runtime.capture", "runtime.transport", "runtime.probe", "runtime.moe", "runtime.trainer")
-"""Rooms whose parts take their own frozen settings (or their own leaf section), never the recipe
-(runtime/evaluate is not converted yet)."""
+RECIPE_STOPS_AT_THE_DOOR = (
+    "runtime.capture",
+    "runtime.transport",
+    "runtime.probe",
+    "runtime.moe",
+    "runtime.trainer",
+    "runtime.evaluate",
+)
+"""Rooms whose parts take their own frozen settings (or their own leaf section), never the recipe."""
 RECIPE_DOORS = {
     "runtime.capture.__main__": "the capture's process entry: loads the resolved recipe",
-    "runtime.capture.setup": "capture_setup / sink_setup: the capture's settings, built once",
-    "runtime.capture.engine_sglang": "not converted yet: SGLangEngine takes the resolved recipe (the setup binds it)",
-    "runtime.capture.sglang_streaming": "not converted yet: the SGLang server's expert streaming reads the recipe file",
+    "runtime.capture.setup": "capture_setup / sink_setup / expert_streaming_plan: the capture's settings, built once",
     "runtime.capture.sglang_cpu": "a door for tests and tools: a CPU SGLang server on a loopback recipe",
     "runtime.transport.settings": "TransportSettings.from_recipe: the transport's settings, built once per entry",
     "runtime.transport.__main__": "the transport's command line: loads the resolved recipe",
@@ -445,6 +449,9 @@ RECIPE_DOORS = {
     "runtime.trainer.__main__": "the trainer's process entry: loads the resolved recipe",
     "runtime.trainer.setup": "trainer_setup: the trainer's settings (run, source, gate, checkpoints), built once",
     "runtime.trainer.draft_spec": "DraftSpec.from_recipe: the draft's shape, built once by each entry",
+    "runtime.evaluate.__main__": "the evaluation's process entry: loads the resolved recipe and its eval section",
+    "runtime.evaluate.setup": "eval_setup: the evaluation's settings, built once",
+    "runtime.evaluate.during_training": "the process entry of the acceptance during training: loads the resolved recipe",
 }
 """Modules of :data:`RECIPE_STOPS_AT_THE_DOOR` allowed the recipe types, each with why."""
 

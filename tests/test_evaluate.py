@@ -20,9 +20,9 @@ from runtime.evaluate.decoder import Generation, VerifyRecord, plain_generate, s
 from runtime.evaluate.draft import Proposal, draft_config_from_export
 from runtime.evaluate.eval_sets import EvalSetError, file_sha256, load_prompts
 from runtime.evaluate.report import greedy_agreement, pass_figures
+from runtime.evaluate.settings import EvalSetFile
 from runtime.evaluate.verify import greedy_accept, sampled_accept
 from runtime.recipe import load_recipe
-from runtime.recipe.schema import EvalSet
 from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.layout import BlockLayout
 from tests.conftest import REPO_ROOT
@@ -263,19 +263,19 @@ def test_greedy_agreement_names_the_prompts_that_differ() -> None:
     assert verdict == {"prompts": 2, "identical": 1, "differing": ["b"]}
 
 
-def _eval_set(path: Path, sha: str | None = None) -> EvalSet:
-    return EvalSet(name="s", path=str(path), sha256=sha or file_sha256(path))
+def _eval_set(path: Path, sha: str | None = None, index: int = 0) -> EvalSetFile:
+    return EvalSetFile(name="s", index=index, path=path, sha256=sha or file_sha256(path), max_prompts=None)
 
 
 def test_eval_sets_are_pinned_and_bad_rows_are_named(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n\n{"input_ids": [4]}\n')
-    prompts = load_prompts(_eval_set(path), 0, Path, None, vocab_size=8)
+    prompts = load_prompts(_eval_set(path), None, vocab_size=8)
     assert [(p.prompt_id, p.input_ids) for p in prompts] == [("a", [1, 2, 3]), ("row-1", [4])]
     with pytest.raises(EvalSetError, match=r"eval.sets\[0\].sha256: .* hashes to [0-9a-f]{64}, the recipe pins 0{64}"):
-        load_prompts(_eval_set(path, "0" * 64), 0, Path, None, vocab_size=8)
+        load_prompts(_eval_set(path, "0" * 64), None, vocab_size=8)
     with pytest.raises(EvalSetError, match=r"eval.sets\[2\].path: .*missing.jsonl does not exist"):
-        load_prompts(EvalSet(name="s", path=str(tmp_path / "missing.jsonl"), sha256="0" * 64), 2, Path, None, 8)
+        load_prompts(_eval_set(tmp_path / "missing.jsonl", "0" * 64, index=2), None, 8)
     for text, message in (
         ('{"input_ids": [1, 99]}\n', r"prompts.jsonl:1: input_ids must be .* token ids in 0..7"),
         ("not json\n", r"prompts.jsonl:1: not valid JSON"),
@@ -284,7 +284,7 @@ def test_eval_sets_are_pinned_and_bad_rows_are_named(tmp_path: Path) -> None:
     ):
         path.write_text(text)
         with pytest.raises(EvalSetError, match=message):
-            load_prompts(_eval_set(path), 0, Path, None, vocab_size=8)
+            load_prompts(_eval_set(path), None, vocab_size=8)
 
 
 def test_a_conversation_prompt_drops_the_reference_answer_and_adds_the_generation_prompt(tiny_assets: Path) -> None:
@@ -292,7 +292,7 @@ def test_a_conversation_prompt_drops_the_reference_answer_and_adds_the_generatio
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "target")
     path = tiny_assets / "data" / "eval.jsonl"
-    prompts = load_prompts(_eval_set(path), 0, Path, tokenizer, vocab_size=2048)
+    prompts = load_prompts(_eval_set(path), tokenizer, vocab_size=2048)
     first = json.loads(path.read_text().splitlines()[0])["conversations"]
     text = tokenizer.decode(prompts[0].input_ids)
     assert text.endswith("<|assistant|>") and first[-1]["content"] not in text and first[0]["content"] in text
@@ -323,15 +323,16 @@ def test_a_draft_for_another_target_is_refused_with_every_difference(tmp_path: P
     from runtime.trainer.export import draft_config
 
     recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe
-    config = draft_config(DraftSpec.from_recipe(recipe), torch.float32)
+    spec = DraftSpec.from_recipe(recipe)
+    config = draft_config(spec, torch.float32)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    assert draft_config_from_export(path, recipe) == recipe.trainer.draft
+    assert draft_config_from_export(path, spec) == recipe.trainer.draft
     config.update(hidden_size=512, vocab_size=4096, mask_token_id=5000)
     config["dflash_config"] = {**config["dflash_config"], "target_layer_ids": [2, 4], "mask_token_id": 5000}
     path.write_text(json.dumps(config))
     with pytest.raises(DraftSourceError) as info:
-        draft_config_from_export(path, recipe)
+        draft_config_from_export(path, spec)
     message = str(info.value)
     for part in (
         "hidden_size is 512, the target's capture.hidden_size is 256",

@@ -37,7 +37,7 @@ def test_the_serving_command_adds_the_draft_to_the_capture_servers_shape(monkeyp
     monkeypatch.setenv("K3_TARGET_DIR", "/models/k3")
     recipe = load_recipe(K3).recipe
     command = serving_command(
-        recipe, Path("/runs/k3/1/checkpoints/export-step_1"), python="py", model_path=Path("/models/k3"),
+        recipe.capture.sglang, Path("/runs/k3/1/checkpoints/export-step_1"), python="py", model_path=Path("/models/k3"),
         batch_size=16, block_size=7,
     )  # fmt: skip
     assert command[:3] == ["py", "-m", "sglang.launch_server"]

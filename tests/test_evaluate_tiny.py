@@ -84,13 +84,14 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
     from runtime.evaluate.draft import build_draft
     from runtime.recipe import load_resolved
     from runtime.shared.checkpoint_folders import resolve_draft_source
+    from runtime.trainer.draft_spec import DraftSpec
 
-    recipe = load_resolved(tiny_reference_run / "recipe.resolved.json").recipe
+    spec = DraftSpec.from_recipe(load_resolved(tiny_reference_run / "recipe.resolved.json").recipe)
     checkpoints = tiny_reference_run / "checkpoints"
     export = resolve_draft_source(str(checkpoints / f"export-{TRAINED}"), checkpoints)
     assert export.kind == "export" and export.step == 32
     weights = [
-        build_draft(source, recipe, seed=0, device="cpu", dtype=torch.float32).state_dict()
+        build_draft(source, spec, seed=0, device="cpu", dtype=torch.float32).state_dict()
         for source in (resolve_draft_source(TRAINED, checkpoints), export)
     ]
     assert weights[0].keys() == weights[1].keys()

@@ -16,6 +16,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,11 @@ from runtime.capture.engine_sglang import (
     server_arguments,
     server_environment,
 )
+from runtime.capture.setup import sglang_server_settings
+from runtime.capture.sglang_settings import SGLangServerSettings
 from runtime.capture.sglang_sink import capture_from_sglang, close_sinks
 from runtime.recipe.loader import ResolvedRecipe, load_recipe, write_resolved
+from runtime.recipe.schema import Recipe
 from runtime.transport.loopback import free_port, loopback_endpoints, transport_of
 from tests.test_sglang_server import require_capture_venv
 
@@ -68,13 +72,20 @@ def _k3():
     return load_recipe(REPO / "recipes" / "kimi_k3_v1c.yaml").recipe
 
 
+def _server_of(recipe: Recipe, recipe_file: str, model_path: str | None = None) -> SGLangServerSettings:
+    """The server settings of an in-memory recipe, as its job folder's ``recipe_file`` would give them."""
+    resolved = ResolvedRecipe(recipe, "", Path(recipe_file), REPO, "", False, [])
+    server = sglang_server_settings(resolved)
+    return server if model_path is None else replace(server, target_path=Path(model_path))
+
+
 # ----------------------------------------------------------------------------------------------
 # the rendered command
 # ----------------------------------------------------------------------------------------------
 
 
 def test_k3_server_command_golden() -> None:
-    args = server_arguments(_k3(), recipe_path="/jobs/kimi_k3_v1c/recipe.resolved.json", model_path="/models/kimi-k3")
+    args = server_arguments(_server_of(_k3(), "/jobs/kimi_k3_v1c/recipe.resolved.json", "/models/kimi-k3"))
     assert args == K3_GOLDEN
 
 
@@ -89,12 +100,12 @@ def test_multi_node_offload_and_extra_arguments() -> None:
             "capture.sglang.extra_args=[--log-level, debug]",
         ],
     ).recipe
-    args = server_arguments(recipe, recipe_path="r.json", nnodes=2, node_rank=1, dist_init_addr="node1:20000")
+    args = server_arguments(_server_of(recipe, "r.json"), nnodes=2, node_rank=1, dist_init_addr="node1:20000")
     assert args[args.index("--tp-size") + 1] == "16"
     assert args[args.index("--cpu-offload-gb") + 1] == "40"
     assert args[-8:] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "node1:20000", "--log-level", "debug"]
     with pytest.raises(SGLangEngineError, match="needs dist_init_addr"):
-        server_arguments(recipe, recipe_path="r.json", nnodes=2)
+        server_arguments(_server_of(recipe, "r.json"), nnodes=2)
 
 
 def test_server_environment_puts_the_repository_on_pythonpath() -> None:
@@ -285,7 +296,8 @@ def double() -> Iterator[tuple[Double, str]]:
         close_sinks()
 
 
-def _resolved(tmp_path: Path, extra: list[str] | None = None) -> ResolvedRecipe:
+def _server(tmp_path: Path, extra: list[str] | None = None) -> SGLangServerSettings:
+    """The SGLang server settings of the tiny recipe resolved into ``tmp_path``, with ``extra`` set."""
     from runtime.recipe.loader import load_resolved
 
     sets = [
@@ -303,7 +315,7 @@ def _resolved(tmp_path: Path, extra: list[str] | None = None) -> ResolvedRecipe:
         *(extra or []),
     ]
     loaded = load_recipe(REPO / "recipes" / "tiny.yaml", sets)
-    return load_resolved(write_resolved(loaded, tmp_path, REPO))
+    return sglang_server_settings(load_resolved(write_resolved(loaded, tmp_path, REPO)))
 
 
 def _request(g: int, n: int) -> CaptureRequest:
@@ -321,7 +333,7 @@ class Report:
 def test_waits_for_health_then_checks_the_sink_and_captures(double, tmp_path: Path) -> None:
     state, url = double
     state.health_failures = 3
-    engine = SGLangEngine(_resolved(tmp_path), launch=False, base_url=url, patch_check=lambda t: Report(True))
+    engine = SGLangEngine(_server(tmp_path), launch=False, base_url=url, patch_check=lambda t: Report(True))
     engine.start()
     assert state.health_calls == 4
     refs = engine.capture([_request(4, 9), _request(5, 17)])
@@ -338,7 +350,7 @@ def test_health_timeout_names_the_setting_and_the_last_answer(double, tmp_path: 
     state, url = double
     state.health_failures = 10**9
     engine = SGLangEngine(
-        _resolved(tmp_path, ["capture.sglang.health_timeout_s=0.3"]), launch=False, base_url=url, patch_check=None
+        _server(tmp_path, ["capture.sglang.health_timeout_s=0.3"]), launch=False, base_url=url, patch_check=None
     )
     with pytest.raises(
         SGLangEngineError, match=r"not healthy after 0 s \(capture.sglang.health_timeout_s = 0.3\).*HTTP 503"
@@ -350,7 +362,7 @@ def test_health_timeout_names_the_setting_and_the_last_answer(double, tmp_path: 
 def test_a_server_without_the_sink_is_refused(double, tmp_path: Path) -> None:
     state, url = double
     state.server_info = {"version": "0.5.23"}
-    engine = SGLangEngine(_resolved(tmp_path), launch=False, base_url=url, patch_check=None)
+    engine = SGLangEngine(_server(tmp_path), launch=False, base_url=url, patch_check=None)
     with pytest.raises(
         SGLangPatchError, match="dspark_capture_sink=None, the recipe needs 'discard'.*check_patch --apply"
     ):
@@ -360,7 +372,7 @@ def test_a_server_without_the_sink_is_refused(double, tmp_path: Path) -> None:
 def test_unpatched_sglang_is_refused_before_anything_starts(tmp_path: Path) -> None:
     marker = tmp_path / "launched"
     engine = SGLangEngine(
-        _resolved(tmp_path),
+        _server(tmp_path),
         command=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
         patch_check=lambda target: Report(False),
     )
@@ -376,7 +388,7 @@ def test_unpatched_sglang_is_refused_before_anything_starts(tmp_path: Path) -> N
 def test_transient_failures_are_retried_and_refusals_are_not(double, tmp_path: Path) -> None:
     state, url = double
     naps: list[float] = []
-    engine = SGLangEngine(_resolved(tmp_path), launch=False, base_url=url, patch_check=None, sleep=naps.append)
+    engine = SGLangEngine(_server(tmp_path), launch=False, base_url=url, patch_check=None, sleep=naps.append)
     state.generate_failures = 2
     assert engine.capture([_request(1, 5)])[0].meta["status"] == "discarded"
     assert state.generate_calls == 3 and naps == [0.01, 0.02]
@@ -394,14 +406,14 @@ def test_transient_failures_are_retried_and_refusals_are_not(double, tmp_path: P
 
 def test_sink_errors_and_timeouts_are_reported_not_retried(double, tmp_path: Path) -> None:
     state, url = double
-    engine = SGLangEngine(_resolved(tmp_path), launch=False, base_url=url, patch_check=None)
+    engine = SGLangEngine(_server(tmp_path), launch=False, base_url=url, patch_check=None)
     state.computed_hidden_size = 64
     with pytest.raises(SGLangCaptureError, match=r"capture sink refused sample g=7: .*\(4, 192\), expected \(4, 768\)"):
         engine.capture([_request(7, 4)])
     state.computed_hidden_size = None
 
     slow = SGLangEngine(
-        _resolved(tmp_path / "slow", ["capture.sglang.request_timeout_s=0.3"]), launch=False, base_url=url,
+        _server(tmp_path / "slow", ["capture.sglang.request_timeout_s=0.3"]), launch=False, base_url=url,
         patch_check=None,
     )  # fmt: skip
     state.generate_calls, state.generate_delay_s = 0, 1.0
@@ -413,7 +425,7 @@ def test_sink_errors_and_timeouts_are_reported_not_retried(double, tmp_path: Pat
 def test_a_server_that_dies_at_start_is_reported_with_its_log_tail(tmp_path: Path) -> None:
     script = "import sys; print('loading 93 layers'); print('torch.OutOfMemoryError: CUDA out of memory', file=sys.stderr); sys.exit(3)"
     engine = SGLangEngine(
-        _resolved(tmp_path, [f"capture.sglang.port={free_port()}"]),
+        _server(tmp_path, [f"capture.sglang.port={free_port()}"]),
         command=[sys.executable, "-c", script],
         patch_check=None,
         log_path=tmp_path / "server.log",
@@ -440,7 +452,7 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), _handler(state)).serve_fore
 def test_launches_the_server_process_and_stops_its_process_group(tmp_path: Path) -> None:
     port = free_port()
     engine = SGLangEngine(
-        _resolved(tmp_path, [f"capture.sglang.port={port}", "capture.sglang.health_timeout_s=60"]),
+        _server(tmp_path, [f"capture.sglang.port={port}", "capture.sglang.health_timeout_s=60"]),
         command=[sys.executable, "-c", SERVE_DOUBLE, str(port)],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         patch_check=lambda target: Report(True),
@@ -530,7 +542,10 @@ def test_end_to_end_into_a_real_mooncake_store(tmp_path: Path, monkeypatch: pyte
             open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=0) as producer,
         ):
             engine = SGLangEngine(
-                resolved, launch=False, base_url=f"http://127.0.0.1:{server.server_address[1]}", patch_check=None
+                sglang_server_settings(resolved),
+                launch=False,
+                base_url=f"http://127.0.0.1:{server.server_address[1]}",
+                patch_check=None,
             )
             engine.start()
             gs = [producer.next_to_capture() for _ in range(3)]
@@ -557,7 +572,7 @@ def test_a_cpu_server_gets_its_interpreter_device_library_path_and_environment(t
     from runtime.capture.sglang_cpu import cpu_server_overrides
 
     engine = SGLangEngine(
-        _resolved(tmp_path, [*cpu_server_overrides(31234), "job.capture.gpus_per_node=0"]),
+        _server(tmp_path, [*cpu_server_overrides(31234), "job.capture.gpus_per_node=0"]),
         env={"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"},
         launch=False,
         patch_check=None,
@@ -571,7 +586,7 @@ def test_a_cpu_server_gets_its_interpreter_device_library_path_and_environment(t
     ]
     assert engine.env["SGLANG_USE_CPU_ENGINE"] == "1" and "SGLANG_USE_CPU_ENGINE" not in os.environ
     # a GPU server of the same recipe gets none of it
-    gpu = SGLangEngine(_resolved(tmp_path / "gpu"), env={"PATH": "/usr/bin"}, launch=False, patch_check=None)
+    gpu = SGLangEngine(_server(tmp_path / "gpu"), env={"PATH": "/usr/bin"}, launch=False, patch_check=None)
     assert "--device" not in gpu.command and "LD_LIBRARY_PATH" not in gpu.env
 
 

@@ -37,7 +37,7 @@ from runtime.capture.engine import CaptureRequest
 from runtime.capture.engine_embedded import EmbeddedEngine
 from runtime.capture.engine_sglang import SGLangEngine, SGLangPatchError
 from runtime.capture.producer import CaptureSource
-from runtime.capture.setup import data_setup, embedded_settings
+from runtime.capture.setup import data_setup, embedded_settings, sglang_server_settings
 from runtime.capture.sglang_cpu import (
     CAPTURE_VENV_PYTHON,
     CpuServer,
@@ -192,7 +192,7 @@ def test_an_unpatched_sglang_is_refused_before_anything_starts(live: CpuServer, 
         (free_port(), free_port(), free_port()),
         [*cpu_server_overrides(port), f"capture.sglang.python={wrapper}"],
     )
-    engine = SGLangEngine(resolved, env=_loopback_env(resolved))
+    engine = SGLangEngine(sglang_server_settings(resolved), env=_loopback_env(resolved))
     with pytest.raises(SGLangPatchError) as info:
         engine.start()
     message = str(info.value)

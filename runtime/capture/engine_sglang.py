@@ -31,16 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.capture.engine import CaptureRequest, SampleRef
+from runtime.capture.sglang_settings import SGLangServerSettings
 from runtime.capture.sglang_wire import CaptureReceipt, CaptureTicket, WireError, encode_loss_mask, generate_body
-from runtime.recipe.capture_layout import nodes_per_engine
-from runtime.recipe.loader import ResolvedRecipe
-from runtime.recipe.schema import Recipe
+from runtime.recipe.schema import SGLangSettings
 from runtime.shared.lifecycle import die_with_parent
 
 log = logging.getLogger("dspark.capture.sglang")
 
 SERVER_MODULE = "sglang.launch_server"
-SERVER_LOG_NAME = "sglang_server.log"
 PATCH_FIX = "tools/check_patch --apply"
 PROGRESS_LOG_INTERVAL_S = 60.0
 RETRYABLE_HTTP_STATUS = (502, 503, 504)
@@ -65,28 +63,24 @@ class SGLangCaptureError(SGLangEngineError):
 
 
 def server_arguments(
-    recipe: Recipe,
+    server: SGLangServerSettings,
     *,
-    recipe_path: str | Path,
-    model_path: str | Path | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
 ) -> list[str]:
-    """``sglang.launch_server`` arguments for every ``capture.sglang`` setting of ``recipe``.
+    """``sglang.launch_server`` arguments for every ``capture.sglang`` setting of ``server``.
 
     Flag names are those of SGLang 0.5.23's parser plus the patch's (checked by a test that parses
-    this list with the patched parser). ``recipe_path`` is the resolved recipe the server's sink
-    reads its store settings from; ``model_path`` the target folder (default: ``capture.target_path``
-    as written).
+    this list with the patched parser). ``server.recipe_file`` is the resolved recipe the server's
+    sink reads its store settings from; ``server.target_path`` the target folder.
     """
-    cap = recipe.capture
-    s = cap.sglang
-    args = serving_arguments(recipe, model_path=model_path)
+    s = server.sglang
+    args = serving_arguments(s, model_path=server.target_path)
     # DSPARK aux capture on the target alone (no draft is loaded): the layer ids name layer outputs.
     args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
-    args += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in cap.aux_layer_ids)]
-    args += ["--dspark-capture-sink", s.capture_sink, "--dspark-capture-recipe", str(recipe_path)]
+    args += ["--return-aux-hidden-state-layer-ids", *(str(i) for i in server.aux_layer_ids)]
+    args += ["--dspark-capture-sink", s.capture_sink, "--dspark-capture-recipe", str(server.recipe_file)]
     if nnodes > 1:
         if not dist_init_addr:
             raise SGLangEngineError("a multi-node server needs dist_init_addr (the first capture node's host:port)")
@@ -95,13 +89,12 @@ def server_arguments(
     return args
 
 
-def serving_arguments(recipe: Recipe, *, model_path: str | Path | None = None) -> list[str]:
-    """The server's shape from ``capture.sglang`` (model, address, parallelism, memory, backends,
-    expert offload), shared by the capture server and the eval's DSpark serving."""
-    cap = recipe.capture
-    s = cap.sglang
+def serving_arguments(s: SGLangSettings, *, model_path: str | Path) -> list[str]:
+    """The server's shape from ``capture.sglang`` (address, parallelism, memory, backends, expert
+    offload) serving the target at ``model_path``, shared by the capture server and the eval's
+    DSpark serving."""
     args = [
-        "--model-path", str(model_path or cap.target_path),
+        "--model-path", str(model_path),
         "--host", s.host,
         "--port", str(s.port),
         "--tp-size", str(s.tp_size),
@@ -133,24 +126,19 @@ def serving_arguments(recipe: Recipe, *, model_path: str | Path | None = None) -
 
 
 def server_command(
-    recipe: Recipe,
+    server: SGLangServerSettings,
     *,
-    recipe_path: str | Path,
-    model_path: str | Path | None = None,
-    python: str | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
 ) -> list[str]:
-    """The full argv: ``python3 -m sglang.launch_server ...``."""
+    """The full argv: ``python3 -m sglang.launch_server ...`` (``server.python``, else this interpreter)."""
     return [
-        python or sys.executable,
+        server.python or sys.executable,
         "-m",
         SERVER_MODULE,
         *server_arguments(
-            recipe,
-            recipe_path=recipe_path,
-            model_path=model_path,
+            server,
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
@@ -339,7 +327,7 @@ class SGLangEngine:
 
     def __init__(
         self,
-        resolved: ResolvedRecipe,
+        server: SGLangServerSettings,
         *,
         log_path: Path | None = None,
         command: Sequence[str] | None = None,
@@ -352,28 +340,20 @@ class SGLangEngine:
         patch_check: Callable[[str], Any] | None = _default_patch_check,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.resolved = resolved
-        self.recipe = resolved.recipe
-        self.settings = self.recipe.capture.sglang
-        self.log_path = log_path or resolved.job_dir / "capture" / SERVER_LOG_NAME
-        self.nnodes = nnodes or nodes_per_engine(self.recipe)  # several capture shares: one server per node
+        self.server = server
+        self.settings = server.sglang
+        self.log_path = log_path or server.server_log_path
+        self.nnodes = nnodes or server.nodes_per_engine  # several capture shares: one server per node
         self.node_rank = node_rank
         dist_init_addr = f"{dist_init_host}:{self.settings.dist_init_port}" if dist_init_host else None
-        self.python = str(resolved.resolve_path(self.settings.python)) if self.settings.python else None
+        self.python = server.python
         self.command = list(command) if command is not None else server_command(
-            self.recipe,
-            recipe_path=resolved.path,
-            model_path=resolved.resolve_path(self.recipe.capture.target_path),
-            python=self.python,
+            server,
             nnodes=self.nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
         )  # fmt: skip
-        self.env = server_environment(
-            env,
-            library_dirs=[resolved.resolve_path(d) for d in self.settings.library_dirs],
-            extra=self.settings.server_env,
-        )
+        self.env = server_environment(env, library_dirs=server.library_dirs, extra=self.settings.server_env)
         self.launch = launch
         self.base_url = (base_url or f"http://{self.settings.host}:{self.settings.port}").rstrip("/")
         if patch_check is _default_patch_check and self.python is not None:
@@ -481,16 +461,15 @@ class SGLangEngine:
 
     def ticket(self, request: CaptureRequest) -> CaptureTicket:
         """The ``dspark_capture`` ticket of one request."""
-        cap = self.recipe.capture
         return CaptureTicket(
             g=request.g,
             epoch=request.epoch,
             row_index=request.row_index,
             row_id=request.row_id,
             loss_mask=encode_loss_mask(request.loss_mask),
-            store_id=self.recipe.store_id,
-            aux_layer_ids=tuple(cap.aux_layer_ids),
-            hidden_size=cap.hidden_size,
+            store_id=self.server.store_id,
+            aux_layer_ids=self.server.aux_layer_ids,
+            hidden_size=self.server.hidden_size,
         )
 
     def capture(self, batch: list[CaptureRequest]) -> list[SampleRef]:

@@ -278,8 +278,10 @@ def make_engine(engine: EngineSetup, sink: Any, moe_exchange: str | None = None)
     if inject_g is not None:
         raise ValueError("capture.inject_nan_at_g is a self-test of the embedded engine; unset it for engine: sglang")
     assert engine.sglang is not None, engine.kind
+    from runtime.capture.engine_sglang import SGLangEngine
+
     # The SGLang server's own sink commits each sample; the window sees them on its next scan.
-    return engine.sglang()
+    return SGLangEngine(engine.sglang)
 
 
 def engine_batch(engine: CaptureEngine, batch_size: int) -> int:

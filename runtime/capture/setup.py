@@ -5,20 +5,22 @@ sink reads it in its own process through :func:`sink_setup`). It builds the tran
 once (:meth:`~runtime.transport.settings.TransportSettings.from_recipe`: segment shares, eviction
 ratio, ports), the capture share of this task, the data and prompt order, the engine's settings,
 the smoke gate's switch and the master's ownership; :func:`runtime.capture.producer.run_capture`
-and everything below it take these frozen parts, never the recipe.
+and everything below it take these frozen parts, never the recipe. :func:`sglang_server_settings`
+is the SGLang server's (the capture's engine, and the evaluation's SGLang route);
+:func:`expert_streaming_plan` is the server's expert streaming, read in the server's processes.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from runtime.capture.embedded_settings import EmbeddedPlan, EmbeddedSettings, StreamedExperts
-from runtime.capture.engine import CaptureEngine
+from runtime.capture.sglang_settings import ExpertStreamingPlan, ExpertStreamingSetupError, SGLangServerSettings
+from runtime.recipe.capture_layout import nodes_per_engine
+from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.loader import ResolvedRecipe, load_resolved
+from runtime.recipe.streaming_budget import split_layers
 from runtime.transport.dataplane import capture_share_of_this_task
 from runtime.transport.settings import TransportSettings
 
@@ -56,8 +58,8 @@ class EngineSetup:
     """The smoke self-test's poisoned sample (embedded engine only)."""
     embedded: EmbeddedPlan | None
     """The embedded engine's settings (devices picked when it starts); None for sglang."""
-    sglang: Callable[..., CaptureEngine] | None
-    """Makes the SGLang engine (the recipe bound here); None for embedded."""
+    sglang: SGLangServerSettings | None
+    """The SGLang engine's server settings; None for embedded."""
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,27 @@ def embedded_settings(resolved: ResolvedRecipe) -> EmbeddedSettings:
     return embedded_plan(resolved).settings()
 
 
-def _sglang_engine(resolved: ResolvedRecipe, **options: Any) -> CaptureEngine:
-    from runtime.capture.engine_sglang import SGLangEngine
+SGLANG_SERVER_LOG = Path("capture") / "sglang_server.log"
+"""The capture server's log, in the job folder."""
 
-    return SGLangEngine(resolved, **options)
+
+def sglang_server_settings(resolved: ResolvedRecipe) -> SGLangServerSettings:
+    """The SGLang server of the resolved recipe's ``capture.sglang`` (paths resolved)."""
+    recipe = resolved.recipe
+    c = recipe.capture
+    s = c.sglang
+    return SGLangServerSettings(
+        sglang=s,
+        target_path=resolved.resolve_path(c.target_path),
+        python=str(resolved.resolve_path(s.python)) if s.python else None,
+        library_dirs=tuple(resolved.resolve_path(d) for d in s.library_dirs),
+        recipe_file=resolved.path,
+        server_log_path=resolved.job_dir / SGLANG_SERVER_LOG,
+        nodes_per_engine=nodes_per_engine(recipe),
+        aux_layer_ids=tuple(c.aux_layer_ids),
+        hidden_size=c.hidden_size,
+        store_id=recipe.store_id,
+    )
 
 
 def capture_setup(resolved: ResolvedRecipe) -> CaptureSetup:
@@ -164,7 +183,7 @@ def capture_setup(resolved: ResolvedRecipe) -> CaptureSetup:
             batch_size=c.batch_size,
             inject_nan_at_g=c.inject_nan_at_g,
             embedded=embedded_plan(resolved) if c.engine == "embedded" else None,
-            sglang=functools.partial(_sglang_engine, resolved) if c.engine == "sglang" else None,
+            sglang=sglang_server_settings(resolved) if c.engine == "sglang" else None,
         ),
         progress_interval_s=c.progress_interval_s,
         rows_captured_once=recipe.trainer.feature_cache.enabled,
@@ -198,4 +217,36 @@ def sink_setup(recipe_path: str | Path) -> SinkSetup:
         hidden_size=recipe.capture.hidden_size,
         target_revision=recipe.capture.target_revision,
         commit_staging_slots=recipe.capture.effective_commit_staging_slots(1),
+    )
+
+
+def expert_streaming_plan(recipe_path: str | Path) -> ExpertStreamingPlan | None:
+    """The SGLang server's expert streaming from the resolved recipe it was started with
+    (``--dspark-capture-recipe``), read once in the server's process: the per-GPU split of the MoE
+    layers and whether its layer bytes are known; None when streaming is off. With
+    ``resident_fraction`` the sizes may be unknown (tests)."""
+    resolved = load_resolved(recipe_path)
+    recipe = resolved.recipe
+    streaming = recipe.capture.expert_streaming
+    if not streaming.enabled:
+        return None
+    split = target_streaming_split(recipe)
+    known = split is not None
+    if split is None:
+        if streaming.resident_fraction is None:
+            raise ExpertStreamingSetupError(
+                f"{resolved.path}: capture.expert_streaming.gpu_budget_bytes needs the expert sizes to split the "
+                "layers; fix: set capture.routed_expert_weight_bytes (and capture.num_moe_layers), or use "
+                "capture.expert_streaming.resident_fraction"
+            )
+        layers = recipe.capture.num_moe_layers or recipe.capture.num_target_layers
+        split = split_layers(
+            layers, 1, prefetch_layers=streaming.prefetch_layers, resident_fraction=streaming.resident_fraction
+        )
+    return ExpertStreamingPlan(
+        recipe_file=resolved.path,
+        split=split,
+        layer_bytes_known=known,
+        gpu_budget_bytes=streaming.gpu_budget_bytes,
+        pinned=streaming.pinned,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.capture.engine_sglang import SGLangEngine
+from runtime.capture.setup import sglang_server_settings
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.producer import Producer
@@ -122,7 +123,7 @@ def serve_on_cpu(
             loopback_master(resolved),
             open_producer(transport_of(resolved), resolved.job_dir, endpoints=endpoints, start_cursor=0) as producer,
         ):
-            engine = SGLangEngine(resolved, env=env)
+            engine = SGLangEngine(sglang_server_settings(resolved), env=env)
             started = time.monotonic()
             try:
                 engine.start()

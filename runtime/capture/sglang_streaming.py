@@ -18,7 +18,8 @@ The capture patch calls two functions of this module, in each TP rank's schedule
 
 The split is decided before the model exists, from the recipe, as ``--plan`` computes it
 (:func:`runtime.recipe.fit.expert_streaming.target_streaming_split`: ``capture.routed_expert_weight_bytes`` over
-``capture.num_moe_layers`` and ``tp_size``); after loading, the real per-layer bytes are checked
+``capture.num_moe_layers`` and ``tp_size``), once per server process by
+:func:`runtime.capture.setup.expert_streaming_plan` from the recipe path the patch passes; after loading, the real per-layer bytes are checked
 against the GPU budget. Prefill-only: CUDA graphs must be off (the K3 recipe sets
 ``capture.sglang.disable_cuda_graph``), a graph would replay whatever its buffers last held.
 
@@ -36,26 +37,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.capture.sglang_settings import ExpertStreamingPlan, ExpertStreamingSetupError
 from runtime.moe.streaming import StreamedExpertStore
-from runtime.recipe.fit.expert_streaming import target_streaming_split
-from runtime.recipe.loader import ResolvedRecipe, load_resolved
-from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit, split_layers
+from runtime.recipe.streaming_budget import StreamingBudgetError, StreamingSplit
 
 log = logging.getLogger("dspark.capture.sglang_streaming")
-
-
-class ExpertStreamingSetupError(RuntimeError):
-    """The server's MoE layers do not match what the recipe's streaming split was made for."""
 
 
 @dataclass
 class _ServerStreaming:
     """One server process's streaming plan and how many MoE layers it has created so far."""
 
-    resolved: ResolvedRecipe
-    split: StreamingSplit
-    layer_bytes_known: bool
-    """Whether ``split.layer_bytes`` comes from the recipe's stated sizes (else a placeholder)."""
+    settings: ExpertStreamingPlan
     created: int = 0
     store: StreamedExpertStore | None = None
 
@@ -63,36 +56,14 @@ class _ServerStreaming:
 _PLANS: dict[str, _ServerStreaming | None] = {}
 
 
-def server_split(resolved: ResolvedRecipe) -> tuple[StreamingSplit, bool] | None:
-    """The per-GPU split of the recipe's MoE layers, and whether its layer bytes are known; None
-    when streaming is off. With ``resident_fraction`` the sizes may be unknown (tests)."""
-    recipe = resolved.recipe
-    streaming = recipe.capture.expert_streaming
-    if not streaming.enabled:
-        return None
-    split = target_streaming_split(recipe)
-    if split is not None:
-        return split, True
-    if streaming.resident_fraction is None:
-        raise ExpertStreamingSetupError(
-            f"{resolved.path}: capture.expert_streaming.gpu_budget_bytes needs the expert sizes to split the "
-            "layers; fix: set capture.routed_expert_weight_bytes (and capture.num_moe_layers), or use "
-            "capture.expert_streaming.resident_fraction"
-        )
-    layers = recipe.capture.num_moe_layers or recipe.capture.num_target_layers
-    split = split_layers(
-        layers, 1, prefetch_layers=streaming.prefetch_layers, resident_fraction=streaming.resident_fraction
-    )
-    return split, False
-
-
 def _plan(recipe_path: str | None) -> _ServerStreaming | None:
     if not recipe_path:
         return None
     if recipe_path not in _PLANS:
-        resolved = load_resolved(recipe_path)
-        found = server_split(resolved)
-        _PLANS[recipe_path] = None if found is None else _ServerStreaming(resolved, *found)
+        from runtime.capture.setup import expert_streaming_plan
+
+        plan = expert_streaming_plan(recipe_path)
+        _PLANS[recipe_path] = None if plan is None else _ServerStreaming(plan)
     return _PLANS[recipe_path]
 
 
@@ -106,13 +77,14 @@ def expert_weights_device(recipe_path: str | None) -> Iterator[None]:
         return
     index = plan.created
     plan.created += 1
-    if index >= plan.split.num_layers:
+    split = plan.settings.split
+    if index >= split.num_layers:
         raise ExpertStreamingSetupError(
-            f"the model creates more than {plan.split.num_layers} MoE layers (capture.num_moe_layers, or "
-            f"capture.num_target_layers when unset, in {plan.resolved.path}); fix: set capture.num_moe_layers to "
+            f"the model creates more than {split.num_layers} MoE layers (capture.num_moe_layers, or "
+            f"capture.num_target_layers when unset, in {plan.settings.recipe_file}); fix: set capture.num_moe_layers to "
             "the target's number of MoE layers"
         )
-    if plan.split.resident[index]:
+    if split.resident[index]:
         yield
         return
     with torch.device("cpu"):
@@ -143,18 +115,18 @@ def attach_expert_streaming(
     if plan.store is not None:
         return plan.store
     found = find_expert_modules(model, sglang_expert_weights)
-    split = plan.split
+    split = plan.settings.split
     if len(found) != split.num_layers or plan.created != split.num_layers:
         raise ExpertStreamingSetupError(
             f"the server built {plan.created} MoE layers ({len(found)} with expert weights), the streaming split "
-            f"of {plan.resolved.path} is for {split.num_layers}; fix: set capture.num_moe_layers: {len(found)}"
+            f"of {plan.settings.recipe_file} is for {split.num_layers}; fix: set capture.num_moe_layers: {len(found)}"
         )
     layer_bytes = max(
         sum(t.numel() * t.element_size() for name, t in _tensors(module, names)) for _, module, names in found
     )
-    budget = plan.resolved.recipe.capture.expert_streaming.gpu_budget_bytes
+    budget = plan.settings.gpu_budget_bytes
     needed = (split.resident_layers + split.num_buffers) * layer_bytes
-    if plan.layer_bytes_known and budget is not None and needed > budget:
+    if plan.settings.layer_bytes_known and budget is not None and needed > budget:
         raise StreamingBudgetError(
             f"capture.expert_streaming.gpu_budget_bytes is {budget} B per GPU, but the loaded MoE layers hold "
             f"{layer_bytes} B of experts each (the recipe's capture.routed_expert_weight_bytes gave "
@@ -162,8 +134,7 @@ def attach_expert_streaming(
             f"{needed} B; fix: correct capture.routed_expert_weight_bytes to the repacked size, or raise the budget"
         )
     actual = StreamingSplit(split.num_layers, layer_bytes, split.resident, split.num_buffers)
-    streaming = plan.resolved.recipe.capture.expert_streaming
-    store = stream_experts(model, device, pinned=streaming.pinned, weight_names=sglang_expert_weights, split=actual)
+    store = stream_experts(model, device, pinned=plan.settings.pinned, weight_names=sglang_expert_weights, split=actual)
     plan.store = store
     log.info("%s", store.describe())
     return store

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from runtime.evaluate.eval_sets import EvalSetError
+from runtime.evaluate.setup import eval_setup
 from runtime.evaluate.sglang_route import SGLangRouteError
 from runtime.evaluate.target import TargetLoadError
 from runtime.files import atomic_write_text
@@ -58,21 +59,21 @@ def main(argv: list[str] | None = None) -> int:
             resolved.recipe.capture.vocab_size,
         )
         check_eval_set_names(settings, args.sets, str(resolved.path))
-        source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
-        refuse_another_runs_draft(source, resolved.checkpoint_dir(), str(resolved.job_dir), args.out is not None)
+        setup = eval_setup(resolved, settings, args.sets)
+        source = resolve_draft_source(args.checkpoint, setup.checkpoint_dir)
+        refuse_another_runs_draft(source, setup.checkpoint_dir, str(setup.job_dir), args.out is not None)
         if source.kind == "checkpoint" and source.path is not None:  # trusted only whole
             verify_whole(source.path, "eval", note=print)
         elif source.kind == "export" and source.path is not None:
             verify_export(source.path, note=print)
-        from runtime.evaluate.runner import EvalInputs, evaluate, evaluate_with_sglang, route_of
+        from runtime.evaluate.runner import evaluate, evaluate_with_sglang
 
-        out_dir = args.out or resolved.job_dir / "eval" / source.label
-        inputs = EvalInputs(resolved, settings, source, args.sets)
-        if route_of(inputs) == "sglang":
+        out_dir = args.out or setup.job_dir / "eval" / source.label
+        if setup.eval.route == "sglang":
             out_dir.mkdir(parents=True, exist_ok=True)
-            results, decodes = evaluate_with_sglang(inputs, out_dir)
+            results, decodes = evaluate_with_sglang(setup, source, out_dir)
         else:
-            results, decodes = evaluate(inputs)
+            results, decodes = evaluate(setup, source)
     except (
         RecipeError,
         DraftSourceError,
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     with stop_signals_deferred():  # a stop now comes after every file: the results are whole, or none is new
-        _write_results(results, decodes, out_dir, resolved.job_dir / "eval" if args.out is None else out_dir)
+        _write_results(results, decodes, out_dir, setup.job_dir / "eval" if args.out is None else out_dir)
     return 0
 
 

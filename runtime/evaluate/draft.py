@@ -3,7 +3,8 @@
 Sources (:func:`resolve_draft_source`): a trainer checkpoint (``latest``, ``step_N``/``N``, or a
 checkpoint folder), an export folder (ours, or any DSpark draft in SGLang's ``Qwen3DSparkModel``
 format: ``config.json`` + ``*.safetensors``), or ``untrained`` (the recipe's draft freshly
-initialised: the floor a trained draft must clear).
+initialised: the floor a trained draft must clear). The draft's shape is the job's
+:class:`~runtime.trainer.draft_spec.DraftSpec` (an exported draft's own architecture in it).
 
 Proposing follows SGLang 0.5.23's DSpark draft (``sample_from_anchor``, its default): the block is
 the last committed token at position ``a`` followed by ``block_size - 1`` mask tokens at ``a+1..``;
@@ -24,31 +25,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.recipe.schema import DraftConfig, Recipe
+from runtime.recipe.schema import DraftConfig
 from runtime.shared.checkpoint_folders import DraftSource, DraftSourceError
 from runtime.trainer.checkpoints import CheckpointError, load_weights
+from runtime.trainer.draft_spec import DraftSpec
 from runtime.trainer.export import CONFIG_FILE, read_exported_weights
 from runtime.trainer.layout import BlockLayout
 from runtime.trainer.model import DSparkDraft
 
 
-def draft_config_from_export(config_path: Path, recipe: Recipe) -> DraftConfig:
-    """The draft shape of an exported DSpark draft's ``config.json``, checked against the target the
-    recipe names (hidden size, vocabulary, aux layer ids, mask token); every disagreement is listed
-    in one :class:`DraftSourceError`."""
+def draft_config_from_export(config_path: Path, spec: DraftSpec) -> DraftConfig:
+    """The draft shape of an exported DSpark draft's ``config.json``, checked against the target of
+    ``spec`` (hidden size, vocabulary, aux layer ids, mask token); every disagreement is listed in
+    one :class:`DraftSourceError`."""
     try:
         config: dict[str, Any] = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DraftSourceError(f"{config_path}: not readable JSON ({exc}); fix: export the draft again") from None
     dspark = {**config, **(config.get("dflash_config") or {})}
-    capture = recipe.capture
     problems = []
     expected = {
-        "hidden_size": (config.get("hidden_size"), capture.hidden_size, "capture.hidden_size"),
-        "vocab_size": (config.get("vocab_size"), capture.vocab_size, "capture.vocab_size"),
+        "hidden_size": (config.get("hidden_size"), spec.target_hidden_size, "capture.hidden_size"),
+        "vocab_size": (config.get("vocab_size"), spec.vocab_size, "capture.vocab_size"),
         "target_layer_ids": (
             list(dspark.get("target_layer_ids") or []),
-            list(capture.aux_layer_ids),
+            list(spec.aux_layer_ids),
             "capture.aux_layer_ids",
         ),
     }
@@ -56,9 +57,9 @@ def draft_config_from_export(config_path: Path, recipe: Recipe) -> DraftConfig:
         if found != wanted:
             problems.append(f"{key} is {found}, the target's {field} is {wanted}")
     mask = dspark.get("mask_token_id")
-    if not isinstance(mask, int) or not 0 <= mask < capture.vocab_size:
+    if not isinstance(mask, int) or not 0 <= mask < spec.vocab_size:
         problems.append(
-            f"mask_token_id {mask!r} is not a token id of the target's vocabulary (0..{capture.vocab_size - 1})"
+            f"mask_token_id {mask!r} is not a token id of the target's vocabulary (0..{spec.vocab_size - 1})"
         )
     if not dspark.get("sample_from_anchor", True):
         problems.append(
@@ -103,20 +104,14 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any]:
     return {"type": rope.get("rope_type", rope.get("type")), **{k: rope[k] for k in keys if k in rope}}
 
 
-def build_draft(source: DraftSource, recipe: Recipe, *, seed: int, device: str, dtype: torch.dtype) -> DSparkDraft:
-    """The draft of ``source`` on ``device`` (frozen vocabulary not attached yet)."""
-    cfg = recipe.trainer.draft
+def build_draft(source: DraftSource, spec: DraftSpec, *, seed: int, device: str, dtype: torch.dtype) -> DSparkDraft:
+    """The draft of ``source`` on ``device`` (frozen vocabulary not attached yet): ``spec``'s draft,
+    or for an export the draft its ``config.json`` describes on ``spec``'s target."""
     if source.kind == "export":
         assert source.path is not None
-        cfg = draft_config_from_export(source.path / CONFIG_FILE, recipe)
+        spec = spec.with_draft(draft_config_from_export(source.path / CONFIG_FILE, spec))
     torch.manual_seed(seed)
-    model = DSparkDraft(
-        cfg,
-        vocab_size=recipe.capture.vocab_size,
-        num_aux_layers=recipe.num_aux_layers,
-        attention_backend="sdpa",
-        max_length=recipe.data.max_length,
-    )
+    model = spec.build(attention_backend="sdpa")
     if source.kind == "checkpoint":
         assert source.path is not None
         try:

@@ -3,129 +3,26 @@ checkpoint of a run while it trains (``eval.checkpoint_prompts``), for the accep
 
 One low-priority process beside a ``--local`` run: it loads the target and the first eval set once,
 decodes the untrained draft first (step 0, while the trainer starts), then each complete checkpoint
-the trainer writes, and appends one line per draft to ``<job>/eval/during_training.jsonl``. The
-trainer never waits for it: a checkpoint that ``keep_last`` removes before it is read is skipped
-with a line. SIGTERM (the run has ended) makes it decode the checkpoints already written, then exit.
+the trainer writes, and appends one line per draft to ``<job>/eval/during_training.jsonl``
+(:mod:`runtime.evaluate.checkpoint_acceptance`). The trainer never waits for it: a checkpoint that
+``keep_last`` removes before it is read is skipped with a line. SIGTERM (the run has ended) makes it
+decode the checkpoints already written, then exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
-import time
-from typing import Any
 
-import torch
-
-from runtime.evaluate.decoder import speculative_generate
-from runtime.evaluate.draft import DraftProposer, build_draft
-from runtime.evaluate.eval_sets import EvalSetError, load_prompts
-from runtime.evaluate.report import pass_figures
-from runtime.evaluate.runner import load_tokenizer, target_vocab
-from runtime.evaluate.target import TargetDecoder, TargetLoadError, load_causal_lm
-from runtime.files import append_text
-from runtime.recipe import RecipeError, ResolvedRecipe, load_resolved
-from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource, DraftSourceError, complete_checkpoints
+from runtime.evaluate.checkpoint_acceptance import RunEnded, checkpoint_acceptance
+from runtime.evaluate.eval_sets import EvalSetError
+from runtime.evaluate.setup import eval_setup
+from runtime.evaluate.target import TargetLoadError
+from runtime.recipe import RecipeError, load_resolved
 from runtime.shared.lifecycle import die_with_parent
-from runtime.trainer.checkpoints import CheckpointError
-
-log = logging.getLogger("dspark.evaluate.during_training")
-
-RESULTS_FILE = "during_training.jsonl"
-"""One JSON line per evaluated draft, in ``<job>/eval/``."""
-POLL_S = 1.0
-
-
-class _Stop:
-    """Set by SIGTERM: the run has ended; decode what is on disk, then exit."""
-
-    requested = False
-
-    @classmethod
-    def install(cls) -> None:
-        def handler(signum: int, frame: Any) -> None:
-            cls.requested = True
-
-        signal.signal(signal.SIGTERM, handler)
-
-
-def checkpoint_acceptance(resolved: ResolvedRecipe, num_prompts: int) -> None:
-    """Decode ``num_prompts`` prompts of the first eval set greedily with the untrained draft, then with
-    each checkpoint as it appears, until SIGTERM; one line each in ``eval/during_training.jsonl``."""
-    recipe = resolved.recipe
-    assert recipe.eval is not None
-    settings = recipe.eval
-    torch.set_num_threads(1)
-    dtype = getattr(torch, recipe.capture.compute_dtype)
-    target_path = resolved.resolve_path(recipe.capture.target_path)
-    eval_set = settings.sets[0]
-    prompts = load_prompts(eval_set, 0, resolved.resolve_path, load_tokenizer(target_path), recipe.capture.vocab_size)
-    prompts = prompts[:num_prompts]
-    target = TargetDecoder(load_causal_lm(target_path, dtype, "cpu"), recipe.capture.aux_layer_ids)
-    embed, lm_head = target_vocab(recipe, target_path, dtype, "cpu")
-    stop_ids = {recipe.capture.special_tokens.eos_id, *settings.stop_token_ids}
-    out_path = resolved.job_dir / "eval" / RESULTS_FILE
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done: set[str] = set()
-
-    def decode(source: DraftSource) -> None:
-        try:
-            model = build_draft(source, recipe, seed=settings.seed, device="cpu", dtype=dtype)
-        except (DraftSourceError, CheckpointError, OSError) as exc:
-            # keep_last removed it while we read it, or it was still being replaced: not this run's fault.
-            log.info("acceptance during training: %s skipped (%s)", source.label, str(exc).splitlines()[0])
-            return
-        model.attach_frozen_vocab(embed, lm_head)
-        proposer = DraftProposer(model)
-        generator = torch.Generator().manual_seed(settings.seed)
-        generations = [
-            speculative_generate(
-                target,
-                proposer,
-                prompt.prompt_id,
-                prompt.input_ids,
-                max_new_tokens=settings.max_new_tokens,
-                temperature=0.0,
-                stop_ids=stop_ids,
-                generator=generator,
-            )
-            for prompt in prompts
-        ]
-        figures = pass_figures(generations, model.cfg.block_size)
-        record = {
-            "draft": source.label,
-            "step": source.step,
-            "set": eval_set.name,
-            "prompts": len(prompts),
-            "temperature": 0.0,
-            "verify_steps": figures["verify_steps"],
-            "mean_acceptance_length": figures["mean_acceptance_length"],
-        }
-        append_text(out_path, json.dumps(record, sort_keys=True) + "\n")
-        log.info(
-            "acceptance during training: %s: %.3f tokens per verify step (%d steps, %d prompts, T=0)",
-            source.label,
-            figures["mean_acceptance_length"] or 0.0,
-            figures["verify_steps"],
-            len(prompts),
-        )
-
-    decode(DraftSource(UNTRAINED, None, UNTRAINED, 0))
-    checkpoint_dir = resolved.checkpoint_dir()
-    while True:
-        stopping = _Stop.requested  # read before the look: what is on disk now is decoded before exiting
-        for path in complete_checkpoints(checkpoint_dir):
-            if path.name not in done:
-                done.add(path.name)
-                decode(DraftSource("checkpoint", path, path.name, int(path.name.removeprefix("step_"))))
-        if stopping:
-            break
-        time.sleep(POLL_S)
-    target.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the launcher) ends")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    _Stop.install()
+    RunEnded.install()
     die_with_parent(signal.SIGKILL, args.parent_pid)
     os.nice(10)  # the trainer comes first on a shared machine
     try:
@@ -147,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                 "error: eval.checkpoint_prompts is 0 or the recipe has no eval: section; nothing to do", file=sys.stderr
             )
             return 2
-        checkpoint_acceptance(resolved, resolved.recipe.eval.checkpoint_prompts)
+        setup = eval_setup(resolved, resolved.recipe.eval)
+        checkpoint_acceptance(setup, setup.eval.checkpoint_prompts)
     except (RecipeError, EvalSetError, TargetLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.recipe.schema import EvalSet
+from runtime.evaluate.settings import EvalSetFile
 from runtime.shared.chat_tokenize import ChatFormatError, tokenize_prompt
 from runtime.user_errors import UserError
 
@@ -37,16 +36,10 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_prompts(
-    eval_set: EvalSet,
-    index: int,
-    resolve_path: Callable[[str], Path],
-    tokenizer: Any,
-    vocab_size: int,
-) -> list[Prompt]:
-    """The prompts of ``eval.sets[index]``; ``tokenizer`` is needed only for ``conversations`` rows."""
-    field = f"eval.sets[{index}]"
-    path = resolve_path(eval_set.path)
+def load_prompts(eval_set: EvalSetFile, tokenizer: Any, vocab_size: int) -> list[Prompt]:
+    """The prompts of ``eval_set``; ``tokenizer`` is needed only for ``conversations`` rows."""
+    field = f"eval.sets[{eval_set.index}]"
+    path = eval_set.path
     if not path.is_file():
         raise EvalSetError(
             f"{field}.path: {path} does not exist; fix: create it (recipes/tiny.yaml: run tools/make_tiny_target) "

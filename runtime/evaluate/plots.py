@@ -15,7 +15,7 @@ from runtime.files import atomic_path
 
 OVER_STEPS_FILE = "acceptance_over_steps.png"
 DURING_TRAINING_FILE = "during_training.jsonl"
-"""Written by :mod:`runtime.evaluate.during_training` in the job's ``eval/`` folder."""
+"""Written by :mod:`runtime.evaluate.checkpoint_acceptance` in the job's ``eval/`` folder."""
 METRICS_FILE = "metrics.jsonl"
 """The trainer's metrics, in the job folder (``eval/``'s parent)."""
 COLORS = {0.0: "tab:blue", 1.0: "tab:orange"}

@@ -14,8 +14,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,9 @@ from runtime.evaluate.decodes import PLAIN_DECODER, generation_lines, outcome_li
 from runtime.evaluate.draft import DraftProposer, build_draft
 from runtime.evaluate.eval_sets import Prompt, load_prompts
 from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figures
+from runtime.evaluate.settings import EvalSettings, EvalSetup, TargetSettings
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.evaluate.teacher_forced import teacher_forced_tau
-from runtime.recipe import ResolvedRecipe
-from runtime.recipe.schema import EvalSection, Recipe
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.user_errors import UserError
@@ -38,17 +36,6 @@ log = logging.getLogger("dspark.evaluate")
 
 RESULTS_FORMAT = "dspark-eval/1"
 PROGRESS_INTERVAL_S = 10.0
-
-
-@dataclass
-class EvalInputs:
-    """What one evaluation reads."""
-
-    resolved: ResolvedRecipe
-    eval: EvalSection
-    source: DraftSource
-    set_names: list[str] | None = None
-    """Only these eval sets (None: all of the recipe's)."""
 
 
 class Progress:
@@ -93,29 +80,23 @@ def load_tokenizer(target_path: Path) -> Any:
         return None
 
 
-def target_vocab(
-    recipe: Recipe, target_path: Path, dtype: torch.dtype, device: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def target_vocab(target: TargetSettings, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's frozen embedding and lm_head, which every draft of the evaluation shares."""
     return load_frozen_vocab(
-        target_path,
-        embed_tensor_name=recipe.trainer.embed_tensor_name,
-        lm_head_tensor_name=recipe.trainer.lm_head_tensor_name,
-        vocab_size=recipe.capture.vocab_size,
-        hidden_size=recipe.capture.hidden_size,
+        target.path,
+        embed_tensor_name=target.embed_tensor_name,
+        lm_head_tensor_name=target.lm_head_tensor_name,
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
         dtype=dtype,
         device=torch.device(device),
     )
 
 
-def _prompts(inputs: EvalInputs, target_path: Path) -> dict[str, list[Prompt]]:
+def _prompts(setup: EvalSetup) -> dict[str, list[Prompt]]:
     """The chosen eval sets' prompts, by set name."""
-    tokenizer = load_tokenizer(target_path)
-    return {
-        s.name: load_prompts(s, i, inputs.resolved.resolve_path, tokenizer, inputs.resolved.recipe.capture.vocab_size)
-        for i, s in enumerate(inputs.eval.sets)
-        if inputs.set_names is None or s.name in inputs.set_names
-    }
+    tokenizer = load_tokenizer(setup.target.path)
+    return {s.name: load_prompts(s, tokenizer, setup.target.vocab_size) for s in setup.eval.sets}
 
 
 def _decode_sets(
@@ -136,32 +117,31 @@ def _decode_sets(
     return out
 
 
-def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run the evaluation; returns the results document and every decode's line
-    (:mod:`runtime.evaluate.decodes`)."""
+def evaluate(setup: EvalSetup, source: DraftSource) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Evaluate the draft of ``source`` (on the embedded route); returns the results document and
+    every decode's line (:mod:`runtime.evaluate.decodes`)."""
     started = time.monotonic()
-    recipe = inputs.resolved.recipe
-    settings = inputs.eval
+    settings = setup.eval
     device = pick_device(settings.device)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Decoding one sequence is a chain of small operations: more threads add synchronisation,
         # and on a shared machine they wait for each other's cores.
         torch.set_num_threads(1)
-    dtype = getattr(torch, recipe.capture.compute_dtype)
-    target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
-    prompts = _prompts(inputs, target_path)
-    log.info("eval: loading the target from %s on %s (%s)", target_path, device, recipe.capture.compute_dtype)
-    target = TargetDecoder(load_causal_lm(target_path, dtype, device), recipe.capture.aux_layer_ids)
-    embed, lm_head = target_vocab(recipe, target_path, dtype, device)
-    sources = [inputs.source]
-    if settings.compare_untrained and inputs.source.kind != UNTRAINED:
+    dtype = getattr(torch, setup.target.compute_dtype)
+    target_path = setup.target.path
+    prompts = _prompts(setup)
+    log.info("eval: loading the target from %s on %s (%s)", target_path, device, setup.target.compute_dtype)
+    target = TargetDecoder(load_causal_lm(target_path, dtype, device), setup.target.aux_layer_ids)
+    embed, lm_head = target_vocab(setup.target, dtype, device)
+    sources = [source]
+    if settings.compare_untrained and source.kind != UNTRAINED:
         sources.append(DraftSource(UNTRAINED, None, UNTRAINED, 0))
     drafts = {}
-    for source in sources:
-        model = build_draft(source, recipe, seed=settings.seed, device=device, dtype=dtype)
+    for draft_source in sources:
+        model = build_draft(draft_source, setup.draft, seed=settings.seed, device=device, dtype=dtype)
         model.attach_frozen_vocab(embed, lm_head)
-        drafts[source.label] = model
-    stop_ids = {recipe.capture.special_tokens.eos_id, *settings.stop_token_ids}
+        drafts[draft_source.label] = model
+    stop_ids = settings.stop_ids
     _warm_up(target, drafts, next(iter(prompts.values()))[0], stop_ids)
     total_prompts = sum(len(p) for p in prompts.values())
     temperatures = list(settings.temperatures)
@@ -185,7 +165,10 @@ def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 for name, rows in prompts.items()
                 for prompt, generation in zip(rows, greedy[name], strict=True)
             ]
-            teacher = {label: teacher_forced_tau(target, model, pairs, recipe) for label, model in drafts.items()}
+            teacher = {
+                label: teacher_forced_tau(target, model, pairs, setup.teacher_forcing)
+                for label, model in drafts.items()
+            }
         return entry, lines, teacher
 
     outcomes = _run_passes(one_pass, temperatures, in_parallel)
@@ -193,12 +176,11 @@ def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     decodes = [line for _, lines, _ in outcomes for line in lines]
     teacher = next((tau for _, _, tau in outcomes if tau), {})
     target.close()
-    source = inputs.source
     results = {
         "format": RESULTS_FORMAT,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "job_dir": str(inputs.resolved.job_dir),
-        "recipe_digest": inputs.resolved.digest,
+        "job_dir": str(setup.job_dir),
+        "recipe_digest": setup.recipe_digest,
         "draft": {
             "label": source.label,
             "kind": source.kind,
@@ -207,7 +189,7 @@ def evaluate(inputs: EvalInputs) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         },
         "compared_with": [label for label in drafts if label != source.label],
         "device": device,
-        "dtype": recipe.capture.compute_dtype,
+        "dtype": setup.target.compute_dtype,
         "block_size": drafts[source.label].cfg.block_size,
         "max_new_tokens": settings.max_new_tokens,
         "stop_token_ids": sorted(stop_ids),
@@ -235,8 +217,8 @@ def _temperature_pass(
     target: TargetDecoder,
     drafts: dict[str, Any],
     prompts: dict[str, list[Prompt]],
-    stop_ids: set[int],
-    settings: EvalSection,
+    stop_ids: Collection[int],
+    settings: EvalSettings,
     progress: Progress,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[Generation]]]:
     """One temperature: the target alone, then each draft, on every prompt. Returns the pass's entry of
@@ -329,7 +311,7 @@ def _run_passes(one_pass: Callable[[float], Any], temperatures: list[float], in_
 WARM_UP_TOKENS = 8
 
 
-def _warm_up(target: TargetDecoder, drafts: dict[str, Any], prompt: Prompt, stop_ids: set[int]) -> None:
+def _warm_up(target: TargetDecoder, drafts: dict[str, Any], prompt: Prompt, stop_ids: Collection[int]) -> None:
     """One short untimed decode of each kind first: the first kernels of a process (CUDA context,
     cuBLAS plans, allocator growth) must not land in the measured tokens/s of whichever pass runs first."""
     generator = torch.Generator().manual_seed(0)
@@ -349,13 +331,9 @@ def _per_set(by_set: dict[str, list[Generation]], figures: Any) -> dict[str, Any
     return out
 
 
-def route_of(inputs: EvalInputs) -> str:
-    """``embedded`` or ``sglang`` (``auto``: the recipe's capture engine)."""
-    route = inputs.eval.route
-    return inputs.resolved.recipe.capture.engine if route == "auto" else route
-
-
-def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def evaluate_with_sglang(
+    setup: EvalSetup, source: DraftSource, work_dir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The SGLang route (see :mod:`runtime.evaluate.sglang_route`): export the draft if it is a
     checkpoint, serve the target with it, send every prompt at each temperature, read the figures;
     returns the results document and every decode's line."""
@@ -369,47 +347,45 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, 
         serving_command,
         serving_environment,
     )
-    from runtime.trainer.draft_spec import DraftSpec
     from runtime.trainer.export import export_draft
 
     started = time.monotonic()
-    recipe, settings, source = inputs.resolved.recipe, inputs.eval, inputs.source
-    sglang = recipe.capture.sglang
+    settings, server = setup.eval, setup.sglang
+    sglang = server.sglang
     refuse_off_accelerator("cpu" if sglang.device == "cpu" or not torch.cuda.is_available() else "cuda")
     refuse_simulated_acceptance(sglang.server_env)
     if source.kind == UNTRAINED:
         raise SGLangRouteError(
             "the SGLang route serves an exported draft; --checkpoint untrained needs eval.route: embedded"
         )
-    target_path = inputs.resolved.resolve_path(recipe.capture.target_path)
-    prompts = _prompts(inputs, target_path)
+    target_path = setup.target.path
+    prompts = _prompts(setup)
     draft_path = source.path
     if source.kind == "checkpoint":
-        model = build_draft(source, recipe, seed=settings.seed, device="cpu", dtype=torch.float32)
+        model = build_draft(source, setup.draft, seed=settings.seed, device="cpu", dtype=torch.float32)
         draft_path = export_draft(
             model,
             work_dir / f"export-{source.label}",
-            DraftSpec.from_recipe(recipe),
+            setup.draft,
             dtype=torch.bfloat16,
             is_main=True,
         )
     assert draft_path is not None
-    block_size = recipe.trainer.draft.block_size
-    python = str(inputs.resolved.resolve_path(sglang.python)) if sglang.python else sys.executable
+    block_size = setup.draft.draft.block_size
     engine = SGLangEngine(
-        inputs.resolved,
+        server,
         log_path=work_dir / "sglang_server.log",
         command=serving_command(
-            recipe,
+            sglang,
             draft_path,
-            python=python,
+            python=server.python or sys.executable,
             model_path=target_path,
             batch_size=settings.batch_size,
             block_size=block_size,
         ),
     )
     engine.env = serving_environment(engine.env, settings.sglang_verify_mode)
-    stop_ids = sorted({recipe.capture.special_tokens.eos_id, *settings.stop_token_ids})
+    stop_ids = sorted(settings.stop_ids)
     passes = []
     decodes: list[dict[str, Any]] = []
     try:
@@ -443,8 +419,8 @@ def evaluate_with_sglang(inputs: EvalInputs, work_dir: Path) -> tuple[dict[str, 
         "format": RESULTS_FORMAT,
         "route": "sglang",
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "job_dir": str(inputs.resolved.job_dir),
-        "recipe_digest": inputs.resolved.digest,
+        "job_dir": str(setup.job_dir),
+        "recipe_digest": setup.recipe_digest,
         "draft": {"label": source.label, "kind": source.kind, "path": str(draft_path), "step": source.step},
         "compared_with": [],
         "device": "cuda",

@@ -32,7 +32,7 @@ from typing import Any
 from runtime.capture.engine_sglang import SERVER_MODULE, _find_key, http_request, serving_arguments
 from runtime.evaluate.eval_sets import Prompt
 from runtime.evaluate.report import acceptance_length
-from runtime.recipe.schema import Recipe
+from runtime.recipe.schema import SGLangSettings
 
 VERIFY_MODE_VARIABLE = "SGLANG_RAGGED_VERIFY_MODE"
 SIMULATED_ACCEPTANCE_VARIABLE = "SGLANG_SIMULATE_ACC_LEN"
@@ -56,17 +56,18 @@ def refuse_off_accelerator(device: str) -> None:
 
 
 def serving_command(
-    recipe: Recipe, draft_path: Path, *, python: str, model_path: Path, batch_size: int, block_size: int
+    sglang: SGLangSettings, draft_path: Path, *, python: str, model_path: Path, batch_size: int, block_size: int
 ) -> list[str]:
-    """``python -m sglang.launch_server`` serving the target with the draft at ``draft_path``."""
-    args = serving_arguments(recipe, model_path=model_path)
+    """``python -m sglang.launch_server`` serving the target at ``model_path`` (the capture server's
+    shape, ``capture.sglang``) with the draft at ``draft_path``."""
+    args = serving_arguments(sglang, model_path=model_path)
     args[args.index("--max-running-requests") + 1] = str(batch_size)
     args += [
         "--speculative-algorithm", "DSPARK",
         "--speculative-draft-model-path", str(draft_path),
         "--speculative-dspark-block-size", str(block_size),
     ]  # fmt: skip
-    return [python, "-m", SERVER_MODULE, *args, *recipe.capture.sglang.extra_args]
+    return [python, "-m", SERVER_MODULE, *args, *sglang.extra_args]
 
 
 def serving_environment(env: Mapping[str, str], verify_mode: str) -> dict[str, str]:

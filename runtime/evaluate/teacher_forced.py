@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from runtime.evaluate.settings import TeacherForcing
 from runtime.evaluate.target import TargetDecoder
-from runtime.recipe.schema import Recipe
 from runtime.trainer.layout import anchor_generator, build_layout
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import LossCoefficients
@@ -27,12 +27,11 @@ def teacher_forced_tau(
     target: TargetDecoder,
     model: DSparkDraft,
     sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
-    recipe: Recipe,
+    forcing: TeacherForcing,
 ) -> dict[str, Any]:
     """``tau`` and per-slot expected acceptance over ``(prompt_ids, answer_ids)`` pairs."""
     block_size = model.cfg.block_size
-    loss = recipe.trainer.loss
-    coefficients = LossCoefficients(ce=0.0, l1=0.0, confidence=0.0, chunk_rows=max(1, loss.objective_chunk_blocks))
+    coefficients = LossCoefficients(ce=0.0, l1=0.0, confidence=0.0, chunk_rows=forcing.chunk_blocks)
     tau_sum = blocks = 0.0
     slot_accept = torch.zeros(block_size, dtype=torch.float64)
     slot_count = torch.zeros(block_size, dtype=torch.float64)
@@ -48,8 +47,8 @@ def teacher_forced_tau(
             num_anchors=len(answer),  # every eligible position (there are len(answer) - 1)
             block_size=block_size,
             mask_token_id=model.cfg.mask_token_id,
-            loss_decay_gamma=loss.loss_decay_gamma,
-            generator=anchor_generator(recipe.trainer.seed, index),
+            loss_decay_gamma=forcing.loss_decay_gamma,
+            generator=anchor_generator(forcing.anchor_seed, index),
         ).to(model.fc.weight.device)
         dtype = model.fc.weight.dtype
         terms = model(SampleInputs(hs=features.hs.to(dtype), lhs=features.lhs.to(dtype), layout=layout), coefficients)

@@ -47,31 +47,28 @@ def _decoders(job_dir: Path, checkpoint: str, device: str) -> tuple[Any, dict[st
     from runtime.evaluate.draft import build_draft
     from runtime.evaluate.eval_sets import load_prompts
     from runtime.evaluate.runner import load_tokenizer, target_vocab
+    from runtime.evaluate.setup import eval_setup
     from runtime.evaluate.target import TargetDecoder, load_causal_lm
     from runtime.recipe import load_resolved
     from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource, resolve_draft_source
 
     resolved = load_resolved(job_dir / "recipe.resolved.json")
-    recipe = resolved.recipe
-    if recipe.eval is None:
+    if resolved.recipe.eval is None:
         raise SystemExit(f"error: {resolved.path} has no eval: section; the benchmark decodes its eval prompts")
-    dtype = getattr(torch, recipe.capture.compute_dtype)
-    target_path = resolved.resolve_path(recipe.capture.target_path)
-    target = TargetDecoder(load_causal_lm(target_path, dtype, device), recipe.capture.aux_layer_ids)
-    embed, lm_head = target_vocab(recipe, target_path, dtype, device)
+    setup = eval_setup(resolved, resolved.recipe.eval)
+    dtype = getattr(torch, setup.target.compute_dtype)
+    target = TargetDecoder(load_causal_lm(setup.target.path, dtype, device), setup.target.aux_layer_ids)
+    embed, lm_head = target_vocab(setup.target, dtype, device)
     drafts = {}
     for source in (
-        resolve_draft_source(checkpoint, resolved.checkpoint_dir()),
+        resolve_draft_source(checkpoint, setup.checkpoint_dir),
         DraftSource(UNTRAINED, None, UNTRAINED, 0),
     ):
-        model = build_draft(source, recipe, seed=recipe.eval.seed, device=device, dtype=dtype)
+        model = build_draft(source, setup.draft, seed=setup.eval.seed, device=device, dtype=dtype)
         model.attach_frozen_vocab(embed, lm_head)
         drafts[source.label] = model
-    prompts = load_prompts(
-        recipe.eval.sets[0], 0, resolved.resolve_path, load_tokenizer(target_path), recipe.capture.vocab_size
-    )
-    stop_ids = {recipe.capture.special_tokens.eos_id, *recipe.eval.stop_token_ids}
-    return target, drafts, prompts, stop_ids, recipe.eval
+    prompts = load_prompts(setup.eval.sets[0], load_tokenizer(setup.target.path), setup.target.vocab_size)
+    return target, drafts, prompts, set(setup.eval.stop_ids), setup.eval
 
 
 def bench_job(
