@@ -586,3 +586,36 @@ def test_the_checks_catch_planted_violations(tmp_path: Path) -> None:
     assert "runtime/capture/loop.py:3 imports runtime.recipe.ResolvedRecipe" in recipe_past_the_door(tmp_path)
     (tmp_path / "runtime/capture/status.py").write_text("from runtime.shared.contracts import heartbeat_key\n")
     assert heartbeat_users(tmp_path) == ["runtime/capture/status.py:1 imports runtime.shared.contracts.heartbeat_key"]
+
+
+def test_the_recipe_walk_records_each_stay_and_counts_climbs_and_returns(tmp_path: Path) -> None:
+    """tools/room_walk follows the whole recipe into the functions that receive it (a leaf section is
+    not the recipe); its counts come from the rooms on the stack and the order of the stays."""
+    import io
+    import sys
+
+    from runtime.recipe import load_recipe
+    from runtime.trainer.draft_spec import DraftSpec
+    from runtime.transport.settings import TransportSettings
+    from tools.room_walk import RecipeFollower, RecipeWalk, Stay
+
+    recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe
+    sink = io.StringIO()
+    follower = RecipeFollower(sink)
+    sys.setprofile(follower.profile)
+    try:
+        DraftSpec.from_recipe(recipe)
+        TransportSettings.from_recipe(recipe)
+        DraftSpec(**{**DraftSpec.from_recipe(recipe).__dict__}).with_draft(recipe.trainer.draft)
+    finally:
+        sys.setprofile(None)
+    modules = [line.split('"module": "')[1].split('"')[0] for line in sink.getvalue().splitlines()]
+    assert modules == ["runtime.trainer.draft_spec", "runtime.transport.settings", "runtime.trainer.draft_spec"]
+
+    def stay(module: str, *above: str) -> Stay:
+        return Stay(module, "f", above)
+
+    walk = RecipeWalk("p", (stay("a"), stay("b", "a"), stay("a", "a", "b"), stay("c"), stay("b"), stay("b")))
+    assert walk.rooms == ["a", "b", "c"]
+    assert walk.climbs_back_up == 1  # b handed the recipe back up to a, which holds it above
+    assert walk.returns == 2  # back to a, later back to b
