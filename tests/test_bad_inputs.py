@@ -33,8 +33,6 @@ from runtime.recipe import load_recipe, write_resolved
 from tools import compare_runs, data_prepare, data_verify, smoke_data, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_DATA_SHA256 = re.search(r"expected_sha256: ([0-9a-f]{64})", (REPO / "recipes/tiny.yaml").read_text()).group(1)  # type: ignore[union-attr]
-"""The tiny recipe's pinned data digest, as its file spells it (cases edit that line)."""
 TINY = REPO / "recipes" / "tiny.yaml"
 
 COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
@@ -105,25 +103,32 @@ def _job(world: Path, name: str, job_id: str, *, smoke: bool = False, metrics: b
 
 
 def build_world(world: Path) -> None:
-    """Recipes; the tiny tokenizer (``tok/``) and its chat and prepared data (``data/``), the very
-    bytes the tiny recipe pins, made here in seconds (the tiny target's weights, which take minutes
-    to train, are not needed); a finished job (``runs/tiny/done``, id ``local-1``), a finished smoke
+    """Recipes; the tiny tokenizer (``tok/``) and a chat and prepared data of the tiny shape (``data/``),
+    made here in seconds (the tiny target's weights, which take minutes to train, are not needed), whose
+    digest the world's tiny recipe pins; a finished job (``runs/tiny/done``, id ``local-1``), a finished smoke
     job (``local-2``) and a job that never stepped (``local-3``)."""
+    from runtime.shared.data_files import write_rows
+    from tools import tiny_corpus
     from tools.data_prepare import PrepareOptions, prepare
-    from tools.tiny_target import TinyTargetSpec, build_tokenizer, write_chat_corpus
+    from tools.tiny_target import TinyTargetSpec, build_tokenizer
 
     (world / "recipes").mkdir(parents=True)
-    shutil.copy(TINY, world / "recipes" / "tiny.yaml")
     (world / "data").mkdir()
     spec = TinyTargetSpec()
     build_tokenizer(spec).save_pretrained(world / "tok")
-    write_chat_corpus(spec, world / "data" / "chat.jsonl")
+    # The corpus's own answers: the cases need a chat file of the tiny shape, not the target's answers.
+    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
+    chat_rows = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, "tiny")
+    write_rows(world / "data" / "chat.jsonl", chat_rows)
     prepared = prepare(
         PrepareOptions(world / "data" / "chat.jsonl", world / "data" / "train.jsonl", world / "tok", 256),
         log=lambda *_: None,
     )
-    # The damage cases over "a verified file" need the very data the tiny recipe pins.
-    assert prepared.sha256 == load_recipe(TINY).recipe.data.expected_sha256
+    # The damage cases over "a verified file" need data a recipe pins by its digest (the repository's
+    # tiny recipe pins through the manifest, since its data is what the target built on this machine says).
+    pinned = TINY.read_text().replace("expected_sha256: manifest", f"expected_sha256: {prepared.sha256}", 1)
+    assert pinned != TINY.read_text()
+    (world / "recipes" / "tiny.yaml").write_text(pinned)
     _job(world, "done", "local-1")
     _job(world, "smoke", "local-2", smoke=True)
     _job(world, "fresh", "local-3", metrics=False)
@@ -365,7 +370,7 @@ CASES += [
         ("{w}/recipes/bad.yaml", *DRY),
         ("data.expected_sha256", "quote"),
         tiny_with(
-            f"expected_sha256: {TINY_DATA_SHA256}",
+            "expected_sha256: manifest",
             "expected_sha256: " + "1" * 64,  # all digits: YAML reads a number (all zeros stay text: YAML 1.2)
         ),
     ),
@@ -1867,6 +1872,8 @@ def world(template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
     monkeypatch.delenv("DSPARK_TEST_UNSET_DIR", raising=False)
     monkeypatch.delenv("DSPARK_TEST_NO_SUCH_KEY", raising=False)
     monkeypatch.chdir(target)
+    # The world is the repository whose recipes the data tools read for pinned digests.
+    monkeypatch.setattr(data_prepare, "RECIPES_DIR", target / "recipes")
     return target
 
 

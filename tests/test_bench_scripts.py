@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.trainer.checkpoints import SAVE_PHASES
 from runtime.transport.loopback import free_port
 from tests.conftest import REPO_ROOT
 
@@ -257,7 +258,7 @@ def test_streaming_gpu_preset_refuses_cleanly_without_cuda() -> None:  # run_cmd
 @pytest.mark.slow
 def test_checkpoint_bench_saves_with_the_trainers_code_and_accounts_for_its_parts(tmp_path: Path) -> None:
     """``tools.bench.trainer --section checkpoint --quick``: the save the bench times is the trainer's
-    (a complete checkpoint with its state file), its parts add up to less than the whole, and the
+    (a complete checkpoint with its state file), its own parts add up to no more than the whole, and the
     scratch folder is emptied afterwards."""
     scratch = tmp_path / "scratch"
     done = run_cmd(
@@ -269,8 +270,10 @@ def test_checkpoint_bench_saves_with_the_trainers_code_and_accounts_for_its_part
     save_s, written_gib = map(
         float, re.search(r"save_checkpoint on 1 rank\(s\): ([0-9.]+) s for ([0-9.]+) GiB", out).groups()
     )  # type: ignore[union-attr]
-    parts_s = [float(s) for s in re.findall(r"\[bench\]   (?:weights|optimizer|file)[^:]*: ([0-9.]+) s", out)]
-    assert len(parts_s) == 3 and sum(parts_s) < save_s
+    parts = dict(re.findall(r"\[bench\]   part: ([^:]+): ([0-9.]+) s", out))
+    assert list(parts) == list(SAVE_PHASES), out
+    # the save times its own parts inside the whole (each printed to 0.5 ms, the whole to 5 ms)
+    assert sum(map(float, parts.values())) <= save_s + 0.005 + 0.0005 * len(parts), out
     assert written_gib >= state_gib > 0  # what is on disk holds at least the tensors
     assert "ratio to the plain write" in out and "at 4 ranks (the recipe's), each rank's save: about" in out
     # the disk's scaling is measured: 4 processes writing a quarter each, against one writer

@@ -1,27 +1,31 @@
 """The tiny target (tools/make_tiny_target): deterministic corpus and tokenizer, peaked trained model,
-and the tiny recipe's pinned data SHA-256 equal to what the tools produce."""
+the chat corpus of the target's own answers, and the tiny recipe's data pinned through its manifest."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from runtime.recipe import load_recipe
-from runtime.shared.data_files import sha256_file
+from runtime.recipe.loader import resolve_recipe_path
+from runtime.shared.data_files import resolve_expected_sha256, sha256_file, verify_data_file
 from tests.conftest import REPO_ROOT
 from tools import tiny_corpus
-from tools.data_prepare import PrepareOptions, prepare
 from tools.tiny_target import (
+    CHAT_ANSWERS_FILE,
+    DEFAULT_CHAT_PATH,
     DEFAULT_TARGET_DIR,
     TinyTargetSpec,
-    build_tokenizer,
     evaluate_peakedness,
     make_tiny_target,
+    target_answered_rows,
     write_chat_corpus,
 )
 
@@ -54,27 +58,18 @@ def test_cache_key_follows_the_spec() -> None:
     assert SPEC.cache_key() != dataclasses.replace(SPEC, train_steps=SPEC.train_steps + 1).cache_key()
 
 
-def test_tiny_recipe_pins_the_sha256_of_the_generated_data(tmp_path: Path) -> None:
-    """recipes/tiny.yaml's data.expected_sha256 is what make_tiny_target + prepare_data produce."""
-    from transformers import AutoTokenizer
-
-    recipe = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml").recipe
-    build_tokenizer(SPEC).save_pretrained(tmp_path / "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
-    write_chat_corpus(SPEC, tmp_path / "chat.jsonl")
-    options = PrepareOptions(
-        tmp_path / "chat.jsonl",
-        tmp_path / "train.jsonl",
-        tmp_path / "tokenizer",
-        recipe.data.max_length,
-        vocab_size=recipe.capture.vocab_size,
+def test_the_tiny_recipe_pins_its_data_through_the_manifest_prepare_data_writes(tiny_assets: Path) -> None:
+    """recipes/tiny.yaml pins its data through the manifest (the data holds what the target built on this
+    machine answers), and that manifest holds the prepared file's digest and the recipe's row count."""
+    resolved = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml")
+    data = resolved.recipe.data
+    assert data.expected_sha256 == "manifest"
+    train_path = resolve_recipe_path(data.train_path, REPO_ROOT)
+    summary = verify_data_file(
+        train_path, data.expected_sha256, resolved.recipe.capture.vocab_size, data.max_length, data.num_rows
     )
-    result = prepare(options, tokenizer=tokenizer, log=lambda *_: None)
-    assert result.rows == recipe.data.num_rows
-    assert sha256_file(options.output_path) == recipe.data.expected_sha256, (
-        "the tiny data changed: update data.expected_sha256 in recipes/tiny.yaml to "
-        f"{sha256_file(options.output_path)} (tools/prepare_data --recipe tiny prints it)"
-    )
+    assert summary.sha256 == resolve_expected_sha256(train_path, "manifest") == sha256_file(train_path)
+    assert summary.rows == data.num_rows == SPEC.chat_rows
 
 
 @pytest.mark.slow
@@ -98,32 +93,31 @@ def test_make_tiny_target_builds_a_peaked_target_and_caches_it() -> None:
     # A random model is right on about 1/2048 of the tokens; a peaked one on most assistant tokens.
     assert quality["assistant_top1_accuracy"] > 0.6, quality
     assert quality["assistant_mean_top1_probability"] > 0.5, quality
-    # The draft trains on the target's own answers: the checked-in chat is what this target says
-    # (greedy in even rows; the odd rows' samples are checked by their count of differences below).
-    from transformers import AutoModelForCausalLM as _Model
-
-    from tools.tiny_target import REGENERATED_CHAT, regenerate_answers
-
-    target = _Model.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.float32).eval()
-    corpus = tiny_corpus.generate_conversations(
-        tiny_corpus.build_vocabulary(SPEC.vocab_size), 16, SPEC.chat_seed, "tiny"
-    )
-    checked_in = [json.loads(line) for line in REGENERATED_CHAT.read_text().splitlines()][:16]
-    greedy = regenerate_answers(target, tokenizer, corpus, log=lambda *_: None)
-    assert greedy[::2] == checked_in[::2], (
-        "tools/tiny_chat.jsonl is not what the tiny target answers; fix: tools/make_tiny_target --regenerate-chat"
+    # The draft trains on the target's own answers: the chat corpus written with the target is what the
+    # saved target says (greedy in even rows; the odd rows are seeded samples), decoded here as then.
+    written = [json.loads(line) for line in DEFAULT_CHAT_PATH.read_text().splitlines()]
+    assert written == target_answered_rows(model, tokenizer, SPEC, log=lambda *_: None), (
+        f"{DEFAULT_CHAT_PATH} is not what the tiny target answers; fix: tools/make_tiny_target --force"
     )
 
 
-def test_the_chat_rows_carry_the_corpus_prompts_and_the_targets_answers(tmp_path: Path) -> None:
-    """tools/tiny_chat.jsonl keeps the corpus's prompts (refused when they differ) and carries the
-    target's answers, which differ from the corpus's in most turns."""
+def test_the_chat_rows_carry_the_corpus_prompts_and_the_targets_answers(tiny_assets: Path, tmp_path: Path) -> None:
+    """The chat corpus keeps the corpus's prompts and carries the target's answers, which differ from the
+    corpus's in most turns; a cached target folder without its answers gets them decoded again, the same
+    bytes."""
     write_chat_corpus(SPEC, tmp_path / "chat.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines()]
     vocabulary = tiny_corpus.build_vocabulary(SPEC.vocab_size)
     corpus = tiny_corpus.generate_conversations(vocabulary, SPEC.chat_rows, SPEC.chat_seed, "tiny")
+
+    def prompts(row: dict[str, Any]) -> list[Any]:
+        return [row["id"], *(turn for turn in row["conversations"] if turn["role"] != "assistant")]
+
+    assert [prompts(r) for r in rows] == [prompts(r) for r in corpus]
     answers = [(a["content"], b["content"]) for r, c in zip(rows, corpus, strict=True)
                for a, b in zip(r["conversations"], c["conversations"], strict=True) if a["role"] == "assistant"]  # fmt: skip
     assert sum(x != y for x, y in answers) > len(answers) // 2
-    with pytest.raises(RuntimeError, match="no longer fits the tiny corpus"):
-        write_chat_corpus(dataclasses.replace(SPEC, chat_seed=SPEC.chat_seed + 1), tmp_path / "other.jsonl")
+    copy = shutil.copytree(DEFAULT_TARGET_DIR, tmp_path / "target")
+    (copy / CHAT_ANSWERS_FILE).unlink()
+    write_chat_corpus(SPEC, tmp_path / "again.jsonl", copy, log=lambda *_: None)
+    assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "chat.jsonl").read_bytes()

@@ -76,7 +76,8 @@ def test_local_probe_gives_the_environment_contract(tmp_path: Path) -> None:
     for table in (status.stdout, done.stdout):
         assert re.search(r"^  capture +0 COMPLETED +0 +1/1 ", table, re.M), table
         assert re.search(r"^  trainer +1 COMPLETED +0 +4/4 ", table, re.M), table
-    assert "STOPPED" not in status.stdout and "-15" not in status.stdout, status.stdout
+    # (the rows above hold each component's exit; "-15" may appear in the job id's time stamp)
+    assert "STOPPED" not in status.stdout, status.stdout
     logs = launch(["logs", str(job_dir), "--component", "capture"])
     assert "listening on 127.0.0.1" in logs.stdout
 

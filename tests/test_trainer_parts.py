@@ -15,6 +15,7 @@ from runtime.recipe import load_recipe, write_resolved
 from runtime.recipe.schema import ScheduleConfig
 from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
 from runtime.trainer import checkpoints, state_hash
+from runtime.trainer.distributed import exit_without_finalization
 from runtime.trainer.file_source import FileSampleSource
 from runtime.trainer.frozen_vocab import TargetTensorError, load_frozen_vocab, read_target_tensor
 from runtime.trainer.guard import FiniteGuard, NonFiniteUpdate, inspect_update
@@ -365,6 +366,7 @@ def _shared_hash_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_without_finalization(0)  # as a trainer rank leaves: DTensor gathers over gloo can abort at exit
 
 
 def _hash_inputs() -> dict[str, torch.Tensor]:

@@ -3,12 +3,13 @@ with a word-level tokenizer made here (no hub download), trained briefly on the 
 chat corpus of :mod:`tools.tiny_corpus` so that its next-token distributions are peaked.
 
 Also writes the tiny chat JSONL (``data.chat_path`` of the tiny recipe) that ``tools/prepare_data``
-tokenizes: the corpus prompts with the target's own greedy answers (``tools/tiny_chat.jsonl``, checked in
-and rewritten by ``--regenerate-chat``), since a draft must learn what its target says, and the held-out
-eval prompts. The target is cached by a content hash of the build spec: a second run with nothing
-changed returns at once.
+tokenizes: the corpus prompts with this target's own answers, since a draft must learn what its target
+says, and the held-out eval prompts. The answers are decoded once per build, on the machine that built
+the target: a CPU's own rounding makes the trained target (and so its answers) differ between machines,
+and a draft trained on another machine's answers accepts less. The target is cached by a content hash of
+the build spec: a second run with nothing changed returns at once.
 
-Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl] [--regenerate-chat]``
+Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl]``
 """
 
 from __future__ import annotations
@@ -364,32 +365,11 @@ def cached_build(target_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-REGENERATED_CHAT = Path(__file__).resolve().parent / "tiny_chat.jsonl"
-"""The tiny chat rows with the tiny target's own answers (``--regenerate-chat`` writes it): checked in, so
-that the pinned data is the same bytes on every machine, whatever its CPU makes of the target's last
-digits."""
+CHAT_ANSWERS_FILE = "chat_answers.jsonl"
+"""The chat rows with the target's own answers, written into the target folder once per build (and into
+a cached folder that lacks it): what :func:`write_chat_corpus` copies to the recipe's ``chat_path``."""
 SAMPLE_SEED = 7
-"""Seed of the sampled answers of :data:`REGENERATED_CHAT`."""
-
-
-def write_chat_corpus(spec: TinyTargetSpec, chat_path: Path) -> str:
-    """Write the tiny chat JSONL that the draft trains on (:data:`REGENERATED_CHAT`); returns its SHA-256.
-    Refused when that file no longer fits the corpus (its prompts differ from the generated
-    conversations: the spec changed)."""
-    vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
-    corpus = tiny_corpus.generate_conversations(vocabulary, spec.chat_rows, spec.chat_seed, id_prefix="tiny")
-    answered = [json.loads(line) for line in REGENERATED_CHAT.read_text().splitlines()]
-
-    def prompts(row: dict[str, Any]) -> list[Any]:
-        return [row["id"], *(turn for turn in row["conversations"] if turn["role"] != "assistant")]
-
-    if [prompts(r) for r in answered] != [prompts(r) for r in corpus]:
-        raise RuntimeError(
-            f"{REGENERATED_CHAT} no longer fits the tiny corpus (its prompts differ from the generated ones); fix: "
-            "tools/make_tiny_target --regenerate-chat, then update data.expected_sha256 in recipes/tiny.yaml"
-        )
-    write_rows(chat_path, answered)
-    return hashlib.sha256(chat_path.read_bytes()).hexdigest()
+"""Seed of the sampled answers of :data:`CHAT_ANSWERS_FILE`."""
 
 
 def target_answered_rows(model: Any, tokenizer: Any, spec: TinyTargetSpec, log: Any = print) -> list[dict[str, Any]]:
@@ -405,15 +385,31 @@ def target_answered_rows(model: Any, tokenizer: Any, spec: TinyTargetSpec, log: 
     return [g if index % 2 == 0 else s for index, (g, s) in enumerate(zip(greedy, sampled, strict=True))]
 
 
-def write_regenerated_chat(spec: TinyTargetSpec, target_dir: Path, log: Any = print) -> str:
-    """Rewrite :data:`REGENERATED_CHAT` with the built target's answers; returns its SHA-256."""
+def ensure_chat_answers(spec: TinyTargetSpec, target_dir: Path, log: Any = print) -> Path:
+    """The target folder's :data:`CHAT_ANSWERS_FILE`, decoded from the saved target (what every component
+    loads) when the folder lacks it; a few seconds on a CPU."""
+    path = target_dir / CHAT_ANSWERS_FILE
+    if path.is_file():
+        return path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    log(f"[make_tiny_target] answering the {spec.chat_rows} chat conversations with the target (greedy and sampled)")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    write_rows(REGENERATED_CHAT, target_answered_rows(model, tokenizer, spec, log))
-    return hashlib.sha256(REGENERATED_CHAT.read_bytes()).hexdigest()
+    write_rows(path, target_answered_rows(model, tokenizer, spec, log))
+    return path
+
+
+def write_chat_corpus(
+    spec: TinyTargetSpec, chat_path: Path, target_dir: Path = DEFAULT_TARGET_DIR, log: Any = print
+) -> str:
+    """Write the tiny chat JSONL that the draft trains on: the conversations of the chat corpus with the
+    built target's own answers (:func:`ensure_chat_answers`); returns its SHA-256."""
+    answers = ensure_chat_answers(spec, target_dir, log)
+    chat_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(chat_path, answers.read_text())
+    return hashlib.sha256(chat_path.read_bytes()).hexdigest()
 
 
 def eval_prompt_turns(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -470,10 +466,9 @@ def make_tiny_target(
     eval_path: Path = DEFAULT_EVAL_PATH,
     force: bool = False,
     log: Any = print,
-    regenerate_chat: bool = False,
 ) -> dict[str, Any]:
-    """Build (or reuse) the tiny target and write its chat corpus (with ``regenerate_chat``, after
-    regenerating :data:`REGENERATED_CHAT` with it); returns the build record."""
+    """Build (or reuse) the tiny target and write its chat corpus (the target's own answers); returns the
+    build record."""
     spec = spec or TinyTargetSpec()
     target_dir, chat_path = target_dir.resolve(), chat_path.resolve()
     key = spec.cache_key()
@@ -485,10 +480,7 @@ def make_tiny_target(
             log(f"[make_tiny_target] cached: {target_dir} (key {key[:12]}), chat corpus {chat_path}")
         else:
             record = _build(spec, key, target_dir, log)
-        if regenerate_chat:
-            log(f"[make_tiny_target] regenerating {REGENERATED_CHAT} with the target's greedy answers")
-            write_regenerated_chat(spec, target_dir, log)
-        write_chat_corpus(spec, chat_path)
+        write_chat_corpus(spec, chat_path, target_dir, log)
         return record
 
 
@@ -579,11 +571,6 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--eval-out", type=Path, default=DEFAULT_EVAL_PATH, help="held-out eval JSONL to write")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
-    parser.add_argument(
-        "--regenerate-chat",
-        action="store_true",
-        help=f"rewrite {REGENERATED_CHAT.name} with the target's own greedy answers (after a change of the spec)",
-    )
     args = parser.parse_args(argv)
     if args.train_steps is not None and args.train_steps < 1:
         raise UserError(f"--train-steps {args.train_steps}: the target trains for at least 1 step. Fix: give 1 or more")
@@ -591,9 +578,7 @@ def _main(argv: list[str] | None) -> int:
     spec = TinyTargetSpec()
     if args.train_steps is not None:
         spec = dataclasses.replace(spec, train_steps=args.train_steps)
-    make_tiny_target(
-        args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force, regenerate_chat=args.regenerate_chat
-    )
+    make_tiny_target(args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force)
     return 0
 
 

@@ -84,10 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Everything is written and the process group is destroyed. Leave without interpreter
-    # finalization: gloo worker threads can still hold tensors whose late destruction aborts
-    # the process (SIGABRT, "terminate called without an active exception"), which would turn a
-    # finished rank into a failed task. Failures take the normal path, traceback included.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from runtime.trainer.distributed import exit_without_finalization
+
+    # Everything is written and the process group is destroyed; failures took the normal path,
+    # traceback included.
+    exit_without_finalization(code)

@@ -29,8 +29,9 @@ import json
 import logging
 import os
 import shutil
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,19 @@ class SavedCheckpoint:
 
     path: Path
     weights_sha256: str
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """This rank's seconds in each part of the save, in order (:data:`SAVE_PHASES`); they add up to the
+    whole save, less the first barrier."""
+
+
+SAVE_PHASES = (
+    "state dict + DCP write",
+    "file digests (read back)",
+    "weights hash",
+    "optimizer hash",
+    "state file + rename",
+)
+"""The parts of :func:`save_checkpoint`, in the order it does them."""
 
 
 def save_checkpoint(
@@ -243,16 +257,29 @@ def save_checkpoint(
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         barrier()
+        phase_s: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def phase_done(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phase_s[name] = now - clock
+            clock = now
+
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save(
             {"model": model_state, "optim": optim_state},
             storage_writer=FileSystemWriter(tmp / DCP_DIR, thread_count=WRITE_THREADS),
         )
         barrier()  # every rank's files and the metadata are on disk
+        phase_done(SAVE_PHASES[0])
         # read back from disk, each rank a share: a resume checks these before it trusts a byte
         files = shared_file_digests(tmp / DCP_DIR)
+        phase_done(SAVE_PHASES[1])
         weights_hash = state_dict_sha256(model_state)
+        phase_done(SAVE_PHASES[2])
         optim_hash = state_dict_sha256(flat_tensors(optim_state))
+        phase_done(SAVE_PHASES[3])
         if is_main:
             payload = {
                 "format": STATE_FORMAT,
@@ -274,6 +301,7 @@ def save_checkpoint(
             _point_latest(checkpoint_dir, final.name)
             _prune(checkpoint_dir, keep_last)
         barrier()
+        phase_done(SAVE_PHASES[4])
     except (OSError, RuntimeError, CheckpointException) as exc:
         # torch.save on a full disk may fail as "unexpected pos" rather than ENOSPC: judge by the space
         tensors = flat_tensors(dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True)))
@@ -291,7 +319,7 @@ def save_checkpoint(
             "trainer.checkpoint.dir to a larger filesystem (and lower trainer.checkpoint.keep_last)"
         )
         raise CheckpointError(message) from None  # said once, by the trainer's refusal (runtime/shared/refusal.py)
-    return SavedCheckpoint(path=final, weights_sha256=weights_hash)
+    return SavedCheckpoint(path=final, weights_sha256=weights_hash, phase_s=phase_s)
 
 
 def _is_disk_full(exc: BaseException) -> bool:

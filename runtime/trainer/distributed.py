@@ -6,8 +6,9 @@ import datetime as dt
 import errno
 import os
 import socket
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,17 @@ COLLECTIVE_MARGIN_S = 600.0
 """Collective timeout on top of ``transport.idle_timeout_s``: a rank can sit in an all-reduce while
 another waits that long for its sample, and the waiting rank should be the one that fails, with
 the useful message."""
+
+
+def exit_without_finalization(code: int) -> NoReturn:
+    """Leave the process with ``code`` now (stdout and stderr flushed), skipping interpreter
+    finalization. Call it once everything is written and the process group is destroyed: gloo worker
+    threads can still hold tensors (a DTensor's gathers) whose late destruction aborts the process
+    (SIGABRT, "terminate called without an active exception"), which would turn a finished rank into a
+    failed task."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rendezvous_store(settings: RunSettings, timeout_s: float) -> dist.TCPStore:

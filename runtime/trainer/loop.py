@@ -634,8 +634,10 @@ class Trainer:
             keep_last=setup.checkpoint.keep_last,
             is_main=s.is_main,
         )
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in saved.phase_s.items())
         writer.say(
-            f"[trainer] checkpoint {saved.path} ({time.monotonic() - started:.1f} s, weights sha256 {saved.weights_sha256[:16]}...)"
+            f"[trainer] checkpoint {saved.path} ({time.monotonic() - started:.1f} s: {parts}; "
+            f"weights sha256 {saved.weights_sha256[:16]}...)"
         )
         return saved
 

@@ -532,7 +532,7 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_r
     (Slurm's KillWait after a plain scancel, GraceTime on preemption). Times are the slowest rank's."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from runtime.trainer.checkpoints import DCP_DIR, flat_tensors, rng_state, save_checkpoint, shared_file_digests
+    from runtime.trainer.checkpoints import SAVE_PHASES, flat_tensors, rng_state, save_checkpoint
     from runtime.trainer.state_hash import state_dict_sha256 as tensors_sha256
 
     model = build_draft(shapes, device, use_fsdp=True)
@@ -567,13 +567,14 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_r
         device,
     )
     path = saved.path  # type: ignore[attr-defined]
-    parts = {}
-    for name, fn in (
-        ("weights hash (each rank hashes 1/N of the tensors, gathered)", lambda: tensors_sha256(model_state)),
-        ("optimizer hash (each rank 1/N)", lambda: tensors_sha256(flat_tensors(optim_state))),
-        ("file digests (each rank reads back 1/N of the bytes)", lambda: shared_file_digests(path / DCP_DIR)),
-    ):
-        parts[name], _ = _slowest(fn, device)
+    # The save's own split (save_checkpoint times its parts), the slowest rank's for each part.
+    phase_s = saved.phase_s  # type: ignore[attr-defined]
+    slowest = torch.tensor(list(phase_s.values()), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    parts = dict(zip(phase_s, slowest.tolist(), strict=True))
+    write_s = parts[SAVE_PHASES[0]]
+    hashing_s = sum(parts[name] for name in SAVE_PHASES[1:4])  # each rank hashes and reads back 1/N
     # Device tensors hash through pinned staging buffers: the digest must be their host copies' digest.
     on_host = tensors_sha256({name: tensor.full_tensor().cpu() for name, tensor in model_state.items()})
     if tensors_sha256(model_state) != on_host:
@@ -582,7 +583,6 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_r
         )
     say(f"[bench] the weights hash of the {device.type} tensors equals that of their host copies")
     written = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    write_s = save_s - sum(parts.values())
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -595,15 +595,15 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_r
         f"[bench] save_checkpoint on {world} rank(s): {save_s:.2f} s for {written / GIB:.2f} GiB on disk; ratio to the "
         f"plain write {save_s / plain_s:.2f}"
     )
-    say(f"[bench]   state dict + DCP write (the rest): {write_s:.2f} s ({written / max(write_s, 1e-9) / 1e9:.2f} GB/s)")
     for name, seconds in parts.items():
-        say(f"[bench]   {name}: {seconds:.2f} s")
+        rate = f" ({written / max(seconds, 1e-9) / 1e9:.2f} GB/s)" if name == SAVE_PHASES[0] else ""
+        say(f"[bench]   part: {name}: {seconds:.3f} s{rate}")
     if world == 1 and recipe_ranks > 1:
         # At N ranks each rank writes 1/N of the files and hashes 1/N of the tensors and files. How the
         # writes scale is measured: N processes writing 1/N each at once, against the one writer above.
         together_s = _write_plain_at_once(scratch, state_bytes, recipe_ranks)
         scaling = together_s / plain_s
-        shared = sum(parts.values()) / recipe_ranks
+        shared = hashing_s / recipe_ranks + parts[SAVE_PHASES[4]]
         projected = write_s * scaling + shared
         say(
             f"[bench] disk: {recipe_ranks} processes writing 1/{recipe_ranks} each at once took {together_s:.2f} s, "
@@ -612,7 +612,8 @@ def run_checkpoint(shapes: Shapes, device: torch.device, scratch: Path, recipe_r
         )
         say(
             f"[bench] at {recipe_ranks} ranks (the recipe's), each rank's save: about {projected:.1f} s (this rank's DCP "
-            f"write {write_s:.2f} s x {scaling:.2f} + 1/{recipe_ranks} of the hashes and digests {shared:.2f} s); "
+            f"write {write_s:.2f} s x {scaling:.2f} + 1/{recipe_ranks} of the hashes and digests, plus the "
+            f"state file, {shared:.2f} s); "
             f"{write_s + shared:.1f} s if the disk took the writers one at a time; Slurm's default KillWait is 30 s"
         )
 
