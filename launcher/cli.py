@@ -245,7 +245,7 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
                 + (f" (the run's length may change only where the past steps stay the same: {why})" if why else "")
                 + f". Fix: `{resume_command(job_dir, local=record.mode == 'local')}` continues with the job's own recipe "
                 "(changes to where and how long it runs are allowed: RUNBOOK section 8); to change the rest, continue "
-                f"as a new run from its checkpoint: `python3 -m launcher RECIPE --fork {record.job_id} --set ...`"
+                f"as a new run from its checkpoint: `python3 -m launcher RECIPE --fork {record.command_ref} --set ...`"
             )
     checkpoint = jobs.newest_checkpoint(record)
     if checkpoint is None and fork:
@@ -382,7 +382,7 @@ def run_smoke_gate(loaded: LoadedRecipe, args: argparse.Namespace, parent: dict[
     else:
         record = submit_slurm(loaded, job_dir, args.probe, parent)
         if args.no_wait:
-            print(f"not waiting: python3 -m launcher gate {record.job_id} prints the gate once the job ended")
+            print(f"not waiting: python3 -m launcher gate {record.command_ref} prints the gate once the job ended")
             return 0
         _wait_for_job(record)
     return _finish_gate(record)
@@ -401,7 +401,7 @@ def _wait_for_job(record: jobs.JobRecord, report_every_s: float = 30.0, poll_s: 
             states = ", ".join(c.describe() for c in report.components)
             print(
                 f"[gate] waiting for job {record.job_id} ({states}); {now - started:.0f} s so far; Ctrl-C stops "
-                f"waiting (the job keeps running: python3 -m launcher gate {record.job_id})",
+                f"waiting (the job keeps running: python3 -m launcher gate {record.command_ref})",
                 flush=True,
             )
             last_report = now
@@ -438,8 +438,8 @@ def _refuse_running_local_jobs(loaded: LoadedRecipe) -> None:
             raise LaunchError(
                 f"job {record.job_id} ({_display_path(Path(record.job_dir))}) is running on this machine with "
                 f"port(s) this run needs: {', '.join(shared)}. Nothing was started. Wait for it "
-                f"(`python3 -m launcher status {record.job_id}`), stop it (`python3 -m launcher cancel "
-                f"{record.job_id}`), or give this run other ports, e.g. --set "
+                f"(`python3 -m launcher status {record.command_ref}`), stop it (`python3 -m launcher cancel "
+                f"{record.command_ref}`), or give this run other ports, e.g. --set "
                 + " --set ".join(f"{item.split()[0]}=PORT" for item in shared)
             )
 
@@ -577,9 +577,9 @@ def submit_slurm(
             f"{job.job_id} has completed (--dependency=afterok; Slurm cancels it if the training job fails)"
         )
     print(f"  folder  {_display_path(job_dir)}")
-    print(f"  status  python3 -m launcher status {job.job_id}")
-    print(f"  logs    python3 -m launcher logs {job.job_id} --follow")
-    print(f"  cancel  python3 -m launcher cancel {job.job_id}")
+    print(f"  status  python3 -m launcher status {record.command_ref}")
+    print(f"  logs    python3 -m launcher logs {record.command_ref} --follow")
+    print(f"  cancel  python3 -m launcher cancel {record.command_ref}")
     return record
 
 
@@ -793,7 +793,7 @@ def job_command(command: str, argv: list[str]) -> int:
             # failed gate.json into its folder.
             raise LaunchError(
                 f"job {record.job_id} ({_display_path(Path(record.job_dir))}) was not a --smoke job: the smoke "
-                f"gate judges only those; nothing was written. Fix: use `python3 -m launcher status {record.job_id}` "
+                f"gate judges only those; nothing was written. Fix: use `python3 -m launcher status {record.command_ref}` "
                 f"for this job, or run the gate with `python3 -m launcher {shell_word(record.recipe_source)} --smoke`"
             )
         return _finish_gate(record)

@@ -224,7 +224,7 @@ def _local_report(record: JobRecord) -> JobReport:
                 state = "ORPHANED"
                 notes.append(
                     f"{name} task(s) {', '.join(map(str, leftover))} still run without their supervisor; "
-                    f"`python3 -m launcher cancel {record.job_id}` stops them"
+                    f"`python3 -m launcher cancel {record.command_ref}` stops them"
                 )
             elif trainer_finished:
                 state = "COMPLETED" if name == "trainer" else "STOPPED"
@@ -395,7 +395,7 @@ def cancel_job(record: JobRecord) -> str:
         if not leftover:
             raise CancelError(
                 f"job {record.job_id} is not running (its supervisor and every component task have ended), so "
-                f"nothing was cancelled; fix: none needed (`python3 -m launcher status {record.job_id}` shows how it "
+                f"nothing was cancelled; fix: none needed (`python3 -m launcher status {record.command_ref}` shows how it "
                 "ended)"
             )
         _stop_groups(leftover)
@@ -406,14 +406,14 @@ def cancel_job(record: JobRecord) -> str:
     if not report.slurm_unreachable and report.state in TERMINAL_JOB_STATES:
         raise CancelError(
             f"job {record.job_id} already ended ({report.state}), so nothing was signalled; fix: none needed "
-            f"(`python3 -m launcher status {record.job_id}` shows how it ended)"
+            f"(`python3 -m launcher status {record.command_ref}` shows how it ended)"
         )
     # The leader id cancels all het components at once.
     done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
     if "invalid job id" in done.stderr.lower():
         raise CancelError(
             f"Slurm does not know job {record.job_id} (scancel: {done.stderr.strip()}): it ended long ago, or ran on "
-            f"another cluster; nothing was cancelled. `python3 -m launcher status {record.job_id}` shows what is known"
+            f"another cluster; nothing was cancelled. `python3 -m launcher status {record.command_ref}` shows what is known"
         )
     if done.returncode != 0:
         raise CancelError(f"scancel {record.job_id} failed: {done.stderr.strip()}")

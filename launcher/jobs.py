@@ -26,7 +26,7 @@ from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe
 from runtime.shared.checkpoint_folders import find_latest
 from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
-from runtime.user_errors import UserError, file_kind_problem, output_place
+from runtime.user_errors import UserError, file_kind_problem, output_place, shell_word
 
 LOCAL_STATUS_FILENAME = "local_status.json"
 CAPTURE_STOP_FILENAME = "capture.stop"
@@ -35,6 +35,8 @@ workers stop their component and end successfully (the step ends COMPLETED, not 
 INDEX_DIRNAME = "jobs"
 LATEST_ALIAS = "latest"
 """``{runs_dir}/jobs/latest`` links to the most recently submitted job."""
+DEFAULT_RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
+"""The runs folder ``status``, ``logs`` and ``cancel`` look a job id up in when given no ``--runs-dir``."""
 
 
 @dataclass
@@ -65,6 +67,16 @@ class JobRecord:
     def trainer_world_size(self) -> int:
         """Trainer ranks."""
         return self.components.get("trainer", 0)
+
+    @property
+    def command_ref(self) -> str:
+        """How a printed command names this job: its id where ``status ID`` finds it with no ``--runs-dir``
+        (the repository's runs folder links it), else its folder; ready for a shell."""
+        try:
+            indexed = (DEFAULT_RUNS_DIR / INDEX_DIRNAME / self.job_id).resolve() == Path(self.job_dir).resolve()
+        except (OSError, RuntimeError):  # an unreadable link, a link loop
+            indexed = False
+        return shell_word(self.job_id if indexed else self.job_dir)
 
     def log_path(self, component: str, rank: int) -> Path:
         """The log file of one component task."""

@@ -140,7 +140,7 @@ def test_resume_under_another_draft_target_or_data_is_refused_before_submission(
         'capture.target_revision "tiny-v1" -> "other"',
         'data.expected_sha256 "manifest" -> "abab',
         f"Fix: `python3 -m launcher --resume {job_dir} --local` continues with the job's own recipe",
-        "--fork old-job",
+        f"--fork {job_dir} --set",
     ):
         assert part in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr

@@ -3,6 +3,8 @@ plan's numbers, the golden sbatch scripts, dry runs, and the torch-free login pa
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -336,6 +338,25 @@ def _slurm_record(tmp_path: Path, job_id: str = "77") -> Path:
     return runs
 
 
+def test_a_printed_command_names_the_job_so_that_it_finds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job in the default runs folder is named by its id (``status 77`` finds it); a job of another runs
+    folder (``--set job.runs_dir=...``) by its folder, quoted for the shell, since ``status 77`` alone would
+    look in the default one."""
+    from launcher import jobs
+
+    default_runs = tmp_path / "default runs"
+    monkeypatch.setattr(jobs, "DEFAULT_RUNS_DIR", default_runs)
+    runs = _slurm_record(tmp_path)
+    record = jobs.find_record("77", runs)
+    assert record.command_ref == shlex.quote(record.job_dir)
+    jobs.write_record(record, default_runs)
+    assert record.command_ref == "77"
+    odd = tmp_path / "a b$(touch x)" / "tiny" / "stamp"
+    odd.mkdir(parents=True)
+    elsewhere = dataclasses.replace(record, job_id="78", job_dir=str(odd))
+    assert shlex.split(elsewhere.command_ref) == [str(odd)]
+
+
 def test_status_without_slurm_fails_and_says_how_to_reach_it(tmp_path: Path) -> None:
     runs = _slurm_record(tmp_path)
     env = _fake_sacct(
@@ -491,7 +512,8 @@ def test_a_second_local_run_is_refused_naming_the_running_job(tmp_path: Path) ->
         assert done.returncode == 2, done.stdout + done.stderr
         assert "job local-first" in done.stderr and "is running on this machine" in done.stderr, done.stderr
         assert "transport.master_rpc_port" in done.stderr and "Nothing was started" in done.stderr
-        assert "python3 -m launcher cancel local-first" in done.stderr and "Traceback" not in done.stderr
+        # the job's folder, not its id: its runs folder is not the one `cancel ID` looks in
+        assert f"python3 -m launcher cancel {job_dir}`" in done.stderr and "Traceback" not in done.stderr
         assert sorted(p.name for p in (runs / "tiny").iterdir()) == ["first"], "no second job folder"
         assert supervisor.poll() is None, "the running job is not disturbed"
         # Started in the same second as the first (both passed the early check before either had a

@@ -125,7 +125,7 @@ def test_a_resume_that_changes_the_lr_is_refused_before_anything_starts(tmp_path
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("error: cannot resume job old-job") and "trainer.optimizer.lr 0.001 -> 0.005" in line
-    assert f"`python3 -m launcher --resume {job_dir} --local`" in line and "--fork old-job" in line
+    assert f"`python3 -m launcher --resume {job_dir} --local`" in line and f"--fork {job_dir} --set" in line
     assert sorted(p.name for p in (runs / "tiny").iterdir()) == before, "no job folder was made"
     # a schedule whose curve spans the run: a longer run is refused with the reason
     cosine = _job(runs, "trainer.schedule.type=cosine", "trainer.max_steps=16", job_id="cos-job")
