@@ -756,7 +756,7 @@ def _job_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--runs-dir",
         type=Path,
-        default=REPO_ROOT / "runs",
+        default=jobs.DEFAULT_RUNS_DIR,
         help="runs folder holding jobs/<id> links (default: runs/ in the repository)",
     )
     if command == "logs":

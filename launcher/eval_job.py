@@ -156,7 +156,7 @@ def main(argv: list[str], repo_root: Path) -> int:
     """Run or submit one evaluation; returns the exit code."""
     args = argument_parser().parse_args(argv)
     refuse_repeated_sets(args.overrides, "launcher eval")
-    runs_dir = args.runs_dir or repo_root / "runs"
+    runs_dir = args.runs_dir or jobs.DEFAULT_RUNS_DIR
     record = jobs.find_record(args.job, runs_dir)
     job_dir = Path(record.job_dir)
     resolved = load_resolved(job_dir / RESOLVED_FILENAME)
