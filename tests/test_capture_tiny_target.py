@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +76,14 @@ def test_make_tiny_target_builds_a_peaked_target_and_caches_it() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     record = make_tiny_target(log=lambda *_: None)  # minutes the first time, then cached
-    started = time.monotonic()
-    again = make_tiny_target(log=lambda *_: None)
+    weights = DEFAULT_TARGET_DIR / "model.safetensors"
+    built = (weights.stat().st_ino, weights.stat().st_mtime_ns)
+    said: list[str] = []
+    again = make_tiny_target(log=lambda *parts: said.append(" ".join(map(str, parts))))
     assert again["cache_key"] == record["cache_key"] == SPEC.cache_key()
-    assert time.monotonic() - started < 30, "a second build with nothing changed must come from the cache"
+    # a second build with nothing changed comes from the cache: the same weights file, untouched
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == built
+    assert any("cached:" in line for line in said), said
     config = AutoConfig.from_pretrained(DEFAULT_TARGET_DIR)
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (256, 8, 2048)
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
