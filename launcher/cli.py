@@ -38,10 +38,17 @@ from launcher.render import (
     sbatch_path,
     shell_word,
 )
+from launcher.resume_point import RESUME_FROM, choose_resume_point
 from launcher.slurm_state import SLURM_FIX
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.recipe import LoadedRecipe, RecipeError, continuity, load_recipe, load_resolved, write_resolved
-from runtime.recipe.loader import RESOLVED_FILENAME, find_recipe_file, load_document, refuse_repeated_sets
+from runtime.recipe.loader import (
+    RESOLVED_FILENAME,
+    ResolvedRecipe,
+    find_recipe_file,
+    load_document,
+    refuse_repeated_sets,
+)
 from runtime.recipe.site_facts import read_site_facts
 from runtime.shared.contracts import resume_command
 from runtime.user_errors import UserError, output_place, redact, run_command
@@ -132,22 +139,13 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 
 ENVIRONMENT_FIX = "export each with its site path (see RUNBOOK.md, 'Site settings') and submit again"
-PROBE_READS = ("trainer.feature_cache.",)
-"""The recipe fields whose site paths a probe job reads (it measures the cache disk); target, data
-and checkpoints it never opens."""
 
 
 def _environment_gaps(loaded: LoadedRecipe, probe: bool = False) -> list[str]:
     """One line per ``${NAME}`` the recipe reads that is unset or empty here (an empty one turns
     ``${K3_DATA_DIR}/rows.jsonl`` into ``/rows.jsonl``), naming the fields that use it; for a probe
-    job only those of the fields it reads (:data:`PROBE_READS`)."""
-    references = environment_references(loaded.recipe)
-    if probe:
-        references = {
-            name: kept
-            for name, fields in references.items()
-            if (kept := [f for f in fields if f.startswith(PROBE_READS)])
-        }
+    job only those of the fields it reads (:data:`launcher.render.PROBE_READS`)."""
+    references = environment_references(loaded.recipe, probe)
     unset = {name: fields for name, fields in references.items() if name not in os.environ}
     empty = {name: fields for name, fields in references.items() if os.environ.get(name) == ""}
     return [
@@ -211,31 +209,91 @@ def _job_runs_dir(args: argparse.Namespace) -> Path:
     return jobs.runs_root(REPO_ROOT, runs_dir)
 
 
+def _overrides_without(overrides: list[str], keys: set[str]) -> list[str]:
+    """``--set`` items whose key is not in ``keys``."""
+    return [o for o in overrides if o.split("=", 1)[0].strip() not in keys]
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    """The value the last ``--set KEY=...`` gives, or None."""
+    found = None
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name.strip() == key:
+            found = value.strip()
+    return found
+
+
+def _edited_recipe_note(previous: ResolvedRecipe, record: jobs.JobRecord) -> str:
+    """For ``--resume JOB``/``--fork JOB`` without a recipe: the fields in which the job's recipe file, as it
+    reads now (with the job's own --set), differs from what the job ran with; '' when none or unreadable."""
+    try:
+        path = find_recipe_file(previous.source, RECIPES_DIR)
+        kept = _overrides_without(previous.overrides, set(continuity.SET_BY_THE_LAUNCHER))
+        now = load_recipe(path, overrides=kept, smoke=previous.smoke, display_name=_display_path(path))
+    except (OSError, UserError, ValueError):
+        return ""
+    changed = continuity.changes(previous.recipe, now.recipe)
+    if not changed:
+        return ""
+    return (
+        f"note: {previous.source} has changed since job {record.job_id} ran ({'; '.join(c.describe() for c in changed)}); "
+        "this continues with the job's own recipe, as it ran. To take the file's changes: `python3 -m launcher "
+        f"{shell_word(previous.source)} --resume {record.command_ref}` (refused where they change the results) or "
+        f"`... --fork {record.command_ref}` (a new run)"
+    )
+
+
 def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]]:
     """``--resume JOB`` (the same run, continued) or ``--fork JOB`` (a new run from its checkpoint).
 
-    The job's own resolved recipe (its --set overrides included) is the base. A recipe file or --set
-    given now may, for a resume, change only what :mod:`runtime.recipe.continuity` lists as safe (and
+    The job's own resolved recipe (its --set overrides included) is the base. A recipe named now is
+    read with the job's --set overrides first (its ports, its length) and the new ones after them; it and
+    any --set may, for a resume, change only what :mod:`runtime.recipe.continuity` lists as safe (and
     the run's length where the schedule's past does not depend on it); anything else is refused before
-    anything starts, listing each field ``old -> new``. A fork takes any change. Returns the recipe to
-    run (continuing from the job's newest checkpoint) and the new job's ``parent`` record."""
+    anything starts, listing each field ``old -> new``. A fork takes any change. The checkpoint is
+    chosen and checked whole here (:mod:`launcher.resume_point`): ``--set trainer.checkpoint.resume_from``
+    is honoured, a damaged newest one is skipped. Returns the recipe to run and the new job's ``parent``
+    record."""
     fork = bool(args.fork)
     job = args.fork or args.resume
     flag = "--fork" if fork else "--resume"
     record = jobs.find_record(job, _job_runs_dir(args), runs_dir_hint="--set job.runs_dir=FOLDER")
     job_dir = Path(record.job_dir)
+    if record.probe:
+        raise LaunchError(
+            f"job {record.job_id} ({_display_path(job_dir)}) was a --probe job: it measured the site and trained "
+            f"nothing, so there is no run to {flag.removeprefix('--')}. Fix: run the probe again, "
+            f"`python3 -m launcher {shell_word(record.recipe_source)} --probe`"
+        )
     previous = load_resolved(job_dir / RESOLVED_FILENAME)
+    chosen = _override_value(args.overrides, RESUME_FROM)
+    if _override_value(args.overrides, "trainer.checkpoint.init_from") not in (None, "null"):
+        raise LaunchError(
+            f"{flag} continues from a checkpoint of job {record.job_id}; trainer.checkpoint.init_from (a weights-only "
+            "warm start) starts a new run instead. Fix: `python3 -m launcher RECIPE --set "
+            "trainer.checkpoint.init_from=PATH` for a new run, or leave it out"
+        )
+    requested = _overrides_without(args.overrides, set(continuity.SET_BY_THE_LAUNCHER))
+    kept = _overrides_without(previous.overrides, set(continuity.SET_BY_THE_LAUNCHER))
+    # The job's own --set first, the new ones after: a resume that names the recipe keeps the run's ports and
+    # length. A fork that names a recipe is a new run of that recipe with the --set given now.
+    given_now = {o.split("=", 1)[0].strip() for o in requested}
+    base = _overrides_without(kept, given_now) + requested
     if args.recipe:
-        candidate = load(args.recipe, args.overrides, args.smoke)
-        source, overrides, smoke = candidate.source, list(args.overrides), candidate.smoke
+        named = requested if fork else base
+        candidate = load(args.recipe, named, args.smoke)
+        source, overrides, smoke = candidate.source, named, candidate.smoke
     else:
         candidate = load_document(
             previous.recipe.model_dump(mode="json"),
             f"job {record.job_id}'s recipe ({_display_path(previous.path)})",
-            args.overrides,
+            requested,
         )
-        kept = [o for o in previous.overrides if o.split("=", 1)[0].strip() not in continuity.SET_BY_THE_LAUNCHER]
-        source, overrides, smoke = previous.source, kept + list(args.overrides), previous.smoke
+        source, overrides, smoke = previous.source, base, previous.smoke
+        note = _edited_recipe_note(previous, record)
+        if note:
+            print(note)
     if not fork:
         refused, why = continuity.refused_changes(previous.recipe, candidate.recipe)
         if refused:
@@ -247,14 +305,19 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
                 "(changes to where and how long it runs are allowed: RUNBOOK section 8); to change the rest, continue "
                 f"as a new run from its checkpoint: `python3 -m launcher RECIPE --fork {record.command_ref} --set ...`"
             )
-    checkpoint = jobs.newest_checkpoint(record)
+    started = previous.recipe.trainer.checkpoint
+    point = choose_resume_point(previous.checkpoint_dir(job_dir), started, chosen, f"job {record.job_id}")
+    checkpoint = point.checkpoint
     if checkpoint is None and fork:
         raise LaunchError(
             f"job {record.job_id} ({record.job_dir}) has no complete checkpoint to {flag.removeprefix('--')} from; "
             "fix: fork a job that reached trainer.checkpoint.every_steps, or start afresh with the recipe"
         )
+    for line in point.notes:
+        print(f"note: {line}")
+    for line in point.skipped:
+        print(f"skipped {line}")
     changed = continuity.changes(previous.recipe, candidate.recipe)
-    started = previous.recipe.trainer.checkpoint
     if checkpoint is None:  # the same run, from its own start: nothing of it was kept
         start = started.resume_from or started.init_from
         print(
@@ -263,7 +326,12 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
         )
     else:
         verb = "forking a new run from" if fork else "resuming from"
-        print(f"{verb} {_display_path(checkpoint)} (job {record.job_id})")
+        how = (
+            " (checked whole; named by --set trainer.checkpoint.resume_from)"
+            if point.chosen_by_operator
+            else (" (checked whole)")
+        )
+        print(f"{verb} {_display_path(checkpoint)} (job {record.job_id}){how}")
     if changed:
         print(f"  changed from job {record.job_id}: {'; '.join(c.describe() for c in changed)}")
     at_checkpoint = (

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from submitit.core import utils
 
+from launcher.failure_reason import batch_log_path, failure_reason
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
 from launcher.slurm_state import (
@@ -24,7 +25,7 @@ from launcher.slurm_state import (
     parse_sacct,
     query_sacct,
 )
-from runtime.shared.contracts import resume_command
+from runtime.shared.contracts import probe_again_command, resume_command
 from runtime.user_errors import UserError, file_kind_problem
 
 TERMINAL_JOB_STATES = {
@@ -162,6 +163,9 @@ def job_report(record: JobRecord) -> JobReport:
         state = "UNKNOWN"
     if any(r.state == "FAILED" for r in reports) and state not in TERMINAL_JOB_STATES:
         state = "FAILED"
+    if state in TERMINAL_JOB_STATES - {"COMPLETED"}:
+        reason = failure_reason(Path(record.job_dir), record.job_id, log_files(record, None, None))
+        note = "; ".join(part for part in (note, reason) if part)
     return JobReport(
         record=record,
         state=state,
@@ -198,6 +202,9 @@ def describe_parent(parent: dict[str, str]) -> str:
 
 def resume_hint(record: JobRecord) -> str:
     """The newest complete checkpoint of an ended job and the command that continues from it."""
+    if record.probe:
+        command = probe_again_command(record.job_dir, record.recipe_source, local=record.mode == "local")
+        return f"a probe keeps nothing to resume; run it again with `{command}`"
     command = resume_command(record.job_dir, local=record.mode == "local")
     try:
         newest = newest_checkpoint(record)
@@ -456,11 +463,15 @@ def print_logs(
     until the job reaches a terminal state."""
     stream = out or sys.stdout
     files = log_files(record, component, rank)
-    offsets = {path: 0 for path in files}
+    # A Slurm job that failed before its components started has only its batch script's log: shown
+    # while no task log exists (a missing site variable, a failed job.setup line say why there).
+    batch_log = batch_log_path(Path(record.job_dir), record.job_id) if record.mode == "slurm" else None
+    offsets = {path: 0 for path in [*files, *([batch_log] if batch_log else [])]}
     headers_printed: set[Path] = set()
 
     def drain() -> None:
-        for path in files:
+        shown = files if any(p.exists() for p in files) or batch_log is None else [*files, batch_log]
+        for path in shown:
             if not path.exists():
                 continue
             kind = file_kind_problem(path)
@@ -485,7 +496,12 @@ def print_logs(
     if not follow:
         missing = [p for p in files if not p.exists()]
         if missing and len(missing) == len(files):
-            print(f"(no logs yet: {', '.join(str(p) for p in missing)})", file=stream)
+            shown = batch_log is not None and batch_log in headers_printed
+            print(
+                f"(no component logs{' (the batch log above is all the job wrote)' if shown else ' yet'}: "
+                f"{', '.join(str(p) for p in missing)})",
+                file=stream,
+            )
         return
     while True:
         state = job_report(record).state

@@ -23,7 +23,7 @@ from launcher.environment import COMPONENTS, current_environment, local_placemen
 from launcher.jobs import JobRecord, write_local_status
 from runtime.files import DiskFullError
 from runtime.recipe import ResolvedRecipe
-from runtime.shared.contracts import TRAINER_EXIT_STOPPED, resume_command
+from runtime.shared.contracts import TRAINER_EXIT_STOPPED, probe_again_command, resume_command
 from runtime.shared.lifecycle import exit_text
 
 POLL_INTERVAL_S = 0.5
@@ -263,6 +263,8 @@ class LocalRun:
         text = log.read_text(errors="replace") if log.exists() else ""
         stopped = [line for line in text.splitlines() if "stopped after step" in line]
         resume = self.resume_command()
+        if self.probe:  # the probe keeps nothing: no step boundary, no checkpoint
+            return f"[local] STOPPED the probe (it measures the site and keeps nothing); run it again with `{resume}`"
         if kept and stopped:
             where = stopped[-1].split("[trainer] ", 1)[-1]
             return f"[local] STOPPED: {where}; resume with `{resume}`"
@@ -272,7 +274,9 @@ class LocalRun:
         )
 
     def resume_command(self) -> str:
-        """The command that continues this job from its newest checkpoint."""
+        """The command that continues this job from its newest checkpoint (a probe: runs it again)."""
+        if self.probe:
+            return probe_again_command(self.record.job_dir, self.record.recipe_source, local=True)
         return resume_command(self.record.job_dir, local=True)
 
     def _note_deaths(self, component: str | None = None) -> None:

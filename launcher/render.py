@@ -53,8 +53,14 @@ class RenderOptions:
     """Absolute repository folder (launcher submission); None uses the submit directory."""
 
 
-def environment_references(recipe: Recipe) -> dict[str, list[str]]:
-    """Environment variables the recipe's strings reference as ``${NAME}``, with the fields using them."""
+PROBE_READS = ("trainer.feature_cache.",)
+"""The recipe fields whose site paths a probe job reads (it measures the cache disk); the target, the
+data and the checkpoints it never opens."""
+
+
+def environment_references(recipe: Recipe, probe: bool = False) -> dict[str, list[str]]:
+    """Environment variables the recipe's strings reference as ``${NAME}``, with the fields using them;
+    for a probe job only those of the fields it reads (:data:`PROBE_READS`)."""
     found: dict[str, list[str]] = {}
 
     def walk(value: object, path: str) -> None:
@@ -69,6 +75,10 @@ def environment_references(recipe: Recipe) -> dict[str, list[str]]:
                 found.setdefault(name, []).append(path)
 
     walk(recipe.model_dump(mode="json", exclude={"smoke", "job"}), "")
+    if probe:
+        found = {
+            name: kept for name, fields in found.items() if (kept := [f for f in fields if f.startswith(PROBE_READS)])
+        }
     return found
 
 
@@ -224,7 +234,7 @@ def _site_settings(recipe: Recipe, options: RenderOptions) -> list[str]:
         shell_default("DSPARK_JOB_DIR", job_dir_default),
         f'DSPARK_RESOLVE_ARGS="${{DSPARK_RESOLVE_ARGS:-{_resolve_args(options)}}}"',
     ]
-    references = environment_references(recipe)
+    references = environment_references(recipe, options.probe)
     if references:
         lines.append("# Site paths the recipe reads from the environment:")
         for variable, fields in sorted(references.items()):

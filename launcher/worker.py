@@ -33,6 +33,7 @@ from submitit.slurm.slurm import SlurmJobEnvironment
 from launcher.component import STOP_GRACE_S, signal_group, start_component, stop_process
 from launcher.deaths import Death, claim_first_death
 from launcher.environment import COMPONENTS, current_environment, slurm_placement
+from launcher.failure_reason import not_requeued_line, record_not_requeued
 from launcher.hetjob import SUBMITIT_DIRNAME, ComponentJob, task_index
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.plots import plot_metrics
@@ -261,10 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         with utils.temporary_save_path(paths.result_pickle) as tmp:
             utils.cloudpickle_dump(("success", result), tmp)
         print(f"{log} finished in {result['elapsed_s']} s", flush=True)
-        if args.component == "trainer" and placement.rank == 0:
+        if args.component == "trainer" and placement.rank == 0 and not (args.probe or payload.probe):  # no training
             ok, message = plot_metrics(job_dir, resolved.repo_root)
             print(f"{log} {message}", flush=True)
         return 0
+    except utils.UncompletedJobError as exc:  # task 0 at a time-out whose requeues are spent: say so, no trace
+        line = not_requeued_line(str(exc), recipe.job.max_requeues)
+        with contextlib.suppress(OSError):
+            record_not_requeued(job_dir, str(exc), recipe.job.max_requeues)
+        print(f"{log} {line}; resume with `{resume_command_of(job_dir)}`", file=sys.stderr, flush=True)
+        _record_error(paths, line)
+        return 1
     except Exception:
         trace = traceback.format_exc()
         print(f"{log} failed:\n{trace}", file=sys.stderr, flush=True)

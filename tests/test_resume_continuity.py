@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from launcher import cli
 from launcher.control import job_report
 from launcher.jobs import JobRecord, find_record, write_record
+from launcher.resume_point import ResumePointError
 from runtime.recipe import continuity, load_recipe
 from runtime.shared.contracts import resume_command
 
@@ -119,18 +121,19 @@ def test_a_resume_that_changes_the_lr_is_refused_before_anything_starts(tmp_path
     job_dir = _job(runs, "trainer.optimizer.lr=0.001")
     before = sorted(p.name for p in (runs / "tiny").iterdir())
     done = subprocess.run(
-        [sys.executable, "-m", "launcher", "tiny", "--local", "--resume", "old-job", "--set", f"job.runs_dir={runs}"],
+        [sys.executable, "-m", "launcher", "tiny", "--local", "--resume", "old-job", "--set", f"job.runs_dir={runs}",
+         "--set", "trainer.optimizer.lr=0.002"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
-    assert line.startswith("error: cannot resume job old-job") and "trainer.optimizer.lr 0.001 -> 0.005" in line
+    assert line.startswith("error: cannot resume job old-job") and "trainer.optimizer.lr 0.001 -> 0.002" in line
     assert f"`python3 -m launcher --resume {job_dir} --local`" in line and f"--fork {job_dir} --set" in line
     assert sorted(p.name for p in (runs / "tiny").iterdir()) == before, "no job folder was made"
     # a schedule whose curve spans the run: a longer run is refused with the reason
     cosine = _job(runs, "trainer.schedule.type=cosine", "trainer.max_steps=16", job_id="cos-job")
     with pytest.raises(cli.LaunchError, match=r"trainer\.max_steps 16 -> null \(the run's length may change only"):
-        cli.continue_job(_args("tiny", "--resume", str(cosine), "--set", "trainer.schedule.type=cosine"))
+        cli.continue_job(_args("tiny", "--resume", str(cosine), "--set", "trainer.max_steps=null"))
 
 
 def test_a_job_without_a_checkpoint_resumes_as_the_same_run_from_its_start(tmp_path: Path, capsys) -> None:
@@ -162,3 +165,127 @@ def test_a_fork_takes_changes_and_records_its_parent(tmp_path: Path, capsys) -> 
     assert f"parent: forked from job old-job ({job_dir}) at {job_dir / 'checkpoints' / 'step_00000008'}" in shown
     with pytest.raises(cli.LaunchError, match="--resume and --fork exclude each other"):
         cli.submit(_args("tiny", "--fork", "old-job", "--resume", "old-job"))
+
+
+def _sealed_checkpoint(folder: Path, step: int, payload: bytes = b"weights") -> Path:
+    """A checkpoint folder as the trainer seals one: a dcp/ file recorded in trainer_state.json by size and
+    SHA-256, the state sealed by trainer_state.json.sha256 (no torch needed to check it)."""
+    from runtime.shared.checkpoint_integrity import file_digests, seal_json, write_seal
+
+    path = folder / f"step_{step:08d}"
+    (path / "dcp").mkdir(parents=True)
+    (path / "dcp" / "__0_0.distcp").write_bytes(payload * 100)
+    text, _ = seal_json({"step": step, "files": file_digests(path / "dcp")})
+    (path / "trainer_state.json").write_text(text)
+    write_seal(path, text.encode())
+    return path
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_whole_one_before_anything_starts(
+    tmp_path: Path, capsys
+) -> None:
+    """The printed resume command never loops on a refused checkpoint: the launcher checks the checkpoint
+    whole before anything starts and takes the newest whole one, saying what it skipped and why."""
+    runs = tmp_path / "runs"
+    job_dir = _job(runs, "trainer.optimizer.lr=0.001")
+    shutil.rmtree(job_dir / "checkpoints")
+    older = _sealed_checkpoint(job_dir / "checkpoints", 8)
+    newest = _sealed_checkpoint(job_dir / "checkpoints", 16)
+    (newest / "dcp" / "__0_0.distcp").write_bytes(b"flipped" * 100)  # same size, other bytes
+    loaded, parent = cli.continue_job(_args("--resume", str(job_dir)))
+    assert loaded.recipe.trainer.checkpoint.resume_from == str(older) and parent["checkpoint"] == str(older)
+    said = capsys.readouterr().out
+    assert f"skipped step_00000016 is not whole (checkpoint file {newest / 'dcp' / '__0_0.distcp'} is corrupt" in said
+    assert "resuming from" in said and "step_00000008 (job old-job) (checked whole)" in said
+    # The operator's own choice is honoured, not silently replaced by the newest checkpoint
+    loaded, _ = cli.continue_job(_args("--resume", str(job_dir), "--set", f"trainer.checkpoint.resume_from={older}"))
+    assert loaded.recipe.trainer.checkpoint.resume_from == str(older)
+    assert "named by --set trainer.checkpoint.resume_from" in capsys.readouterr().out
+    # ... and refused when it is the damaged one, naming the older one to take
+    with pytest.raises(ResumePointError, match=r"resume_from=.*step_00000016.*is corrupt.*step_00000008"):
+        cli.continue_job(_args("--resume", str(job_dir), "--set", f"trainer.checkpoint.resume_from={newest}"))
+    with pytest.raises(cli.LaunchError, match="init_from .* starts a new run instead"):
+        cli.continue_job(_args("--resume", str(job_dir), "--set", f"trainer.checkpoint.init_from={older}"))
+
+
+def test_a_job_that_failed_on_the_checkpoint_it_started_from_resumes_from_the_one_before_it(
+    tmp_path: Path, capsys
+) -> None:
+    """A run started from a checkpoint the trainer refused saved nothing of its own: its printed resume
+    command takes the newest whole checkpoint before the refused one (it used to take the refused one again)."""
+    runs = tmp_path / "runs"
+    parent_checkpoints = tmp_path / "parent" / "checkpoints"
+    older = _sealed_checkpoint(parent_checkpoints, 8)
+    refused = _sealed_checkpoint(parent_checkpoints, 16)
+    (refused / "trainer_state.json").write_text((refused / "trainer_state.json").read_text().replace("16", "17"))
+    job_dir = _job(runs, f"trainer.checkpoint.resume_from={refused}")
+    shutil.rmtree(job_dir / "checkpoints")
+    loaded, _ = cli.continue_job(_args("--resume", str(job_dir)))
+    assert loaded.recipe.trainer.checkpoint.resume_from == str(older)
+    assert "skipped step_00000016 is not whole" in capsys.readouterr().out
+    # nothing whole at all: refused before anything starts, each refusal named
+    (older / "trainer_state.json.sha256").unlink()
+    with pytest.raises(
+        ResumePointError, match="has no whole checkpoint to continue from: step_00000016 .*step_00000008"
+    ):
+        cli.continue_job(_args("--resume", str(job_dir)))
+
+
+def test_a_resume_that_names_the_recipe_keeps_the_runs_overrides_ports_included(tmp_path: Path, capsys) -> None:
+    """RUNBOOK's `launcher tiny --resume latest --set ...`: the recipe named again does not bring its default
+    ports back; the job's own --set come first, the ones given now after them."""
+    runs = tmp_path / "runs"
+    _job(runs, "job.master_port=45711", "transport.master_rpc_port=45712", "trainer.epochs=2")
+    loaded, _ = cli.continue_job(
+        _args("tiny", "--resume", "old-job", "--set", f"job.runs_dir={runs}", "--set", "trainer.epochs=3")
+    )
+    assert loaded.recipe.job.master_port == 45711 and loaded.recipe.transport.master_rpc_port == 45712
+    assert loaded.recipe.trainer.epochs == 3
+    assert "job.master_port" not in capsys.readouterr().out, "the ports are not a change"
+
+
+def test_a_resume_says_when_the_recipe_file_changed_since_the_job_ran(tmp_path: Path, capsys) -> None:
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    recipe = recipes / "mine.yaml"
+    recipe.write_text(TINY.read_text())
+    runs = tmp_path / "runs"
+    job_dir = runs / "mine" / "old"
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "resolve", str(recipe), "--job-dir", str(job_dir), "--set", f"job.runs_dir={runs}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    write_record(
+        JobRecord(job_id="old", mode="local", name="tiny", job_dir=str(job_dir), recipe_source=str(recipe),
+                  recipe_digest="0" * 64, smoke=False, probe=False, components={"capture": 1, "trainer": 4}),
+        runs,
+    )  # fmt: skip
+    recipe.write_text(TINY.read_text().replace("weight_decay: 0.0", "weight_decay: 0.01"))
+    cli.continue_job(_args("--resume", str(job_dir)))
+    said = capsys.readouterr().out
+    assert f"note: {recipe} has changed since job old ran (trainer.optimizer.weight_decay 0.0 -> 0.01)" in said
+    assert "continues with the job's own recipe" in said
+
+
+def test_a_probe_job_is_not_resumed_and_its_stop_says_to_run_the_probe_again(tmp_path: Path) -> None:
+    from launcher.control import resume_hint
+    from runtime.shared.contracts import resume_command_of
+
+    runs = tmp_path / "runs"
+    job_dir = _job(runs, "job.master_port=45711")
+    record = find_record(str(job_dir), runs)
+    record.probe = True
+    write_record(record, runs)
+    with pytest.raises(
+        cli.LaunchError,
+        match=r"was a --probe job.*run the probe again, `python3 -m launcher recipes/tiny.yaml --probe`",
+    ):
+        cli.continue_job(_args("--resume", str(job_dir)))
+    again = (
+        f"python3 -m launcher recipes/tiny.yaml --probe --set job.runs_dir={runs} --set job.master_port=45711 --local"
+    )
+    assert resume_command_of(job_dir) == again
+    assert (
+        resume_hint(find_record(str(job_dir), runs)) == f"a probe keeps nothing to resume; run it again with `{again}`"
+    )

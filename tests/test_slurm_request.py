@@ -92,6 +92,20 @@ def test_the_plan_explains_the_time_limit_and_warns_when_the_run_would_not_fit()
     assert not [f for f in plan.findings if "job.time_limit_min" in f.message]
 
 
+def test_the_k3_smoke_job_asks_for_the_time_its_plan_needs_and_runbook_says_so() -> None:
+    """The smoke overlay's time limit is its plan's suggestion rounded up to 10 minutes (no 4 h request
+    for a job the docs call short), and RUNBOOK's two mentions name that number."""
+    smoke = load_recipe(K3, smoke=True).recipe
+    suggested = make_plan(smoke).numbers["time_limit_suggested_min"]
+    assert smoke.job.time_limit_min == math.ceil(suggested / 10) * 10
+    text = " ".join((REPO / "RUNBOOK.md").read_text().split())
+    assert f"The smoke job asks Slurm for {smoke.job.time_limit_min} minutes on both nodes" in text
+    assert f"{suggested} minutes" in text
+    assert f"holds the job's two nodes for at most {smoke.job.time_limit_min} minutes" in text
+    script = render_script(smoke, RenderOptions(recipe_file="recipes/kimi_k3_v1c.yaml", smoke=True))
+    assert script.count(f"#SBATCH --time={smoke.job.time_limit_min}\n") == 2
+
+
 def test_the_eval_job_asks_for_the_served_targets_memory_not_the_site_default() -> None:
     """The eval job serves K3 as capture does (experts streamed from host memory, 8 TP processes) with
     no Mooncake: its --mem is the streamed experts plus the allowances, below the capture node's."""

@@ -144,7 +144,11 @@ class ProbeSetup:
     measure_bytes: int
     """Bytes each measurement moves."""
     cache_dir: Path | None
-    """The trainer's feature-cache folder when the cache is on (its disk is measured)."""
+    """The trainer's feature-cache folder when the cache is on (its disk is measured), its ``${VAR}``
+    expanded from this node's environment."""
+    cache_dir_unset: str
+    """Why the cache folder cannot be measured although the cache is on (a variable this node lacks);
+    empty otherwise."""
 
 
 def probe_setup(resolved: Any) -> ProbeSetup:
@@ -152,12 +156,21 @@ def probe_setup(resolved: Any) -> ProbeSetup:
     ``DSPARK_PROBE_MEASURE_BYTES`` win over it)."""
     recipe = resolved.recipe
     cache = recipe.trainer.feature_cache
+    cache_dir = resolved.resolve_path(cache.dir) if cache.enabled and cache.dir else None
+    unset = ""
+    if cache_dir is not None and "$" in str(cache_dir):  # never a folder literally named ${K3_...}
+        unset = (
+            f"trainer.feature_cache.dir {cache.dir!r} names an environment variable this node does not have; "
+            "export it before submitting (the launcher refuses a probe without it)"
+        )
+        cache_dir = None
     return ProbeSetup(
         job_dir=Path(os.environ.get(contracts.ENV_JOB_DIR, resolved.job_dir)),
         transport=TransportSettings.from_recipe(recipe),
         # probe_measure_bytes, unless DSPARK_PROBE_MEASURE_BYTES says otherwise
         measure_bytes=int(os.environ.get("DSPARK_PROBE_MEASURE_BYTES", probe_measure_bytes(recipe))),
-        cache_dir=Path(cache.dir) if cache.enabled and cache.dir else None,
+        cache_dir=cache_dir,
+        cache_dir_unset=unset,
     )
 
 
@@ -187,6 +200,8 @@ def _measure_site_facts(component: str, setup: ProbeSetup) -> Path:
         cache_dir = setup.cache_dir
         if cache_dir is not None:
             attempt("cache_read_gbps", lambda: probe_measure.cold_read_gbps(cache_dir, size))
+        elif setup.cache_dir_unset:
+            skipped["cache_read_gbps"] = setup.cache_dir_unset
         else:
             skipped["cache_read_gbps"] = "trainer.feature_cache is off: measured the job folder's disk instead"
             attempt("job_dir_read_gbps", lambda: probe_measure.cold_read_gbps(job_dir / SITE_FACTS_DIRNAME, size))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.recipe.fit.slurm_request import PROBE_EVICTION_WATERMARK, PROBE_LINK_OBJECTS, probe_segment_bytes
 from runtime.transport.endpoints import Endpoints
 from runtime.transport.master import MasterProcess
 from runtime.transport.settings import TransportSettings
@@ -26,7 +27,7 @@ from runtime.transport.store import StoreClient
 LINK_KEY_PREFIX = "dspark-probe-link"
 DONE_KEY = f"{LINK_KEY_PREFIX}/done"
 """Trainer rank 0 puts this key once it has read every object (or given up): the capture may stop."""
-OBJECTS = 4
+OBJECTS = PROBE_LINK_OBJECTS
 """Objects put and read; the first read pays for fresh allocations and is not counted."""
 POLL_S = 0.2
 MIB = 2**20
@@ -42,10 +43,13 @@ def serve_link_objects(
 ) -> str:
     """Capture rank 0: serve :data:`OBJECTS` objects of ``object_bytes`` from a master on ``bind_address``
     until trainer rank 0 has read them or ``timeout_s`` has passed; returns what happened, in words."""
-    # The recipe's eviction watermark is sized for its samples, not for these objects: keep them.
-    master_settings = dataclasses.replace(transport.master(bind_address), eviction_high_watermark_ratio=0.95)
+    # The recipe's eviction watermark is sized for its samples, not for these objects; the segment holds
+    # them below the probe's own watermark, so the master never evicts one before it is read.
+    master_settings = dataclasses.replace(
+        transport.master(bind_address), eviction_high_watermark_ratio=PROBE_EVICTION_WATERMARK
+    )
     endpoints = Endpoints.on_host(transport.ports, bind_address, bind_address)
-    client_settings = transport.client(endpoints, segment_bytes=OBJECTS * object_bytes + 64 * MIB)
+    client_settings = transport.client(endpoints, segment_bytes=probe_segment_bytes(OBJECTS, object_bytes))
     source = _pattern(object_bytes)
     with (
         MasterProcess(master_settings, log_dir / "probe_link_mooncake_master.log"),

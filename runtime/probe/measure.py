@@ -215,6 +215,7 @@ def store_put_get_gbps(object_bytes: int, log_dir: Path) -> tuple[float, float, 
     own segment, through a private master on loopback (free ports, stopped afterwards)."""
     import torch
 
+    from runtime.recipe.fit.slurm_request import PROBE_EVICTION_WATERMARK, probe_segment_bytes
     from runtime.transport.loopback import LOOPBACK, free_port
     from runtime.transport.master import MasterProcess, MasterSettings
     from runtime.transport.settings import ClientSettings
@@ -226,7 +227,7 @@ def store_put_get_gbps(object_bytes: int, log_dir: Path) -> tuple[float, float, 
         metadata_http_port=free_port(),
         metrics_port=free_port(),
         kv_lease_ttl_s=60,
-        eviction_high_watermark_ratio=0.95,
+        eviction_high_watermark_ratio=PROBE_EVICTION_WATERMARK,
     )
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     source = torch.ones(object_bytes, dtype=torch.uint8)
@@ -234,7 +235,7 @@ def store_put_get_gbps(object_bytes: int, log_dir: Path) -> tuple[float, float, 
     with MasterProcess(settings, log_dir / "probe_mooncake_master.log") as master:
         client_settings = ClientSettings(
             endpoints=master.settings.endpoints_for_clients,
-            segment_bytes=2 * object_bytes + 64 * MIB,
+            segment_bytes=probe_segment_bytes(2, object_bytes),  # a removed object may linger a moment
             local_buffer_bytes=64 * MIB,
             transfer_timeout_s=60,
             max_retries=2,

@@ -45,12 +45,28 @@ def resume_command(job_dir: str | Path, local: bool) -> str:
     return f"python3 -m launcher --resume {shell_word(str(job_dir))}{' --local' if local else ''}"
 
 
+def probe_again_command(job_dir: str | Path, recipe_source: str, local: bool) -> str:
+    """The command that runs a site probe again, with the --set overrides its job was resolved with: a probe
+    job trains nothing, so it has nothing to resume."""
+    from runtime.recipe.loader import RESOLVED_FILENAME  # the recipe layer imports this module's neighbours
+
+    try:
+        overrides = json.loads((Path(job_dir) / RESOLVED_FILENAME).read_text())["overrides"]
+        sets = "".join(f" --set {shell_word(str(item))}" for item in overrides)
+    except (OSError, ValueError, KeyError, TypeError):
+        sets = ""
+    return f"python3 -m launcher {shell_word(recipe_source)} --probe{sets}{' --local' if local else ''}"
+
+
 def resume_command_of(job_dir: Path) -> str:
     """:func:`resume_command` for the job in ``job_dir``, from its ``job.json`` (a component knows only
-    its folder; Slurm when the record cannot be read)."""
+    its folder; Slurm when the record cannot be read); for a probe job, :func:`probe_again_command`."""
     try:
         record = json.loads((job_dir / JOB_RECORD_FILENAME).read_text())
-        return resume_command(job_dir, record.get("mode") == "local")
+        local = record.get("mode") == "local"
+        if record.get("probe") is True and isinstance(record.get("recipe_source"), str):
+            return probe_again_command(job_dir, record["recipe_source"], local)
+        return resume_command(job_dir, local)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return resume_command(job_dir, local=False)
 

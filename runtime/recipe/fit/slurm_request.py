@@ -49,9 +49,25 @@ PROBE_PROCESS_ALLOWANCE_BYTES = 2 * GIB
 PROBE_MEASURE_BYTES_RANGE = (64 * 2**20, 2**30)
 """Bytes each probe measurement moves (per GPU for the host-to-device copies): the recipe's largest
 sample, within this range (K3: 1 GiB; the tiny recipe: 64 MiB)."""
-PROBE_BUFFERS = 6
-"""Measurement buffers of one probe node besides one per GPU: the link's four served objects, the
-put's object and its copy read back."""
+PROBE_LINK_OBJECTS = 4
+"""Objects the probe's link measurement serves from the capture node (the first read pays for fresh
+allocations and is not counted)."""
+PROBE_EVICTION_WATERMARK = 0.95
+"""The eviction high watermark of the probe's own Mooncake masters: the master evicts objects once its
+segments are fuller than this share, so a probe segment holds its objects below it."""
+PROBE_SEGMENT_SLACK_BYTES = 64 * 2**20
+"""Room beyond the watermark's share in a probe segment, for the allocator's rounding."""
+PROBE_BUFFERS = 3
+"""Measurement buffers of one probe node besides one per GPU and the store segment: the put's object,
+its copy read back, and the link's object read back on the trainer node."""
+
+
+def probe_segment_bytes(objects: int, object_bytes: int) -> int:
+    """The Mooncake segment that holds ``objects`` objects of ``object_bytes`` with no eviction: their
+    bytes over :data:`PROBE_EVICTION_WATERMARK`, plus :data:`PROBE_SEGMENT_SLACK_BYTES`. A segment of
+    exactly the objects' bytes has the master evict one of them before it is read (four 1 GiB objects
+    in 4.06 GiB at a 95% watermark did)."""
+    return math.ceil(objects * object_bytes / PROBE_EVICTION_WATERMARK) + PROBE_SEGMENT_SLACK_BYTES
 
 
 @dataclass(frozen=True)
@@ -180,4 +196,8 @@ def probe_memory_request(recipe: Recipe, component: str) -> MemoryRequest:
         * PROBE_PROCESS_ALLOWANCE_BYTES,
         f"{buffers} measurement buffer(s) x {format_bytes(size)}": buffers * size,
     }
+    if component == "capture":  # the link's objects, in a segment that never evicts them
+        margin[f"the link's Mooncake segment for {PROBE_LINK_OBJECTS} x {format_bytes(size)}"] = probe_segment_bytes(
+            PROBE_LINK_OBJECTS, size
+        )
     return MemoryRequest(component, {}, margin, None)
