@@ -97,15 +97,21 @@ def test_tiny_with_streamed_experts_trains_exactly_like_resident(tmp_path: Path,
     assert final_weights(streamed / "checkpoints") == weights_at(tiny_reference_run / "checkpoints", 8)
 
 
-def test_a_corrupt_checkpoint_is_refused_in_one_console_line(tmp_path: Path, tiny_reference_run: Path) -> None:
+def test_a_corrupt_checkpoint_is_refused_in_one_console_line_and_the_printed_resume_works(
+    tmp_path: Path, tiny_reference_run: Path
+) -> None:
     """Resuming from a checkpoint with flipped bytes: the console says why and what to do once, with no
-    traceback; the traceback is kept beside the logs."""
+    traceback; the traceback is kept beside the logs. The resume command the failure prints, run as
+    printed, does not loop on the refused checkpoint: checked on the login node first, it skips it for the
+    one before it and continues bit for bit as the uninterrupted reference run."""
+    import shlex
     import shutil
 
     from tests.support.launcher_cli import probe_overrides
 
-    checkpoint = tmp_path / "checkpoints" / "step_00000008"
-    shutil.copytree(tiny_reference_run / "checkpoints" / "step_00000008", checkpoint)
+    for step in ("step_00000008", "step_00000016"):
+        shutil.copytree(tiny_reference_run / "checkpoints" / step, tmp_path / "checkpoints" / step)
+    checkpoint = tmp_path / "checkpoints" / "step_00000016"
     shard = max((checkpoint / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
@@ -130,3 +136,18 @@ def test_a_corrupt_checkpoint_is_refused_in_one_console_line(tmp_path: Path, tin
     assert failed in console, console[-3000:]
     (job_dir,) = (runs / "tiny").iterdir()
     assert "CheckpointError" in (job_dir / "logs" / "trainer_0.traceback.txt").read_text()
+
+    # The printed resume command, as printed (the job's own recipe: its ports, its runs folder).
+    (printed,) = {m for m in re.findall(r"resume with `([^`]+)`", console)}
+    assert printed == f"python3 -m launcher --resume {job_dir} --local", printed
+    resumed = launch(shlex.split(printed)[3:])
+    console = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, console[-3000:]
+    lines = console.splitlines()
+    skipped = [i for i, line in enumerate(lines) if line.startswith("skipped step_00000016 is not whole (checkpoint")]
+    chosen = [i for i, line in enumerate(lines) if line.startswith("resuming from ") and "step_00000008" in line]
+    started = [i for i, line in enumerate(lines) if line.startswith("[local] job ")]
+    assert skipped and chosen and started and skipped[0] < chosen[0] < started[0], console[:3000]
+    (again,) = set((runs / "tiny").iterdir()) - {job_dir}
+    assert [r["step"] for r in metrics(again)] == list(range(9, 33)), "continued from step 8"
+    assert final_weights(again / "checkpoints") == final_weights(tiny_reference_run / "checkpoints")

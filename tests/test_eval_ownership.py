@@ -45,9 +45,16 @@ def test_another_runs_checkpoint_is_refused_naming_its_run_and_the_way_to_evalua
     export = theirs / "checkpoints" / "export-step_00000008"
     export.mkdir()
     (export / "config.json").write_text("{}")
-    with pytest.raises(DraftSourceError, match="belongs to job folder"):
+    with pytest.raises(DraftSourceError, match="belongs to job folder") as err:
         refuse_another_runs_draft(resolve_draft_source(str(export), mine / "checkpoints"), mine / "checkpoints",
                                   "local-a", out_given=False)  # fmt: skip
+    # The refusal's own fix works as printed: the export named as the owner's own, by its folder name.
+    assert f"`python3 -m launcher eval {theirs} --checkpoint export-step_00000008`" in str(err.value)
+    by_name = resolve_draft_source("export-step_00000008", theirs / "checkpoints")
+    assert (by_name.kind, by_name.path, by_name.step) == ("export", export, 8)
+    refuse_another_runs_draft(by_name, theirs / "checkpoints", "theirs", out_given=False)
+    with pytest.raises(DraftSourceError, match="is not an exported draft.*this run has export-step_00000008"):
+        resolve_draft_source("export-step_00000016", theirs / "checkpoints")
 
 
 def test_launcher_eval_refuses_another_runs_checkpoint_before_anything_starts(tmp_path: Path) -> None:

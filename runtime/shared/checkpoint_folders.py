@@ -85,7 +85,8 @@ class DraftSource:
 
 
 def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
-    """``latest``, ``step_N``, ``N``, ``untrained``, a checkpoint folder or an export folder."""
+    """``latest``, ``step_N``, ``N``, ``untrained``, ``export-step_N`` (an export in the run's checkpoint
+    folder), a checkpoint folder or an export folder."""
     if value == UNTRAINED:
         return DraftSource(UNTRAINED, None, UNTRAINED, 0)
     if value == LATEST:
@@ -107,7 +108,16 @@ def resolve_draft_source(value: str, checkpoint_dir: Path) -> DraftSource:
                 f"{', '.join(have) or 'none'} (keep_last removes older ones); fix: pick one of them"
             )
         return _checkpoint(path)
-    path = Path(value).expanduser()
+    if re.fullmatch(r"export-step_\d+", value):  # by name, as refusals print it
+        path = checkpoint_dir / value
+        if not (path / EXPORT_CONFIG_FILE).is_file():
+            have = sorted(p.name for p in checkpoint_dir.glob("export-step_*") if (p / EXPORT_CONFIG_FILE).is_file())
+            raise DraftSourceError(
+                f"--checkpoint {value}: {path} is not an exported draft (no {EXPORT_CONFIG_FILE}); this run has "
+                f"{', '.join(have) or 'no export'}; fix: pick one of them, or a checkpoint (step_N)"
+            )
+    else:
+        path = Path(value).expanduser()
     if is_complete(path):
         return _checkpoint(path)
     if path.is_dir() and (path / STATE_FILE).is_file():
