@@ -761,10 +761,13 @@ def _render_parser() -> argparse.ArgumentParser:
 def render(argv: list[str]) -> int:
     """``render``: write (or with --check, compare) sbatch/<name>.sbatch for recipes."""
     args = _render_parser().parse_args(argv)
+    if args.stdout and (args.check or args.out is not None):
+        raise LaunchError("--stdout prints the scripts; it goes with neither --check nor --out. Fix: give one of them")
     names = args.recipes or sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     stale = []
     for name in names:
         loaded = load(name, [], False)
+        _refuse_shared_script_name(find_recipe_file(name, RECIPES_DIR), loaded)
         scripts = [
             (
                 sbatch_path(REPO_ROOT, loaded.recipe),
@@ -793,6 +796,26 @@ def render(argv: list[str]) -> int:
         print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_shared_script_name(recipe_path: Path, loaded: LoadedRecipe) -> None:
+    """A recipe of recipes/ renders to sbatch/<job.name>.sbatch: two recipes there with one job.name would
+    write each other's scripts. Refused, naming both, before anything is written."""
+    if recipe_path.resolve().parent != RECIPES_DIR.resolve():
+        return
+    for other in sorted(RECIPES_DIR.glob("*.yaml")):
+        if other.resolve() == recipe_path.resolve():
+            continue
+        try:
+            name = load(str(other), [], False).recipe.job.name
+        except (UserError, OSError):
+            continue  # a broken neighbour is its own render's refusal
+        if name == loaded.recipe.job.name:
+            raise LaunchError(
+                f"{_display_path(recipe_path)} and {_display_path(other)} both have job.name {name!r}, so both would "
+                f"render to sbatch/{name}.sbatch and overwrite each other's script; nothing was written. Fix: give "
+                f"{_display_path(recipe_path)} a job.name of its own"
+            )
 
 
 def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Path | None) -> list[tuple[Path, str]]:

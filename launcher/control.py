@@ -17,6 +17,7 @@ from submitit.core import utils
 from launcher.failure_reason import batch_log_path, failure_reason
 from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
+from launcher.slurm_args import checked_job_id
 from launcher.slurm_state import (
     ComponentState,
     SlurmUnreachableError,
@@ -416,7 +417,9 @@ def cancel_job(record: JobRecord) -> str:
             f"(`python3 -m launcher status {record.command_ref}` shows how it ended)"
         )
     # The leader id cancels all het components at once.
-    done = subprocess.run(["scancel", record.job_id], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["scancel", checked_job_id(record.job_id)], capture_output=True, text=True, timeout=60, check=False
+    )
     if "invalid job id" in done.stderr.lower():
         raise CancelError(
             f"Slurm does not know job {record.job_id} (scancel: {done.stderr.strip()}): it ended long ago, or ran on "

@@ -10,6 +10,7 @@ in as ``sbatch/NAME.eval.sbatch`` for manual submission. Results land in ``<job>
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from launcher import jobs
 from launcher.component import ChildStopped, run_attached
 from launcher.render import comment_text, container_args, resource_flags, sbatch_lines, shell_word
+from launcher.slurm_args import checked_job_id, export_environment, output_pattern
 from runtime.files import atomic_write_text
 from runtime.recipe import Recipe, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
@@ -226,10 +228,6 @@ def submit_eval_job(
             "or evaluate on this machine with --local"
         )
     extra = " ".join(extra_args or [])
-    if "," in extra or "," in checkpoint:
-        raise EvalLaunchError(
-            f"eval arguments {extra!r} contain a comma, which sbatch --export cannot carry; fix: drop it"
-        )
     if recipe.eval is None:
         raise EvalLaunchError(
             f"job {job_dir} was resolved without an eval: section; the Slurm eval reads it from there. Fix: run with "
@@ -239,17 +237,23 @@ def submit_eval_job(
     eval_dir.mkdir(parents=True, exist_ok=True)
     script = eval_dir / f"{recipe.job.name}{EVAL_SCRIPT_SUFFIX}"
     atomic_write_text(script, render_eval_script(recipe, recipe_file))
-    exports = f"ALL,DSPARK_REPO={repo_root},DSPARK_JOB_DIR={job_dir},DSPARK_EVAL_CHECKPOINT={checkpoint}"
-    command = [
-        sbatch,
-        "--parsable",
-        f"--export={exports},DSPARK_EVAL_ARGS={extra}",
-        f"--output={eval_dir}/slurm-%j.out",
-    ]
+    # The job's settings travel in sbatch's environment (--export=ALL), never inside --export=, which
+    # splits at commas: a folder named "a,PATH=/x" must stay one value.
+    exports = export_environment(
+        {
+            "DSPARK_REPO": str(repo_root),
+            "DSPARK_JOB_DIR": str(job_dir),
+            "DSPARK_EVAL_CHECKPOINT": checkpoint,
+            "DSPARK_EVAL_ARGS": extra,
+        }
+    )
+    command = [sbatch, "--parsable", "--export=ALL", f"--output={output_pattern(str(eval_dir))}/slurm-%j.out"]
     if after_job is not None:
-        command.append(f"--dependency=afterok:{after_job}")
+        command.append(f"--dependency=afterok:{checked_job_id(after_job)}")
     command.append(str(script))
-    done = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, cwd=repo_root, capture_output=True, text=True, check=False, env={**os.environ, **exports}
+    )
     if done.returncode != 0:
         raise EvalLaunchError(f"sbatch refused the eval job: {done.stderr.strip() or done.stdout.strip()}")
     # `--parsable` prints `ID` or `ID;CLUSTER`; some sites wrap sbatch and print "Submitted batch job ID".

@@ -22,8 +22,10 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from launcher.slurm_args import job_id_problem
 from runtime.files import atomic_write_text
 from runtime.recipe import LoadedRecipe
+from runtime.recipe.schema import JOB_NAME
 from runtime.shared.checkpoint_folders import find_latest
 from runtime.shared.contracts import JOB_FOLDER_SETTING, JOB_RECORD_FILENAME
 from runtime.user_errors import UserError, file_kind_problem, output_place, shell_word
@@ -165,7 +167,11 @@ def find_record(job: str, runs_dir: Path, runs_dir_hint: str = "pass --runs-dir"
 
     A record read from a folder describes that folder: a job folder copied or moved elsewhere is the
     copy's own job, not the original's."""
-    candidates = [Path(job), runs_dir / INDEX_DIRNAME / job]
+    # A bare id names the indexed job first: a folder of the current directory that happens to carry the
+    # same name (a copy, a stray ``mkdir 4242``) must not win over runs/jobs/4242.
+    indexed = runs_dir / INDEX_DIRNAME / job
+    bare = "/" not in job and job not in (".", "..")
+    candidates = [indexed, Path(job)] if bare and (indexed / JOB_RECORD_FILENAME).exists() else [Path(job), indexed]
     for folder in candidates:
         record_file = folder / JOB_RECORD_FILENAME
         if record_file.exists():
@@ -234,6 +240,13 @@ def _record_problem(record: JobRecord) -> str | None:
             return f"field {name!r} is {getattr(record, name)!r}, not text"
     if record.mode not in ("slurm", "local"):
         return f"field 'mode' is {record.mode!r}, not 'slurm' or 'local'"
+    problem = job_id_problem(record.job_id, record.mode)
+    if problem:  # it reaches scancel/sacct and the terminal: never an option, a list or escape codes
+        return f"field 'job_id': {problem}"
+    if not JOB_NAME.fullmatch(record.name):
+        return f"field 'name' is {record.name!r}, not a job name (letters, digits, _ . -)"
+    if record.eval_job_id is not None and job_id_problem(str(record.eval_job_id), "slurm"):
+        return f"field 'eval_job_id': {job_id_problem(str(record.eval_job_id), 'slurm')}"
     for name in ("smoke", "probe"):
         if not isinstance(getattr(record, name), bool):
             return f"field {name!r} is {getattr(record, name)!r}, not true or false"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from launcher.environment import COMPONENTS
 from launcher.jobs import CAPTURE_STOP_FILENAME
+from launcher.slurm_args import JOB_DIR_IN_OUTPUT, output_pattern
 from runtime.recipe import Recipe
 from runtime.recipe.fit.slurm_request import PROBE_TIME_LIMIT_MIN, memory_request, probe_memory_request
 from runtime.recipe.schema import ComponentResources
@@ -187,7 +188,7 @@ def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> lis
     if options.job_dir is None:
         flags.append(("output", "slurm-%x-%j.out"))
     else:
-        flags.append(("output", f"{options.job_dir}/logs/batch_%j.out"))
+        flags.append(("output", f"{output_pattern(options.job_dir)}/logs/batch_%j.out"))
     flags += sorted(resources.extra_sbatch.items())
     return sbatch_lines(flags)
 
@@ -296,7 +297,7 @@ def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
             f"--het-group={index}",
             "--kill-on-bad-exit=1",
             "--unbuffered",
-            f'--output="$DSPARK_JOB_DIR/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
+            f'--output="{JOB_DIR_IN_OUTPUT}/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
         ]
         srun += container_args(recipe)
         srun += [shell_word(a) for a in resources.srun_args]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
+from launcher.slurm_args import checked_job_id
+
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList", "Reason")
 
 PENDING_STATES = {"PENDING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -118,7 +120,7 @@ SLURM_FIX = (
 
 def query_sacct(job_id: str, timeout_s: float = 30.0) -> str:
     """Run sacct for ``job_id`` (all components and steps); raises SlurmUnreachableError when unavailable."""
-    command = ["sacct", "-j", job_id, "-o", ",".join(SACCT_FIELDS), "--parsable2", "--noconvert"]
+    command = ["sacct", "-j", checked_job_id(job_id), "-o", ",".join(SACCT_FIELDS), "--parsable2", "--noconvert"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError as exc:

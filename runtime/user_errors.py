@@ -92,7 +92,7 @@ def shell_word(value: str) -> str:
 
     A control character cannot be made safe on one script line (a newline starts a new command or
     ``#SBATCH`` line): the recipe schema refuses those at load time, and this refuses them again."""
-    if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
+    if re.search(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]", value):
         raise ValueError(f"{value!r} holds a control character; it cannot go into a batch script line")
     return shlex.quote(value)
 
@@ -175,25 +175,69 @@ def require_regular_file(path: Path, what: str, fix: str) -> Path:
     return path
 
 
-def output_place(path: Path, what: str, *, within: Path | None = None, fix: str = "give another path") -> Path:
-    """The one rule for where a command may write: ``path`` (a folder or file it was given or made)
-    with its symbolic links resolved, refused when that is the filesystem root or the home folder
-    itself, or, with ``within``, when it leaves ``within`` (a job folder whose link points out of its
-    runs folder). Returns the resolved path, which the caller then writes to."""
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The repository checkout this code runs from."""
+CHECKED_IN_FOLDERS = (".ci", ".git", "launcher", "patches", "recipes", "runtime", "sbatch", "tests", "tools")
+"""Folders of the checkout that hold only what is checked in: no run, tool or test output goes there
+(``render`` alone writes ``sbatch/``, by its own path)."""
+
+
+def _checked_in_file(path: Path) -> bool:
+    """Whether ``path`` (inside the checkout) is a file git tracks; without git, any existing file directly
+    in the checkout's root (README.md, RUNBOOK.md, pyproject.toml) counts as one."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(CHECKOUT), "ls-files", "--error-unmatch", "--", str(path)],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return path.is_file() and path.parent == CHECKOUT
+    if done.returncode == 0:
+        return True
+    not_a_repository = b"not a git repository" in done.stderr
+    return not_a_repository and path.is_file() and path.parent == CHECKOUT
+
+
+def write_place_problem(path: Path, *, within: Path | None = None) -> str | None:
+    """Why nothing may be written at ``path`` (a folder or file a command was given or made), or None: the
+    filesystem root or a home folder itself; ``~`` where HOME is empty (it would mean the root); the
+    checkout itself, its checked-in folders (:data:`CHECKED_IN_FOLDERS`) or a checked-in file; with
+    ``within``, outside ``within``. Symbolic links are resolved first."""
+    if str(path).startswith("~") and os.environ.get("HOME", None) == "":
+        return "starts with ~, but HOME is empty here, so it would mean the filesystem root"
     resolved = path.expanduser().resolve()
     link = f" ({path} is a symbolic link to it)" if resolved != path.expanduser().absolute() else ""
     if resolved == Path(resolved.anchor):
-        raise UserError(f"{what} {path} is the filesystem root{link}: nothing is written there; fix: {fix}")
-    if resolved == Path.home().resolve():
-        raise UserError(f"{what} {path} is your home folder itself{link}: nothing is written there; fix: {fix}")
+        return f"is the filesystem root{link}"
+    if resolved == Path.home().resolve() or (resolved.parent.name == "home" and resolved.parent.parent == Path("/")):
+        return f"is a home folder itself{link}"
+    if resolved == CHECKOUT:
+        return f"is the repository checkout itself{link}"
+    if CHECKOUT in resolved.parents:
+        top = resolved.relative_to(CHECKOUT).parts[0]
+        if top in CHECKED_IN_FOLDERS:
+            return f"is in the checkout's checked-in folder {top}/{link}"
+        if resolved.exists() and not resolved.is_dir() and _checked_in_file(resolved):
+            return f"is a checked-in file of the repository{link}"
     if within is not None:
         place = within.expanduser().resolve()
         if resolved != place and place not in resolved.parents:
-            raise UserError(
-                f"{what} {path} resolves to {resolved}{link}, outside {place} where it belongs: nothing is written "
-                f"there; fix: {fix}"
-            )
-    return resolved
+            return f"resolves to {resolved}{link}, outside {place} where it belongs"
+    return None
+
+
+def output_place(path: Path, what: str, *, within: Path | None = None, fix: str = "give another path") -> Path:
+    """The one rule for where a command may write (:func:`write_place_problem`), applied before the first
+    byte: refused with one line naming ``what``, the path and ``fix``. Returns the resolved path, which the
+    caller then writes to."""
+    problem = write_place_problem(path, within=within)
+    if problem:
+        raise UserError(f"{what} {path} {problem}: nothing is written there; fix: {fix}")
+    return path.expanduser().resolve()
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -60,9 +60,9 @@ def test_a_run_stopped_at_step_16_resumes_exactly(tmp_path: Path, tiny_reference
     assert [r["loss"] for r in stopped_records] == [r["loss"] for r in records[:16]]
     assert final_weights(shared) == weights_at(reference_checkpoints, 16)
 
-    # The runbook's way: the recipe at its full length resumes the 16-step job (a longer run is the same
-    # run at tiny's constant learning rate); its own checkpoint folder is a result field, given again.
-    resumed = run_tiny("local", runs, f"trainer.checkpoint.dir={shared}", flags=("--resume", str(stopped)))
+    # The runbook's way: the recipe named again, the job's own --set kept, its max_steps lifted (a longer run
+    # is the same run at tiny's constant learning rate).
+    resumed = run_tiny("local", runs, "trainer.max_steps=null", flags=("--resume", str(stopped)))
     resumed_records = metrics(resumed)
     assert [r["step"] for r in resumed_records] == list(range(17, 33)), "continued from step 16"
     assert [row for r in resumed_records for row in r["row_indices"]] == prompt_rows(128, 128)

@@ -6,6 +6,7 @@ Slurm answers badly. These run anywhere, without root; the real local cluster te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -190,9 +191,10 @@ def test_eval_is_submitted_as_a_one_node_job_running_the_rendered_script(fake: F
     assert call["script"] == render_eval_script(recipe, "recipes/tiny.yaml")
     argv = call["argv"]
     assert "--parsable" in argv and f"--output={record.job_dir}/eval/slurm-%j.out" in argv
-    (exports,) = [a for a in argv if a.startswith("--export=")]
-    assert f"DSPARK_JOB_DIR={record.job_dir}" in exports and "DSPARK_EVAL_CHECKPOINT=step_8" in exports
-    assert exports.endswith("DSPARK_EVAL_ARGS=--eval-set tiny-heldout --set eval.seed=3")
+    # The job's settings travel in sbatch's environment, never inside --export= (which splits at commas)
+    assert [a for a in argv if a.startswith("--export")] == ["--export=ALL"]
+    assert call["env"]["DSPARK_JOB_DIR"] == record.job_dir and call["env"]["DSPARK_EVAL_CHECKPOINT"] == "step_8"
+    assert call["env"]["DSPARK_EVAL_ARGS"] == "--eval-set tiny-heldout --set eval.seed=3"
     # a refusal by sbatch reaches the operator in one line
     fake.answer("sbatch", stderr="sbatch: error: invalid partition specified: gpu\n", exit_code=1)
     done = launch(["eval", record.job_dir], env=fake.environ())
@@ -285,3 +287,37 @@ def test_cancel_of_a_finished_slurm_job_says_so_and_signals_nothing(fake: FakeSl
     with pytest.raises(CancelError, match=r"job 4242 already ended \(COMPLETED\), so nothing was signalled"):
         cancel_job(slurm_record(tmp_path))
     assert fake.calls("scancel") == [], "scancel was not run for an ended job"
+
+
+def test_a_folder_with_commas_and_percent_signs_reaches_slurm_as_one_literal_value(
+    fake: FakeSlurm, tmp_path: Path
+) -> None:
+    """sbatch splits --export at commas and expands %j/%x in --output: a job folder named so is neither
+    an injected variable nor a lost log."""
+    record = _resolved_job(tmp_path / "a,PATH=evil%x%j")
+    fake.answer("sbatch", stdout="6262\n")
+    done = launch(["eval", record.job_dir, "--checkpoint", "step_8"], env=fake.environ())
+    assert done.returncode == 0, done.stdout + done.stderr
+    (call,) = fake.calls("sbatch")
+    assert call["env"]["DSPARK_JOB_DIR"] == record.job_dir and "PATH" not in call["env"]
+    assert f"--output={record.job_dir.replace('%', '%%')}/eval/slurm-%j.out" in call["argv"]
+    assert [a for a in call["argv"] if a.startswith("--export")] == ["--export=ALL"]
+
+
+@pytest.mark.parametrize("job_id", ["--me", "--user=root", "4242,4243", "-1", "\x1b]0;PWNED\x07"])
+def test_a_job_record_whose_id_is_not_a_slurm_id_reaches_no_slurm_command(
+    fake: FakeSlurm, tmp_path: Path, job_id: str
+) -> None:
+    """A tampered or foreign job.json: its id would be an option of scancel (``--me`` cancels every job of
+    the operator), a list, or escape codes on the terminal. Refused where the record is read."""
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    payload = dataclasses.asdict(slurm_record(tmp_path))
+    payload.update(job_id=job_id, job_dir=str(folder))
+    (folder / "job.json").write_text(json.dumps(payload))
+    for command in ("cancel", "status", "logs"):
+        done = launch([command, str(folder)], env=fake.environ())
+        assert done.returncode == 2, done.stdout + done.stderr
+        (line,) = done.stderr.splitlines()
+        assert "field 'job_id'" in line and "is not a slurm job id" in line and "\x1b" not in line, line
+    assert fake.calls("scancel") == [] and fake.calls("sacct") == []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
@@ -12,6 +15,7 @@ from runtime.recipe.fit.throughput import run_steps
 from runtime.recipe.schema import Recipe, credentials_in
 from runtime.recipe.streaming_budget import StreamingBudgetError, check_host_memory
 from runtime.recipe.units import format_bytes
+from runtime.user_errors import CHECKOUT, write_place_problem
 
 MOONCAKE_MIN_SEGMENT_BYTES = 16 * 2**20
 """mooncake-transfer-engine 0.3.13 refuses a global segment below 16 MiB at client setup."""
@@ -32,10 +36,87 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
     problems += _check_token_ids(recipe)
+    problems += _check_job_timing(recipe)
+    problems += check_write_places(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
         problems += _check_memory_requests(recipe)
     return problems
+
+
+WRITE_FIELDS: dict[str, str] = {
+    "job.runs_dir": "job folders, logs and records",
+    "trainer.checkpoint.dir": "checkpoints, exports and the latest link (keep_last deletes older step_* there)",
+    "trainer.feature_cache.dir": "the feature cache (entries are written and removed there)",
+}
+"""Recipe fields that name a folder the run writes into, with what goes there."""
+
+
+def check_write_places(recipe: Recipe) -> list[Problem]:
+    """Every folder the run writes into passes the one write rule (runtime/user_errors.py
+    ``write_place_problem``): never the filesystem root, a home folder itself, the checkout or its
+    checked-in folders. A path with a ``${VAR}`` this process cannot expand is checked where it runs."""
+    values = {
+        "job.runs_dir": recipe.job.runs_dir,
+        "trainer.checkpoint.dir": recipe.trainer.checkpoint.dir,
+        "trainer.feature_cache.dir": recipe.trainer.feature_cache.dir if recipe.trainer.feature_cache.enabled else None,
+    }
+    out = []
+    for field, value in values.items():
+        if not value:
+            continue
+        expanded = os.path.expandvars(value)
+        if "$" in expanded:
+            continue
+        path = Path(expanded).expanduser() if expanded.startswith("~") else Path(expanded)
+        problem = write_place_problem(path if path.is_absolute() or expanded.startswith("~") else CHECKOUT / path)
+        if problem:
+            out.append(
+                Problem(
+                    field,
+                    f"{value!r} {problem}; the run writes {WRITE_FIELDS[field]} there",
+                    "name a folder of its own, e.g. runs/ or a folder on a scratch disk",
+                )
+            )
+    return out
+
+
+def _check_job_timing(recipe: Recipe) -> list[Problem]:
+    """The stop signal comes well inside the time limit (Slurm sends ``--signal=USR2@N`` N seconds before
+    the limit: a delay beyond half the limit fires at the job's start and requeues it at once), the
+    trainer's stop fits before the limit, and the capture's heartbeat comes well inside the idle time-out."""
+    job, out = recipe.job, []
+    limit_s = job.time_limit_min * 60
+    if job.signal_delay_s > limit_s // 2:
+        out.append(
+            Problem(
+                "job.signal_delay_s",
+                f"is {job.signal_delay_s} s, more than half the job's time limit of {limit_s} s (job.time_limit_min "
+                f"{job.time_limit_min}): Slurm would signal the stop near the job's start, and it would requeue itself "
+                "at once",
+                f"keep it at most {limit_s // 2} s (a few minutes is usual), or raise job.time_limit_min",
+            )
+        )
+    if job.stop_grace_s > job.signal_delay_s:
+        out.append(
+            Problem(
+                "job.stop_grace_s",
+                f"is {job.stop_grace_s} s, longer than job.signal_delay_s {job.signal_delay_s} s: a stop at the time-out "
+                "signal could still be writing its checkpoint when the time limit kills the job",
+                f"keep job.stop_grace_s at most job.signal_delay_s, or raise job.signal_delay_s to {job.stop_grace_s}",
+            )
+        )
+    transport = recipe.transport
+    if transport.heartbeat_interval_s * 2 > transport.idle_timeout_s:
+        out.append(
+            Problem(
+                "transport.heartbeat_interval_s",
+                f"is {transport.heartbeat_interval_s:g} s, more than half transport.idle_timeout_s "
+                f"{transport.idle_timeout_s:g} s: a healthy but quiet producer would be taken for a dead one",
+                f"keep it at most {transport.idle_timeout_s / 2:g} s, or raise transport.idle_timeout_s",
+            )
+        )
+    return out
 
 
 def _check_target_attention(recipe: Recipe) -> list[Problem]:

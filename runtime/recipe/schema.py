@@ -138,9 +138,50 @@ MAX_SEED = 2**63 - 1
 JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 """A job name (used with ``fullmatch``: a ``$`` anchor would let a trailing newline through)."""
 
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+"""Characters no batch script line may hold: ASCII controls, Unicode line and paragraph separators and
+NEL (a reader splitting lines sees a new line there), zero-width and bidirectional controls (a reviewer
+of the script would read another text than the shell runs)."""
 _SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
-_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_./+@%:,=-]+")
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_./+@%:,=][A-Za-z0-9_./+@%:,=-]*")
+"""A command name or path; never a leading ``-`` (it would be read as an option of srun)."""
+LAUNCHER_SBATCH_OPTIONS: dict[str, str] = {
+    "job-name": "job.name",
+    "partition": "job.partition",
+    "account": "job.account",
+    "qos": "job.qos",
+    "time": "job.time_limit_min",
+    "nodes": "job.COMPONENT.nodes",
+    "ntasks": "job.COMPONENT.tasks_per_node",
+    "ntasks-per-node": "job.COMPONENT.tasks_per_node",
+    "cpus-per-task": "job.COMPONENT.cpus_per_task",
+    "gpus": "job.COMPONENT.gpus_per_node",
+    "gpus-per-node": "job.COMPONENT.gpus_per_node",
+    "gpus-per-task": "job.COMPONENT.gpus_per_node",
+    "gres": "job.COMPONENT.gpus_per_node",
+    "mem": "job.COMPONENT.mem_gib",
+    "mem-per-cpu": "job.COMPONENT.mem_gib",
+    "mem-per-gpu": "job.COMPONENT.mem_gib",
+    "exclusive": "job.COMPONENT.exclusive",
+    "constraint": "job.COMPONENT.constraint",
+    "signal": "job.signal_delay_s",
+    "requeue": "job.max_requeues",
+    "no-requeue": "job.max_requeues",
+    "open-mode": "the launcher (logs are appended across requeues)",
+    "output": "job.runs_dir (the job folder's logs/)",
+    "error": "job.runs_dir (the job folder's logs/)",
+    "input": "the launcher",
+    "chdir": "the launcher (the job runs in the repository)",
+    "export": "job.env (variables) or the submitting shell (secrets)",
+    "export-file": "job.env",
+    "dependency": "the launcher (the eval job's afterok)",
+    "array": "the launcher (one hetjob per run)",
+    "het-group": "the launcher",
+    "wrap": "the launcher",
+}
+"""sbatch options the launcher sets itself, with the recipe field that sets each: ``extra_sbatch`` may not
+name them (nor a prefix of them, which sbatch takes as the option), since a second ``#SBATCH`` line of
+the same option silently wins over the plan's value."""
 _HOST_OR_INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -150,7 +191,8 @@ def _one_line(value: str) -> str:
     found = _CONTROL.search(value)
     if found:
         raise ValueError(
-            f"holds the control character {found.group(0)!r}: a batch script line would break at it. "
+            f"holds the control character {found.group(0)!r} (a control, a line separator or an invisible direction "
+            "mark): a batch script line would break at it or read otherwise than it runs. "
             "Fix: write the value on one line, without control characters"
         )
     return value
@@ -162,14 +204,23 @@ def _sbatch_key(value: str) -> str:
             "is not an sbatch option name (it becomes #SBATCH --NAME=VALUE). Fix: use the option's "
             "long name without the dashes, e.g. mail-user"
         )
+    taken = [option for option in LAUNCHER_SBATCH_OPTIONS if option == value or option.startswith(value)]
+    if taken:
+        option = value if value in taken else taken[0]
+        raise ValueError(
+            f"{value!r} is sbatch's --{option}, which the launcher sets itself from "
+            f"{LAUNCHER_SBATCH_OPTIONS[option]}: a second #SBATCH line would silently override the plan's value. "
+            "Fix: set it through that field, or remove it from extra_sbatch"
+        )
     return value
 
 
 def _plain_command(value: str) -> str:
     if not _PLAIN_COMMAND.fullmatch(value):
         raise ValueError(
-            "is not a plain command name or path (spaces, quotes, $, ; and other shell syntax are "
-            "refused: it starts every component's process). Fix: give python3 or a path such as "
+            "is not a plain command name or path (a leading -, which srun would read as its own option, spaces, "
+            "quotes, $, ; and other shell syntax are refused: it starts every component's process). Fix: give "
+            "python3 or a path such as "
             "/opt/env/bin/python3; activate an environment in job.setup instead"
         )
     return value

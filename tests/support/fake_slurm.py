@@ -24,7 +24,7 @@ from pathlib import Path
 
 state = Path({state!r})
 name = Path(sys.argv[0]).name
-call = {{"command": name, "argv": sys.argv[1:]}}
+call = {{"command": name, "argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items() if k.startswith("DSPARK_")}}}}
 if name == "sbatch":
     script = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     call["script"] = Path(script).read_text() if script else sys.stdin.read()
