@@ -825,13 +825,15 @@ def _render_targets(recipe_path: Path, scripts: list[tuple[Path, str]], out: Pat
     in_repository = recipe_path.resolve().parent == RECIPES_DIR.resolve()
     if in_repository and out is None:
         return scripts
-    folder = output_place(out, "--out") if out is not None else recipe_path.resolve().parent
+    folder = out.expanduser().resolve() if out is not None else recipe_path.resolve().parent
     if not in_repository and folder == (REPO_ROOT / "sbatch").resolve():
         raise LaunchError(
             f"{recipe_path} is not a recipe of {_display_path(RECIPES_DIR)}/, and sbatch/ holds the scripts of those "
             "only (a golden test keeps them equal); nothing was written. Fix: --out another folder, or copy the "
             "recipe into recipes/"
         )
+    if out is not None:
+        folder = output_place(out, "--out")
     stem = recipe_path.stem if not in_repository else None
     targets = []
     for target, text in scripts:

@@ -364,10 +364,12 @@ def is_local_supervisor(record: JobRecord) -> bool:
     if not (runs_launcher and "--local" in arguments and started_s is not None and started_s <= recorded_s + 1.0):
         return False
     # The supervisor holds SUPERVISOR_LOCK of its own job folder open while it runs: a copy of a
-    # running job's folder (its job.json names the original's supervisor) is not that supervisor's job.
+    # running job's folder (its job.json names the original's supervisor) is not that supervisor's job,
+    # and neither is a copy made without its dot files (no lock there at all): only the process that
+    # holds this very folder's lock is signalled.
     lock = Path(record.job_dir) / SUPERVISOR_LOCK
     if not lock.exists():
-        return True  # a job started before supervisors held the lock
+        return False
     try:
         held = {os.path.realpath(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     except OSError:

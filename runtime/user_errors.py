@@ -34,29 +34,67 @@ SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re
 """Environment names that hold credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
 
 # A credential-looking variable given a literal value (``export WANDB_API_KEY=abc...``,
-# ``HF_TOKEN="..."``, ``--export=ALL,HF_TOKEN=...``) or a credential flag with one (``--api-key abc``);
-# a reference to the environment (``$HF_TOKEN``, ``${HF_TOKEN}``) is fine: it is resolved where the job
-# runs, not written down.
-_ASSIGNED = re.compile(r"(?:^|[\s;&|(,'\"])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(?![\s;,]|$)(?![\"']?\$)([^\s;,&|]*)")
+# ``HF_TOKEN="..."``, ``KEY+=abc``, ``--export=ALL,HF_TOKEN=...``) or a credential flag with one
+# (``--api-key abc``, ``["--api-key", "abc"]``); a reference to the environment (``$HF_TOKEN``,
+# ``${HF_TOKEN}``) is fine: it is resolved where the job runs, not written down. ``$'...'`` and ``$"..."``
+# are quoted literals, not references.
+_REFERENCE = r"(?![\"']?\$(?![\"']))"
+"""A value that is not a reference to the environment (``$NAME``, ``${NAME}``)."""
+_ASSIGNED = re.compile(
+    r"(?:^|[\s;&|(,'\"])(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+|readonly\s+)?([A-Za-z_][A-Za-z0-9_]*)\+?="
+    r"(?![\s;,]|$)" + _REFERENCE + r"([^\s;,&|]*)"
+)
+# ``${NAME:=value}`` / ``${NAME:-value}`` (and without the colon): a default written down.
+_DEFAULTED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?[-=]" + _REFERENCE + r"([^}]+)\}")
 _FLAG = re.compile(
-    r"--((?:[a-z0-9]+-)*(?:key|token|secret|password|passwd)(?:-[a-z0-9]+)*)(?:=|\s+)(?![\"']?\$)(?=\S)(\S*)",
+    r"--((?:[a-z0-9]+-)*(?:key|token|secret|password|passwd|pass)"
+    r"(?:-(?!(?:env|file|stdin|cmd|command|path|name|id)\b)[a-z0-9]+)*)(?![a-z0-9-])"
+    r"(?:=|\s+|[\"']?\s*,\s*)(?![\"']?\$(?![\"']))[\"']?([^\s\]\"',]+)",
+    re.IGNORECASE,
+)
+"""A credential flag given a value: ``--api-key X``, ``--api-key=X``, ``["--api-key", "X"]`` (never a flag
+that names where the key is: ``--api-key-env NAME``, ``--password-stdin``, ``--token-file PATH``)."""
+# A short password flag given a value (``docker login -p X``, ``sshpass -p X``, ``mysql -pX``): only after
+# the commands that read it so (``mkdir -p`` is no password).
+_SHORT_PASSWORD = re.compile(
+    r"\b(?:sshpass|mysql|mariadb|mysqldump|mysqladmin|(?:docker|podman|buildah|skopeo|nerdctl)\s+login"
+    r"|(?:apptainer|singularity)\s+remote\s+login|helm\s+registry\s+login)\b[^;&|\n]*?\s(-p)(?:\s+|(?=[^\s-]))"
+    + _REFERENCE
+    + r"(\S+)"
+)
+# ``wandb login KEY`` / ``huggingface-cli login KEY`` and the like: a login command given a key.
+_LOGIN_KEY = re.compile(
+    r"\b((?:wandb|huggingface-cli|hf|comet|neptune)\s+login)(?:\s+--?[A-Za-z-]+(?:=\S+)?)*\s+" + _REFERENCE + r"([^\s;&|-]\S*)"
+)
+# An HTTP credential header (``Authorization: Bearer X``, ``Authorization: Basic X``, ``X-Api-Key: X``).
+_AUTH_HEADER = re.compile(
+    r"\b(Authorization|Proxy-Authorization|X-Api-Key|Api-Key|X-Auth-Token|Cookie)\s*:\s*"
+    r"(?:(?:Bearer|Basic|Token|Digest)\s+)?" + _REFERENCE + r"([^\s\"']+)",
     re.IGNORECASE,
 )
 # Values shaped like the tokens of well-known services, wherever they appear (a description, a path).
 _TOKEN_SHAPES = re.compile(
-    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-    r"|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
+    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|[sr]k_(?:live|test)_[A-Za-z0-9]{8,}|hf_[A-Za-z0-9]{20,}"
+    r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}"
+    r"|xox[abpr]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{16,}|ya29\.[0-9A-Za-z_-]{20,}"
+    r"|npm_[A-Za-z0-9]{20,}|pypi-[A-Za-z0-9_-]{20,}|eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*)"
 )
-# A password in a URL: scheme://user:password@host.
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):([^/\s@'\"]+)@")
+# A password in a URL: scheme://user:password@host (the password may hold any character but a space or a
+# slash, an @ and a quote included: the last @ of the authority ends it).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):([^/\s]+)@")
 # curl/wget style ``-u user:password`` / ``--user=user:password``.
-_USER_FLAG = re.compile(r"(?:^|\s)(-u|--user|--proxy-user)(?:=|\s+)(?![\"']?\$)([^\s:'\"]+:(?![\"']?\$)[^\s'\"]+)")
-# A netrc entry (``machine api.wandb.ai login me password abc``), e.g. in a here-doc.
-_NETRC_PASSWORD = re.compile(r"\b(password|passwd)\s+(?![\"']?\$)(\S+)", re.IGNORECASE)
+_USER_FLAG = re.compile(r"(?:^|\s)(-u|--user|--proxy-user)(?:=|\s+)" + _REFERENCE + r"([^\s:'\"]+:" + _REFERENCE + r"[^\s'\"]+)")
+# A netrc entry (``machine api.wandb.ai login me password abc``, or ``password abc`` on a line of its own).
+_NETRC_PASSWORD = re.compile(
+    r"(?:\blogin\s+\S+\s+|(?:^|\n)\s*)(password|passwd)\s+" + _REFERENCE + r"(\S+)", re.IGNORECASE
+)
 # ``printf -v HF_TOKEN ...`` / ``read HF_TOKEN <<<`` assign a credential variable without ``=``.
 _PRINTF_V = re.compile(r"\b(?:printf\s+-v|read(?:\s+-[a-z]+)*)\s+([A-Za-z_][A-Za-z0-9_]*)")
 # A credential-named key of a mapping given a value (``{HF_TOKEN: abc}``, ``'HF_TOKEN': 'abc'``).
-_MAPPED = re.compile(r"(?:^|[\s{,'\"])([A-Za-z_][A-Za-z0-9_]*)['\"]?\s*:\s+['\"]?(?!\$)([^\s,}'\"]+)")
+_MAPPED = re.compile(
+    r"(?:^|[\s{,'\"])([A-Za-z_][A-Za-z0-9_-]*)['\"]?\s*:\s+['\"]?(?!\$|(?:Bearer|Basic|Token|Digest)\b|<redacted>)"
+    r"([^\s,}'\"]+)"
+)
 # Writing a credential file (``printf KEY > ~/.wandb_key``, ``cat > ~/.netrc <<EOF``).
 _CREDENTIAL_FILE = re.compile(r">>?\s*(\S*(?:netrc|[._-]key\b|token|credential|secret|passw)\S*)", re.IGNORECASE)
 
@@ -72,11 +110,18 @@ def is_secret_name(name: str) -> bool:
 
 def credentials_in(text: str) -> list[str]:
     """What in ``text`` writes a credential down: ``NAME`` of a credential variable given a literal value
-    (``NAME=...``, ``printf -v NAME``), ``--flag`` of a credential flag given one, a password in a URL,
-    ``-u user:password``, a netrc password, a credential file written, or a value shaped like a token."""
+    (``NAME=...``, ``NAME+=``, ``${NAME:=...}``, ``printf -v NAME``), ``--flag`` of a credential flag given
+    one (in a command line or a list), a short password flag (``-p X``, ``-pX``), a login command's key, an
+    HTTP credential header, a password in a URL, ``-u user:password``, a netrc password, a credential file
+    written, or a value shaped like a token (JWT, ``sk-``, ``sk_live_``, ``AIza``, ``hf_``, ``ghp_``, ...).
+    The one rule both the recipe's refusal and :func:`redact` follow."""
     found = [m.group(1) for m in _ASSIGNED.finditer(text) if is_secret_name(m.group(1))]
+    found += [m.group(1) for m in _DEFAULTED.finditer(text) if is_secret_name(m.group(1))]
     found += [m.group(1) for m in _PRINTF_V.finditer(text) if is_secret_name(m.group(1))]
     found += [f"--{m.group(1)}" for m in _FLAG.finditer(text)]
+    found += [f"a password flag ({m.group(1)})" for m in _SHORT_PASSWORD.finditer(text)]
+    found += [f"a key given to `{' '.join(m.group(1).split())}`" for m in _LOGIN_KEY.finditer(text)]
+    found += [f"an {m.group(1)} header" for m in _AUTH_HEADER.finditer(text)]
     found += ["a password in a URL (user:password@)" for _ in _URL_PASSWORD.finditer(text)]
     found += [f"{m.group(1)} user:password" for m in _USER_FLAG.finditer(text)]
     found += ["a netrc password" for _ in _NETRC_PASSWORD.finditer(text)]
@@ -102,20 +147,31 @@ REDACTED = "<redacted>"
 
 def redact(text: str) -> str:
     """``text`` with every credential it writes down replaced by ``<redacted>``: the one redaction of
-    every message and every file the launcher and the tools write (names stay, values go)."""
+    every message and every file the launcher and the tools write (names stay, values go). It follows
+    :func:`credentials_in`'s rule."""
+
+    def value_of(group: int) -> Callable[[re.Match[str]], str]:
+        def hide(m: re.Match[str]) -> str:
+            if not m.group(group):
+                return m.group(0)
+            return m.group(0)[: m.start(group) - m.start(0)] + REDACTED + m.group(0)[m.end(group) - m.start(0) :]
+
+        return hide
+
+    def secret_value(m: re.Match[str]) -> str:
+        return value_of(2)(m) if is_secret_name(m.group(1)) else m.group(0)
+
     text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
     text = _TOKEN_SHAPES.sub(REDACTED, text)
-    text = _USER_FLAG.sub(lambda m: m.group(0).replace(m.group(2), REDACTED), text)
-    text = _NETRC_PASSWORD.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
-
-    def assigned(m: re.Match[str]) -> str:
-        if not is_secret_name(m.group(1)) or not m.group(2):
-            return m.group(0)
-        return m.group(0)[: m.start(2) - m.start(0)] + REDACTED
-
-    text = _ASSIGNED.sub(assigned, text)
-    text = _MAPPED.sub(assigned, text)
-    return _FLAG.sub(lambda m: m.group(0)[: m.start(2) - m.start(0)] + REDACTED if m.group(2) else m.group(0), text)
+    text = _USER_FLAG.sub(value_of(2), text)
+    text = _NETRC_PASSWORD.sub(value_of(2), text)
+    text = _AUTH_HEADER.sub(value_of(2), text)
+    text = _SHORT_PASSWORD.sub(value_of(2), text)
+    text = _LOGIN_KEY.sub(value_of(2), text)
+    text = _DEFAULTED.sub(secret_value, text)
+    text = _ASSIGNED.sub(secret_value, text)
+    text = _MAPPED.sub(secret_value, text)
+    return _FLAG.sub(value_of(2), text)
 
 
 class UserError(Exception):
@@ -183,23 +239,10 @@ CHECKED_IN_FOLDERS = (".ci", ".git", "launcher", "patches", "recipes", "runtime"
 
 
 def _checked_in_file(path: Path) -> bool:
-    """Whether ``path`` (inside the checkout) is a file git tracks; without git, any existing file directly
-    in the checkout's root (README.md, RUNBOOK.md, pyproject.toml) counts as one."""
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(CHECKOUT), "ls-files", "--error-unmatch", "--", str(path)],
-            capture_output=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return path.is_file() and path.parent == CHECKOUT
-    if done.returncode == 0:
-        return True
-    not_a_repository = b"not a git repository" in done.stderr
-    return not_a_repository and path.is_file() and path.parent == CHECKOUT
+    """Whether ``path`` (inside the checkout, outside its checked-in folders) is a checked-in file: any
+    file directly in the checkout's root is (README.md, RUNBOOK.md, pyproject.toml, .gitignore); what
+    runs write lives in folders of their own (runs/, .cache/)."""
+    return path.parent == CHECKOUT
 
 
 def write_place_problem(path: Path, *, within: Path | None = None) -> str | None:
@@ -216,7 +259,7 @@ def write_place_problem(path: Path, *, within: Path | None = None) -> str | None
     if resolved == Path.home().resolve() or (resolved.parent.name == "home" and resolved.parent.parent == Path("/")):
         return f"is a home folder itself{link}"
     if resolved == CHECKOUT:
-        return f"is the repository checkout itself{link}"
+        return f"is the repository itself{link}"
     if CHECKOUT in resolved.parents:
         top = resolved.relative_to(CHECKOUT).parts[0]
         if top in CHECKED_IN_FOLDERS:

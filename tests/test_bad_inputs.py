@@ -1243,7 +1243,7 @@ CASES += [
             (
                 "sbatch-export",
                 "job.trainer.extra_sbatch",
-                f"job.trainer.extra_sbatch={{export: 'ALL,HF_TOKEN={FAKE_KEY}'}}",
+                f"job.trainer.extra_sbatch={{comment: 'ALL,HF_TOKEN={FAKE_KEY}'}}",
             ),
             ("url-chat-path", "data.chat_path", f"data.chat_path=https://user:{FAKE_KEY}@h/chat.jsonl"),
             ("url-revision", "capture.target_revision", f"capture.target_revision=https://bob:{FAKE_KEY}@h/r"),

@@ -485,11 +485,21 @@ def test_a_second_local_run_is_refused_naming_the_running_job(tmp_path: Path) ->
     job_dir = runs / "tiny" / "first"
     (job_dir / "logs").mkdir(parents=True)
     write_resolved(load_recipe(TINY, overrides=sets), job_dir, REPO)
-    # The running job's supervisor: a live process whose command line is `... -m launcher tiny --local`.
+    # The running job's supervisor: a live process whose command line is `... -m launcher tiny --local`,
+    # holding its job folder's lock as a supervisor does.
+    from launcher.control import SUPERVISOR_LOCK
+
+    holder = (
+        "import fcntl, sys, time; h = open(sys.argv[1], 'w'); fcntl.flock(h, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(120)"
+    )
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(120)", "-m", "launcher", "tiny", "--local"]
+        [sys.executable, "-c", holder, str(job_dir / SUPERVISOR_LOCK), "-m", "launcher", "tiny", "--local"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
+        assert supervisor.stdout is not None and supervisor.stdout.readline().strip() == "held"
         time.sleep(0.2)
         record = JobRecord(
             job_id="local-first",
@@ -587,6 +597,12 @@ def test_cancel_of_a_copied_running_job_folder_leaves_the_original_supervisor_al
         shutil.copytree(original, copy)
         with pytest.raises(CancelError, match="is not running"):
             cancel_job(record(copy))
+        # ... nor through a copy made without its dot files (rsync --exclude '.*', a tarball of what ls shows)
+        bare = tmp_path / "runs" / "tiny" / "c"
+        shutil.copytree(original, bare, ignore=shutil.ignore_patterns(".*"))
+        assert not (bare / SUPERVISOR_LOCK).exists()
+        with pytest.raises(CancelError, match="is not running"):
+            cancel_job(record(bare))
         time.sleep(0.2)
         assert supervisor.poll() is None, "the original run's supervisor was signalled through a copy"
         assert "SIGTERM" in cancel_job(record(original))

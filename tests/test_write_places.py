@@ -71,9 +71,8 @@ def test_a_job_folder_never_leaves_its_runs_folder(tmp_path: Path) -> None:
 
 
 def test_a_runs_folder_that_is_the_repository_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded = load_recipe(TINY, overrides=["job.runs_dir=."])
-    with pytest.raises(UserError, match="repository itself"):
-        jobs.new_job_dir(REPO, loaded)
+    with pytest.raises(UserError, match=r"job.runs_dir .* is the repository itself"):  # at load, before any folder
+        load_recipe(TINY, overrides=["job.runs_dir=."])
 
 
 def test_output_place_resolves_links_and_refuses_root_and_home(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from runtime.user_errors import UserError
+from runtime.user_errors import REDACTED, UserError
 
 END_OF_TURN_TOKENS = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 """Tokens that close an assistant turn in common chat templates (generation stops at them)."""
@@ -102,6 +102,20 @@ class EmbeddedRegenerator:
         return self.tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error, never followed: urllib would send the Authorization header (the API key) to
+    whatever host the answer names, and turn the POST into a GET whose answer became training data."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        raise RegenerationError(
+            f"{req.full_url} answered HTTP {code}, a redirect to {newurl.split('?')[0]}: not followed (the API key "
+            "would go wherever it points); fix: give --server-url the endpoint itself"
+        )
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
 class OpenAIRegenerator:
     """Replies from an OpenAI-compatible chat completions endpoint."""
 
@@ -148,14 +162,15 @@ class OpenAIRegenerator:
         ).encode()
         delay_s = 1.0
         for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
+            headers = self._headers()
+            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with _OPENER.open(request, timeout=self.timeout_s) as response:
                     answer = json.loads(response.read())
                 return _content_of(answer, self.url)
             except urllib.error.HTTPError as exc:
                 transient = exc.code >= 500 or exc.code == 429
-                detail = exc.read()[:300].decode(errors="replace")
+                detail = _without_key(exc.read()[:300].decode(errors="replace"), headers)
                 if not transient or attempt == self.retries:
                     raise RegenerationError(f"{self.url} answered HTTP {exc.code}: {detail}") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
@@ -166,6 +181,13 @@ class OpenAIRegenerator:
             time.sleep(delay_s)
             delay_s *= 2
         raise AssertionError("unreachable")
+
+
+def _without_key(text: str, headers: dict[str, str]) -> str:
+    """A server's answer as it may be printed: the API key we sent removed wherever it is echoed (a body
+    may quote the request's headers), whatever the redactor would recognise."""
+    key = headers.get("Authorization", "").removeprefix("Bearer ")
+    return text.replace(key, REDACTED) if key else text
 
 
 def _content_of(answer: Any, url: str) -> str:
