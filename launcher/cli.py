@@ -58,6 +58,10 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 SUBCOMMANDS = ("status", "logs", "cancel", "gate", "plots", "eval", "render", "resolve")
 
 
+ACTIVE_JOB_STATES = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING", "ORPHANED"}
+"""States of a job that is still going (or whose tasks still run): it is not continued while in one."""
+
+
 class LaunchError(UserError):
     """A refusal to submit, with the reason and the fix in its message."""
 
@@ -266,6 +270,14 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
             f"nothing, so there is no run to {flag.removeprefix('--')}. Fix: run the probe again, "
             f"`python3 -m launcher {shell_word(record.recipe_source)} --probe`"
         )
+    state = control.job_report(record).state
+    if state in ACTIVE_JOB_STATES:  # its keep_last rotation would delete the checkpoint we start from
+        raise LaunchError(
+            f"job {record.job_id} ({_display_path(job_dir)}) is still {state}: a {flag.removeprefix('--')} now would "
+            "start from a checkpoint its own rotation (trainer.checkpoint.keep_last) may delete, and a resume would "
+            f"run the same steps twice. Nothing was started. Fix: wait for it (`python3 -m launcher status "
+            f"{record.command_ref}`) or stop it (`python3 -m launcher cancel {record.command_ref}`), then again"
+        )
     previous = load_resolved(job_dir / RESOLVED_FILENAME)
     chosen = _override_value(args.overrides, RESUME_FROM)
     if _override_value(args.overrides, "trainer.checkpoint.init_from") not in (None, "null"):
@@ -373,6 +385,8 @@ def submit(args: argparse.Namespace) -> int:
         )
     else:
         loaded = load(args.recipe, args.overrides, args.smoke)
+    if args.no_wait and not loaded.smoke:
+        raise LaunchError("--no-wait goes with --smoke on Slurm (the other submissions never wait); fix: leave it out")
     if args.site_facts and not args.plan:
         raise LaunchError("--site-facts goes with --plan: python3 -m launcher RECIPE --plan --site-facts FILE")
     if args.plan:

@@ -19,6 +19,7 @@ from launcher.hetjob import SUBMITIT_DIRNAME, task_index
 from launcher.jobs import JobRecord, newest_checkpoint, read_local_status
 from launcher.slurm_args import checked_job_id
 from launcher.slurm_state import (
+    SLURM_FIX,
     ComponentState,
     SlurmUnreachableError,
     base_state,
@@ -432,6 +433,10 @@ def cancel_job(record: JobRecord) -> str:
     return f"scancel {record.job_id}: both components cancelled"
 
 
+class FollowError(UserError):
+    """``logs --follow`` cannot tell when the job ends; the message says why and what to do."""
+
+
 class CancelError(UserError):
     """``cancel`` could not cancel the job; the message says why and what to do."""
 
@@ -509,7 +514,13 @@ def print_logs(
             )
         return
     while True:
-        state = job_report(record).state
+        report = job_report(record)
+        if report.slurm_unreachable:  # it would never see the job end: say so now, not after a silent hour
+            raise FollowError(
+                f"cannot follow job {record.job_id}: {report.note}, so its end cannot be seen; the logs above are what "
+                f"it has written so far. {SLURM_FIX} (without --follow, `logs` prints the logs once)"
+            )
+        state = report.state
         drain()
         if state in TERMINAL_JOB_STATES:
             print(f"==> job {record.job_id} ended: {state} <==", file=stream)

@@ -64,7 +64,9 @@ _SHORT_PASSWORD = re.compile(
 )
 # ``wandb login KEY`` / ``huggingface-cli login KEY`` and the like: a login command given a key.
 _LOGIN_KEY = re.compile(
-    r"\b((?:wandb|huggingface-cli|hf|comet|neptune)\s+login)(?:\s+--?[A-Za-z-]+(?:=\S+)?)*\s+" + _REFERENCE + r"([^\s;&|-]\S*)"
+    r"\b((?:wandb|huggingface-cli|hf|comet|neptune)\s+login)(?:\s+--?[A-Za-z-]+(?:=\S+)?)*\s+"
+    + _REFERENCE
+    + r"([^\s;&|-]\S*)"
 )
 # An HTTP credential header (``Authorization: Bearer X``, ``Authorization: Basic X``, ``X-Api-Key: X``).
 _AUTH_HEADER = re.compile(
@@ -83,7 +85,9 @@ _TOKEN_SHAPES = re.compile(
 # slash, an @ and a quote included: the last @ of the authority ends it).
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):([^/\s]+)@")
 # curl/wget style ``-u user:password`` / ``--user=user:password``.
-_USER_FLAG = re.compile(r"(?:^|\s)(-u|--user|--proxy-user)(?:=|\s+)" + _REFERENCE + r"([^\s:'\"]+:" + _REFERENCE + r"[^\s'\"]+)")
+_USER_FLAG = re.compile(
+    r"(?:^|\s)(-u|--user|--proxy-user)(?:=|\s+)" + _REFERENCE + r"([^\s:'\"]+:" + _REFERENCE + r"[^\s'\"]+)"
+)
 # A netrc entry (``machine api.wandb.ai login me password abc``, or ``password abc`` on a line of its own).
 _NETRC_PASSWORD = re.compile(
     r"(?:\blogin\s+\S+\s+|(?:^|\n)\s*)(password|passwd)\s+" + _REFERENCE + r"(\S+)", re.IGNORECASE
@@ -296,6 +300,10 @@ def describe_os_error(exc: OSError) -> str:
 
 def run_command(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run a command's ``main`` and turn the expected failures into one line and an exit code."""
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets it escaped
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     try:
         code = main(argv)
         sys.stdout.flush()  # here, not at exit, so a reader that left is caught below

@@ -1832,6 +1832,246 @@ CASES += [
     ),
 ]
 
+# -- issue 44: the classes closed by construction, with variants of their own ---------------------
+# One write gate: the root, a home folder, the checkout, its checked-in folders and files, for every writer.
+CASES += [
+    Case(f"gate-{name}", "damage", command, argv, expect)
+    for name, command, argv, expect in [
+        (
+            "chat-out-recipe",
+            "make_tiny_target",
+            ("--chat-out", str(TINY)),
+            ("--chat-out", "checked-in folder recipes/"),
+        ),
+        (
+            "eval-out-readme",
+            "make_tiny_target",
+            ("--eval-out", str(REPO / "README.md")),
+            ("--eval-out", "checked-in file"),
+        ),
+        ("chat-out-pyproject", "make_tiny_target", ("--chat-out", str(REPO / "pyproject.toml")), ("checked-in file",)),
+        (
+            "target-out-tools",
+            "make_tiny_target",
+            ("--out", str(REPO / "tools" / "t")),
+            ("--out", "checked-in folder tools/"),
+        ),
+        ("target-out-checkout", "make_tiny_target", ("--out", str(REPO)), ("--out", "repository itself")),
+        (
+            "ckpt-recipes",
+            "launcher",
+            ("tiny", *DRY, "--set", "trainer.checkpoint.dir=recipes"),
+            ("trainer.checkpoint.dir", "recipes/"),
+        ),
+        (
+            "ckpt-root",
+            "launcher",
+            ("tiny", "--plan", "--set", "trainer.checkpoint.dir=/"),
+            ("trainer.checkpoint.dir", "filesystem root"),
+        ),
+        (
+            "ckpt-git",
+            "launcher",
+            ("tiny", "--plan", "--set", "trainer.checkpoint.dir=.git/x"),
+            ("trainer.checkpoint.dir", ".git/"),
+        ),
+        (
+            "ckpt-dotdot",
+            "launcher",
+            ("tiny", "--plan", "--set", f"trainer.checkpoint.dir={REPO}/runs/../patches"),
+            ("patches/",),
+        ),
+        (
+            "runs-sbatch",
+            "launcher",
+            ("tiny", *DRY, "--set", f"job.runs_dir={REPO / 'sbatch'}"),
+            ("job.runs_dir", "sbatch/"),
+        ),
+        (
+            "runs-home-other",
+            "launcher",
+            ("tiny", "--plan", "--set", "job.runs_dir=/home/someone"),
+            ("job.runs_dir", "home folder"),
+        ),
+        (
+            "cache-tests",
+            "launcher",
+            (
+                "tiny",
+                "--plan",
+                "--set",
+                "trainer.feature_cache.enabled=true",
+                "--set",
+                f"trainer.feature_cache.dir={REPO / 'tests'}",
+            ),
+            ("trainer.feature_cache.dir", "tests/"),
+        ),
+        (
+            "prepare-out-runtime",
+            "prepare_data",
+            ("--input", "{w}/data/chat.jsonl", "--output", str(REPO / "runtime" / "x.jsonl"), *PREP),
+            ("--output", "checked-in folder runtime/"),
+        ),
+        (
+            "smoke-out-launcher",
+            "derive_smoke_data",
+            (
+                "--input",
+                "{w}/data/train.jsonl",
+                "--expected-sha256",
+                "manifest",
+                "--rows",
+                "2",
+                "--output",
+                str(REPO / "launcher" / "x.jsonl"),
+            ),
+            ("--output", "launcher/"),
+        ),
+        ("compare-out-tests", "compare_runs", (JOB, "--out", str(REPO / "tests" / "plots")), ("--out", "tests/")),
+        (
+            "eval-out-patches",
+            "launcher",
+            ("eval", "local-1", *RUNS, "--local", "--checkpoint", "untrained", "--out", str(REPO / "patches" / "e")),
+            ("--out", "patches/"),
+        ),
+    ]
+]
+# One Slurm argument builder: options the launcher sets, leading dashes, timing that Slurm would misread.
+CASES += [
+    Case(f"slurm-{name}", "value", "launcher", ("tiny", *DRY, *[a for o in sets for a in ("--set", o)]), expect)
+    for name, sets, expect in [
+        ("python-option", ["job.python=--export=NONE"], ("job.python", "leading -")),
+        ("python-short-option", ["job.python=-u"], ("job.python", "leading -")),
+        ("extra-time", ["job.trainer.extra_sbatch.time='99999'"], ("extra_sbatch", "--time", "job.time_limit_min")),
+        ("extra-mem-prefix", ["job.capture.extra_sbatch.me=1G"], ("extra_sbatch", "--mem")),
+        ("extra-output", ["job.trainer.extra_sbatch.output=/etc/cron.d/x"], ("extra_sbatch", "--output")),
+        ("extra-chdir", ["job.capture.extra_sbatch.chdir=/"], ("extra_sbatch", "--chdir")),
+        ("extra-export", ["job.capture.extra_sbatch.export=NONE"], ("extra_sbatch", "--export")),
+        ("extra-gres", ["job.trainer.extra_sbatch.gres=gpu:1"], ("extra_sbatch", "--gres")),
+        ("extra-dependency", ["job.trainer.extra_sbatch.dependency=afterok:1"], ("extra_sbatch", "--dependency")),
+        ("signal-beyond-limit", ["job.signal_delay_s=7200"], ("job.signal_delay_s", "half")),
+        (
+            "grace-beyond-signal",
+            ["job.stop_grace_s=3600", "job.signal_delay_s=10"],
+            ("job.stop_grace_s", "job.signal_delay_s"),
+        ),
+        (
+            "heartbeat-beyond-idle",
+            ["transport.heartbeat_interval_s=600", "transport.idle_timeout_s=5"],
+            ("heartbeat_interval_s",),
+        ),
+        (
+            "partition-line-separator",
+            ["job.partition=gpu\u2028#SBATCH --uid=0"],
+            ("job.partition", "control character"),
+        ),
+        ("qos-nel", ["job.qos=normal\u0085x"], ("job.qos", "control character")),
+        ("account-bidi", ["job.account=acct\u202e#x"], ("job.account", "control character")),
+        ("constraint-zero-width", ["job.capture.constraint=a\u200bb"], ("job.capture.constraint", "control character")),
+    ]
+]
+
+
+def _record_with(**fields: object) -> Callable[[Path], None]:
+    """A setup step: the finished job's record with other fields (a tampered or foreign job.json)."""
+
+    def step(world: Path) -> None:
+        path = world / "runs" / "tiny" / "done" / "job.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+    return step
+
+
+CASES += [
+    Case(
+        f"job-id-{name}-{command}",
+        "job",
+        "launcher",
+        (command, JOB, *RUNS),
+        ("field 'job_id'", "fix"),
+        _record_with(job_id=job_id, mode=mode),
+    )
+    for name, job_id, mode in [
+        ("me", "--me", "slurm"),
+        ("user", "--user=root", "slurm"),
+        ("list", "4242,4243", "slurm"),
+        ("negative", "-1", "slurm"),
+        ("escape", "\x1b]0;PWNED\x07", "slurm"),
+        ("local-option", "--all", "local"),
+    ]
+    for command in ("cancel", "status")
+]
+# One secret rule: forms the refusal missed, none of them echoed.
+CASES += [
+    Case(
+        f"secret44-{name}",
+        "secret",
+        "launcher",
+        ("tiny", *DRY, "--set", override),
+        (field, "credential"),
+        forbid=(FAKE_KEY,),
+    )
+    for name, field, override in [
+        ("append", "job.setup", f"job.setup=['export WANDB_API_KEY+={FAKE_KEY}']"),
+        ("default", "job.setup", f"job.setup=[': ${{WANDB_API_KEY:={FAKE_KEY}}}']"),
+        ("default-dash", "job.setup", f"job.setup=['echo ${{HF_TOKEN:-{FAKE_KEY}}}']"),
+        ("ansi-c", "job.setup", f"job.setup=[\"export WANDB_API_KEY=$'{FAKE_KEY}'\"]"),
+        ("declare", "job.setup", f"job.setup=['declare -x HF_TOKEN={FAKE_KEY}']"),
+        ("wandb-login", "job.setup", f"job.setup=['wandb login {FAKE_KEY}']"),
+        ("hf-login", "job.setup", f"job.setup=['huggingface-cli login --add-to-git-credential {FAKE_KEY}']"),
+        ("bearer", "job.setup", f"job.setup=['curl -H \"Authorization: Bearer {FAKE_KEY}\" https://x/y']"),
+        ("api-key-header", "job.setup", f"job.setup=['curl -H \"X-Api-Key: {FAKE_KEY}\" https://x/y']"),
+        ("docker-p", "job.setup", f"job.setup=['docker login -u me -p {FAKE_KEY} registry.x']"),
+        ("sshpass", "job.setup", f"job.setup=['sshpass -p {FAKE_KEY} rsync -a u@h:/d /d']"),
+        ("mysql-p", "job.setup", f"job.setup=['mysql -u root -p{FAKE_KEY} -e select']"),
+        ("url-quote", "capture.target_revision", f"capture.target_revision=https://alice:p'{FAKE_KEY}@host.example/x"),
+        ("url-at", "data.chat_path", f"data.chat_path=https://alice:p@{FAKE_KEY}@host.example/x.jsonl"),
+        ("jwt", "description", f"description=eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.{FAKE_KEY}"),
+        ("stripe", "trainer.metrics.wandb_entity", f"trainer.metrics.wandb_entity=sk_live_{FAKE_KEY}"),
+        ("google", "trainer.metrics.wandb_project", f"trainer.metrics.wandb_project=AIzaSyD{FAKE_KEY}"),
+        ("list-flag", "capture.sglang.extra_args", f'capture.sglang.extra_args=["--api-key","{FAKE_KEY}"]'),
+        ("list-flag-spaced", "capture.sglang.extra_args", f"capture.sglang.extra_args=['--hf-token', '{FAKE_KEY}']"),
+    ]
+]
+# Messages that named the wrong fix, and values echoed whole.
+CASES += [
+    Case(
+        "set-empty", "message", "launcher", ("tiny", "--plan", "--set", ""), ("key.path=VALUE", "trainer.optimizer.lr")
+    ),
+    Case("no-wait-without-smoke", "flag", "launcher", ("tiny", "--plan", "--no-wait"), ("--no-wait", "--smoke")),
+    Case(
+        "render-stdout-and-out",
+        "flag",
+        "launcher",
+        ("render", "tiny", "--stdout", "--out", "{w}/o"),
+        ("--stdout", "--out"),
+    ),
+    Case(
+        "dotted-top-level-key",
+        "load-time",
+        "launcher",
+        ("{w}/recipes/bad.yaml", "--plan"),
+        ("trainer.seed", "nest it", "under the 'trainer:' section"),
+        tiny_with("\ntrainer:\n", '\n"trainer.seed": 5\ntrainer:\n'),
+    ),
+    Case(
+        "integer-of-5000-digits",
+        "load-time",
+        "launcher",
+        ("{w}/recipes/bad.yaml", *DRY),
+        ("cannot be converted", "fix"),
+        tiny_with("\njob:\n", "\nextra_digits: " + "9" * 5000 + "\njob:\n"),
+    ),
+    Case(
+        "resume-a-probe",
+        "job",
+        "launcher",
+        ("--resume", JOB, "--plan"),
+        ("--probe job", "run the probe again"),
+        _record_with(probe=True),
+    ),
+]
+
 
 # -- running one case ----------------------------------------------------------------------------
 
@@ -1875,6 +2115,39 @@ def world(template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
     # The world is the repository whose recipes the data tools read for pinned digests.
     monkeypatch.setattr(data_prepare, "RECIPES_DIR", target / "recipes")
     return target
+
+
+def _tracked_digests() -> dict[str, str]:
+    """SHA-256 of every file of the checkout that git tracks (several cases aim at them on purpose)."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    names = [n for n in listed.decode().split("\0") if n and (REPO / n).is_file()]
+    return {n: hashlib.sha256((REPO / n).read_bytes()).hexdigest() for n in names}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checkout_untouched() -> object:
+    """After the whole corpus, every tracked file of the checkout is byte-identical and nothing was
+    added to its checked-in folders (the write-gate cases name README.md, recipes/, tools/, ...)."""
+    from runtime.user_errors import CHECKED_IN_FOLDERS
+
+    def untracked() -> set[str]:
+        import subprocess
+
+        listed = subprocess.run(
+            ["git", "ls-files", "--others", "--exclude-standard", "-z", "--", *CHECKED_IN_FOLDERS[2:]],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        ).stdout
+        return {n for n in listed.decode().split("\0") if n}
+
+    before, extra = _tracked_digests(), untracked()
+    yield
+    changed = sorted(n for n, digest in _tracked_digests().items() if before.get(n) != digest)
+    assert not changed, f"the corpus changed tracked files: {changed}"
+    assert untracked() == extra, f"the corpus added files: {sorted(untracked() - extra)}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

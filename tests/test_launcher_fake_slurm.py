@@ -166,7 +166,8 @@ def _resolved_job(tmp_path: Path, *overrides: str) -> JobRecord:
     from launcher.jobs import write_record
 
     record = slurm_record(tmp_path, job_id="5151")
-    sets = [arg for item in overrides for arg in ("--set", item)]
+    # its record goes into the test's runs folder, never the repository's runs/
+    sets = [arg for item in (f"job.runs_dir={tmp_path / 'runs'}", *overrides) for arg in ("--set", item)]
     done = launch(["resolve", "tiny", "--job-dir", record.job_dir, "--slurm-job-id", "5151", *sets])
     assert done.returncode == 0, done.stderr
     write_record(record, tmp_path / "runs")

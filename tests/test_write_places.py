@@ -113,3 +113,30 @@ def test_a_refused_credential_leaves_nothing_written(tmp_path: Path, capsys: pyt
     captured = capsys.readouterr()
     assert code == 2 and not job_dir.exists()
     assert password not in captured.out + captured.err and "capture.target_revision" in captured.err
+
+
+def test_an_empty_home_never_turns_a_tilde_into_the_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With HOME set but empty, ``~/x`` expands to ``/x``: refused for a tool's output and a recipe's folder."""
+    monkeypatch.setenv("HOME", "")
+    with pytest.raises(UserError, match="HOME is empty"):
+        output_place(Path("~/dspark_r"), "--out")
+    with pytest.raises(UserError, match=r"job.runs_dir .*HOME is empty"):
+        load_recipe(TINY, overrides=["job.runs_dir=~/dspark_r"])
+    assert not Path("/dspark_r").exists()
+
+
+def test_two_recipes_of_recipes_never_render_into_one_script(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second recipe with the first one's job.name would write sbatch/<name>.sbatch over the other's."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "tiny.yaml").write_text(TINY.read_text())
+    (recipes / "evil_tiny.yaml").write_text(TINY.read_text().replace("time_limit_min: 30", "time_limit_min: 31"))
+    monkeypatch.setattr(launcher_cli, "RECIPES_DIR", recipes)
+    before = _digests(REPO / "sbatch")
+    for argv in (["render", "evil_tiny"], ["render"]):
+        assert launcher_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "both have job.name 'tiny'" in err and "nothing was written" in err, err
+    assert _digests(REPO / "sbatch") == before

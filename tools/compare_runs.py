@@ -235,10 +235,18 @@ def verdict(a: Run, b: Run) -> str:
             va, vb = a.steps[step][metric], b.steps[step][metric]
             if va != vb and not (math.isnan(va) and math.isnan(vb)):
                 return f"verdict: first differ at optimizer step {step} in {metric} (A={va:.9g}, B={vb:.9g})"
-    return (
+    line = (
         f"verdict: identical on all {len(common)} optimizer steps in common (steps {common[0]}..{common[-1]}), "
         "every learning metric bit for bit"
     )
+    last_a, last_b = max(a.steps), max(b.steps)
+    if last_a != last_b:  # a run that died early agrees on what it has: say it is shorter, never "identical"
+        shorter, longer = ("A", "B") if last_a < last_b else ("B", "A")
+        line += (
+            f"; but {shorter} ends at step {min(last_a, last_b)} and {longer} at step {max(last_a, last_b)}: "
+            f"{shorter} is not the whole run"
+        )
+    return line
 
 
 def render_table(a: Run, b: Run, rows: list[Deviation], top: int) -> str:

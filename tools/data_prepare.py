@@ -38,7 +38,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.user_errors import credentials_in, redact, require_regular_file, run_command
+from runtime.user_errors import credentials_in, output_place, redact, require_regular_file, run_command
 from tools.recipe_args import load_tool_recipe
 from tools.regenerate import (
     EmbeddedRegenerator,
@@ -396,6 +396,7 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
         raise DataFileError(
             f"{', '.join(missing)} needed; fix: pass them, or --recipe NAME to take them from a recipe (e.g. --recipe tiny)"
         )
+    output_place(Path(output_path), "--output", fix="write the data into a folder of its own, e.g. .cache/data/")
     _check_option_values(Path(input_path), Path(output_path), Path(tokenizer_path), int(max_length), args)
     return PrepareOptions(
         input_path=Path(input_path),

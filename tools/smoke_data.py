@@ -27,7 +27,7 @@ from runtime.shared.data_files import (
     write_manifest,
     write_rows,
 )
-from runtime.user_errors import run_command
+from runtime.user_errors import output_place, run_command
 from tools.data_prepare import refuse_to_replace_pinned_data
 from tools.recipe_args import load_tool_recipe
 
@@ -97,6 +97,7 @@ def _main(argv: list[str] | None) -> int:
         if not (args.input and args.expected_sha256 and args.rows and args.output):
             parser.error("give --recipe, or all of --input, --expected-sha256, --rows and --output")
         input_path, expected, num_rows, output_path = args.input, args.expected_sha256, args.rows, args.output
+    output_place(Path(output_path), "--output", fix="write the fixture into a folder of its own, e.g. .cache/data/")
     if output_path.resolve() == input_path.resolve():
         raise DataFileError(
             f"--output {output_path} is the input file: deriving would replace the full data with its smoke rows. "

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.user_errors import exit_without_package
+from runtime.user_errors import UserError, exit_without_package, run_command
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
     from runtime.files import atomic_write_text
@@ -260,11 +260,23 @@ def _stop_slowly(job_dir: Path, component: str, rank: int, delay_s: float) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the probe for one task; returns the exit code."""
+    """Run the probe for one task; returns the exit code (bad input: one ``error:`` line, exit 2)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m runtime.probe", description=__doc__)
     parser.add_argument("--recipe", required=True, type=Path)
     parser.add_argument("--component", required=True, choices=("capture", "trainer"))
     args = parser.parse_args(argv)
+    missing = [name for name in (contracts.ENV_JOB_DIR, contracts.ENV_BIND_ADDRESS) if name not in os.environ]
+    if args.component == "trainer":
+        missing += [name for name in contracts.TRAINER_ENV_NAMES if name not in os.environ]
+    if missing:
+        raise UserError(
+            f"the probe's {args.component} task lacks the job's environment ({', '.join(missing)} not set): it runs "
+            "inside a probe job. Fix: start it through the launcher, `python3 -m launcher RECIPE --probe [--local]`"
+        )
     route_native_output()  # the probe's Mooncake client logs through glog onto fd 2: into logs/native_*
     setup = probe_setup(load_resolved(args.recipe))
     job_dir = setup.job_dir

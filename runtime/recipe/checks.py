@@ -68,7 +68,7 @@ def check_write_places(recipe: Recipe) -> list[Problem]:
         expanded = os.path.expandvars(value)
         if "$" in expanded:
             continue
-        path = Path(expanded).expanduser() if expanded.startswith("~") else Path(expanded)
+        path = Path(expanded)  # a ~ stays for the rule to read (with an empty HOME it would mean the root)
         problem = write_place_problem(path if path.is_absolute() or expanded.startswith("~") else CHECKOUT / path)
         if problem:
             out.append(

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from runtime.user_errors import UserError
 
+SHOWN_SOURCE_CHARS = 160
+"""The longest ``--set`` (or field path) a problem line shows whole."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -21,9 +24,12 @@ class Problem:
     """Where the value came from: the recipe file, its smoke overlay, or a ``--set`` override."""
 
     def render(self) -> str:
-        """One line (plus a fix line) for an operator."""
-        where = f" (from {self.source})" if self.source else ""
-        text = f"{self.path or '<recipe>'}{where}: {self.message}"
+        """One line (plus a fix line) for an operator; a long ``--set`` it came from is shortened (a
+        6,000-character value would fill the console twice)."""
+        source = self.source if len(self.source) <= SHOWN_SOURCE_CHARS else self.source[: SHOWN_SOURCE_CHARS - 4] + " ..."
+        where = f" (from {source})" if source else ""
+        path = self.path if len(self.path) <= SHOWN_SOURCE_CHARS else self.path[: SHOWN_SOURCE_CHARS - 4] + " ..."
+        text = f"{path or '<recipe>'}{where}: {self.message}"
         if self.fix:
             text += f"\n      fix: {self.fix}"
         return text

@@ -247,9 +247,12 @@ def deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
 def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     """Apply one ``a.b.c=value`` override in place (value parsed as YAML); returns the key."""
     if "=" not in item:
+        shown = item if len(item) <= 80 else item[:77] + "..."
+        fix = "write --set key.path=VALUE, e.g. --set trainer.optimizer.lr=1e-4" if not item.strip() else (
+            f"write --set {shown}=VALUE"
+        )
         raise RecipeError(
-            file,
-            [Problem(item, "an override must look like key.path=value", f"write --set {item}=VALUE", f"--set {item}")],
+            file, [Problem(shown or "--set ''", "an override must look like key.path=value", fix, f"--set {shown!r}")]
         )
     key, text = item.split("=", 1)
     key = key.strip()
@@ -279,6 +282,7 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
             value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         shown = redact_override(item).partition("=")[2]
+        shown = shown if len(shown) <= 80 else shown[:76] + " ..."
         problem = str(getattr(exc, "problem", None) or exc).strip()
         raise RecipeError(
             file,
@@ -484,6 +488,11 @@ def parse_yaml(text: str) -> Any:
         raise YamlShapeError(
             "nested too deeply to read", f"a recipe nests a few levels; keep it under {MAX_YAML_DEPTH}"
         ) from None
+    except ValueError as exc:  # a value YAML cannot convert (an integer of more than 4,300 digits, a bad date)
+        raise YamlShapeError(
+            f"holds a value that cannot be converted ({str(exc)[:120]})",
+            "write the value as a plain number of a sensible size, or quote it to keep it as text",
+        ) from None
     count = 0
     stack: list[tuple[Any, int, frozenset[int]]] = [(data, 0, frozenset())]
     while stack:
@@ -675,6 +684,13 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
         name = str(loc[-1])
         known = sorted(parent.model_fields) if parent else []
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        head, dot, rest = name.partition(".")
+        if dot and head in known:  # "trainer.seed": 5 written as one key: the dotted form is --set's, not YAML's
+            return Problem(
+                path,
+                f"unknown key '{name}': a dotted name is one key in YAML",
+                f"nest it: write '{rest}' under the '{head}:' section (dotted paths are for --set {name}=VALUE)",
+            )
         if close:
             return Problem(path, f"unknown key '{name}'. Did you mean '{close[0]}'?", f"rename it to '{close[0]}'")
         return Problem(path, f"unknown key '{name}'", f"remove it; known keys here: {', '.join(known)}")

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.user_errors import exit_without_package
+from runtime.user_errors import UserError, exit_without_package, run_command
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
     from runtime.recipe.loader import RESOLVED_FILENAME, load_resolved
@@ -205,7 +205,14 @@ def status_endpoints(settings: TransportSettings, job_dir: Path) -> Endpoints:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (bad input: one ``error:`` line, exit 2)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from runtime.recipe import RecipeError
+    from runtime.transport.errors import MasterStartError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="python3 -m runtime.transport", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,7 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--job", help="the job folder (runs/NAME/STAMP): its recipe and its master's endpoints")
     which.add_argument("--recipe", help="a resolved recipe; endpoints from the job's environment, else its job folder")
     args = parser.parse_args(argv)
-    return run_master(args) if args.command == "master" else run_status(args)
+    given = Path(args.recipe) if args.recipe else None
+    if given is not None and given.suffix in (".yaml", ".yml"):
+        raise UserError(
+            f"--recipe {given} is a recipe file; this command reads a job's resolved recipe. Fix: --recipe "
+            f"runs/NAME/STAMP/{RESOLVED_FILENAME}, or --job runs/NAME/STAMP"
+        )
+    try:
+        return run_master(args) if args.command == "master" else run_status(args)
+    except (RecipeError, MasterStartError) as exc:
+        raise UserError(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -144,6 +144,14 @@ class MasterProcess:
     def start(self, ready_timeout_s: float = 30.0) -> MasterProcess:
         """Start the master and wait until it answers; MasterStartError names the port on failure."""
         s = self.settings
+        from runtime.transport.metadata_server import is_wildcard
+
+        if is_wildcard(s.host):  # refused before anything listens, not after the master is up
+            raise MasterStartError(
+                f"mooncake_master host {s.host!r} would listen on every interface (its RPC, metrics and our metadata "
+                "server); nothing was started. Fix: give the node's routable address (transport.bind_address, "
+                "--host) or 127.0.0.1"
+            )
         # A venv's console scripts sit next to its interpreter; `.venv/bin/python3 -m ...` without an
         # activated venv does not put them on PATH.
         beside_python = Path(sys.executable).parent / s.binary

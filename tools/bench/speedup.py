@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.user_errors import exit_without_package
+from runtime.user_errors import exit_without_package, run_command
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
     import torch
@@ -220,7 +220,11 @@ def bench_synthetic(device: str, quick: bool, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point."""
+    """Command line entry point (bad input: one ``error:`` line, exit 2)."""
+    return run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tools.bench.speedup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", help="a trained job: its folder, id or 'latest' (runs/)")
     parser.add_argument("--checkpoint", default="latest", help="the draft to time (latest, step_N)")
@@ -234,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.synthetic == bool(args.job):
         parser.error("give --job JOB or --synthetic")
+    if args.max_prompts is not None and args.max_prompts < 1:
+        parser.error(f"--max-prompts {args.max_prompts}: times at least one prompt; give 1 or more, or leave it out")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
     if args.synthetic:
         result = bench_synthetic(args.device, args.quick, args.repeats)
         print(f"{result['device']}: target {result['target']}, block {result['block_size']}")
