@@ -330,3 +330,61 @@ def test_data_a_recipe_pins_is_never_replaced_by_other_data(
     with pytest.raises(IsADirectoryError):
         prepare(dataclasses.replace(options, output_path=folder), tokenizer=tokenizer, log=lambda _: None)
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name], "no temporary file left"
+
+
+class _HostileServer(http.server.BaseHTTPRequestHandler):
+    """On 127.0.0.1: answers a redirect to ``/steal`` (recording what reaches it) or a 401 whose body
+    quotes the request's Authorization header."""
+
+    mode = "redirect"
+    stolen: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        if type(self).mode == "redirect":
+            self.send_response(302)
+            self.send_header("Location", "/steal")
+            self.end_headers()
+            return
+        body = f"unauthorized: you sent Authorization: {self.headers.get('Authorization')}".encode()
+        self.send_response(401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).stolen.append(str(self.headers.get("Authorization")))
+        payload = json.dumps({"choices": [{"message": {"content": "stolen answer"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["redirect", "echo"])
+def test_the_api_key_never_leaves_for_another_place_nor_reaches_the_console(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redirect is not followed (urllib re-sent the key to whatever host it named and wrote that host's
+    answer into the data); a body that echoes the key is printed without it."""
+    key = "Zq8xKp2vLm4nRt7wXy"
+    monkeypatch.setenv("DSPARK_TEST_API_KEY", key)
+    _HostileServer.mode, _HostileServer.stolen = mode, []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HostileServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAIRegenerator(
+            f"http://127.0.0.1:{server.server_address[1]}/v1", "m", retries=0, api_key_env="DSPARK_TEST_API_KEY"
+        )
+        with pytest.raises(RegenerationError) as err:
+            client.reply([{"role": "user", "content": "hi"}])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert key not in str(err.value) and _HostileServer.stolen == []
+    if mode == "redirect":
+        assert "HTTP 302, a redirect to" in str(err.value) and "not followed" in str(err.value)
+    else:
+        assert "HTTP 401: unauthorized: you sent Authorization: Bearer <redacted>" in str(err.value)

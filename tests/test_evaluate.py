@@ -373,3 +373,69 @@ def test_the_replay_tool_recomputes_the_figures_and_names_a_difference() -> None
     figures["sets"]["b"]["mean_acceptance_length"] = 3.0  # e.g. counting the tokens the steps offered
     (difference,) = recomputed_figures(results, lines)
     assert difference == "T=0 d b: results.json says 3.0, the decodes give 5 tokens / 2 verify steps = 2.5"
+
+
+def _replay_folder(folder: Path, results: object, lines: list[object]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    (folder / "decodes.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+_GOOD_LINE = {"temperature": 0.0, "decoder": "target alone", "set": "a", "prompt_id": "p0", "prompt_ids": [1, 5, 6],
+              "output_ids": [7, 2], "verify_steps": 2}  # fmt: skip
+_GOOD_RESULTS = {"passes": [], "dtype": "float32", "stop_token_ids": [2], "max_new_tokens": 100000}
+
+
+@pytest.mark.parametrize(
+    ("results", "lines", "named"),
+    [
+        ([], [_GOOD_LINE], "holds a list, not an evaluation's results"),
+        ({**_GOOD_RESULTS, "dtype": "save"}, [_GOOD_LINE], "'dtype' is 'save'"),
+        ({**_GOOD_RESULTS, "stop_token_ids": []}, [_GOOD_LINE], "'stop_token_ids' is []"),
+        (_GOOD_RESULTS, [5], "decodes.jsonl:1 is 5, not a decode"),
+        (_GOOD_RESULTS, [{**_GOOD_LINE, "temperature": "abc"}], "'temperature' is 'abc'"),
+        (_GOOD_RESULTS, [{**_GOOD_LINE, "output_ids": [1, "x"]}], "'output_ids' is not a list of token ids"),
+    ],
+)
+def test_the_replay_tool_refuses_a_tampered_folder_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], results: object, lines: list[object], named: str
+) -> None:
+    from tools.replay_decodes import main
+
+    folder = _replay_folder(tmp_path / "eval", results, lines)
+    assert main([str(folder), "--target", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and "fix:" in err and "Traceback" not in err, err
+
+
+def test_the_replay_tool_refuses_a_fifo_and_a_limit_below_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from tools.replay_decodes import main
+
+    folder = _replay_folder(tmp_path / "eval", _GOOD_RESULTS, [_GOOD_LINE])
+    assert main([str(folder), "--limit", "-30"]) == 2 and "--limit -30" in capsys.readouterr().err
+    (folder / "decodes.jsonl").unlink()
+    os.mkfifo(folder / "decodes.jsonl")
+    assert main([str(folder)]) == 2 and "is a FIFO (named pipe)" in capsys.readouterr().err
+
+
+def test_the_replay_decodes_no_further_than_the_recorded_output(tmp_path: Path) -> None:
+    """A results.json whose max_new_tokens says 100000 does not make the replay decode 100000 tokens: each
+    prompt is decoded at most as far as its longest recorded output (and a whole output ends at a stop)."""
+    from tests.support.tiny_moe import save_tiny_moe_target, tiny_moe_config
+    from tools.replay_decodes import replay_greedy
+
+    target = save_tiny_moe_target(tmp_path / "target", tiny_moe_config(max_position_embeddings=4096))
+    lines = [{**_GOOD_LINE, "output_ids": [7, 8, 9]}]  # no stop token at its end: cut short, or tampered
+    never_stops = {**_GOOD_RESULTS, "stop_token_ids": [999_999]}  # no token of the vocabulary: only the cap ends it
+    compared, differences = replay_greedy(never_stops, lines, target, "cpu", None)
+    assert compared == 1
+    (difference,) = differences
+    import re
+
+    given = int(re.search(r"transformers greedy gives (\d+)", difference).group(1))  # type: ignore[union-attr]
+    assert given == 3, difference

@@ -31,7 +31,7 @@ def _replay_folder(root: Path) -> list[str]:
     folder, target = root / "eval", root / "target"
     folder.mkdir()
     target.mkdir()
-    (folder / "results.json").write_text(json.dumps({"passes": [], "job_dir": str(root)}))
+    (folder / "results.json").write_text(json.dumps({"passes": [], "job_dir": str(root), "stop_token_ids": [2]}))
     (folder / "decodes.jsonl").write_text("")
     (target / "config.json").write_text("{}")
     return [str(folder), "--target", str(target)]
