@@ -91,9 +91,25 @@ training run, so a job folder verifies and resumes whatever eval settings it was
 without, before the section existed)."""
 
 
+DIGEST_DEFAULTS_LEFT_OUT: dict[tuple[str, ...], Any] = {
+    ("trainer", "draft", "attention"): "gqa",
+    ("trainer", "draft", "mla"): None,
+}
+"""Fields added after recipes were first digested, left out of the digest while they hold the value every
+earlier recipe meant: a job resolved before they existed keeps its digest (its checkpoints' record, its
+resume), and a recipe that sets them gets another one."""
+
+
 def recipe_digest(recipe: Recipe) -> str:
-    """SHA-256 of the canonical JSON form of ``recipe`` (the sections of :data:`NOT_IN_DIGEST` left out)."""
+    """SHA-256 of the canonical JSON form of ``recipe`` (the sections of :data:`NOT_IN_DIGEST` and the
+    defaults of :data:`DIGEST_DEFAULTS_LEFT_OUT` left out)."""
     document = recipe.model_dump(mode="json", exclude=set(NOT_IN_DIGEST))
+    for path, default in DIGEST_DEFAULTS_LEFT_OUT.items():
+        parent = document
+        for part in path[:-1]:
+            parent = parent.get(part, {}) if isinstance(parent, dict) else {}
+        if isinstance(parent, dict) and path[-1] in parent and parent[path[-1]] == default:
+            del parent[path[-1]]
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -662,6 +662,40 @@ class RopeScaling(Section):
     """YaRN low-frequency boundary (rotations)."""
 
 
+class MLAConfig(Section):
+    """Multi-head latent attention of the draft's layers (``trainer.draft.attention: mla``), in the
+    compressed-latent form of DeepSeek-V2 and the K3 MLA drafters: queries through a low-rank
+    ``q_a_proj -> q_a_layernorm -> q_b_proj`` (Q-LoRA), keys and values through one shared latent
+    ``kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`` plus a single rotary key head, and an optional
+    sigmoid output gate (``g_proj``) on each head's output before ``o_proj``."""
+
+    q_lora_rank: int | None = Field(..., ge=1)
+    """Rank of the query compression (null: one ``q_proj`` from the hidden state)."""
+    kv_lora_rank: int = Field(..., ge=1)
+    """Width of the compressed key/value latent."""
+    qk_nope_head_dim: int = Field(..., ge=1)
+    """Per-head query/key dimension without rotary position (decompressed from the latent)."""
+    qk_rope_head_dim: int = Field(..., ge=2)
+    """Per-head query dimension with rotary position; the key's rotary part is one head shared by all."""
+    v_head_dim: int = Field(..., ge=1)
+    """Per-head value dimension."""
+    use_output_gate: bool = True
+    """``sigmoid(g_proj(x))`` multiplies each head's output before ``o_proj`` (K3's gated MLA)."""
+    rope_interleave: bool = True
+    """Rotate interleaved channel pairs (DeepSeek's layout), not the two halves of the rotary part."""
+
+    @field_validator("qk_rope_head_dim")
+    @classmethod
+    def _even_rope(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError(f"is {value}: rotary dimensions come in pairs. Fix: give an even number, e.g. 64")
+        return value
+
+
+DRAFT_ATTENTIONS = ("gqa", "mla")
+"""The draft layers' attention: ``gqa`` (Qwen3-style grouped-query, the K3 DSpark GQA16 draft) or ``mla``."""
+
+
 class DraftConfig(Section):
     """The DSpark draft: Qwen3-style decoder layers plus Markov and confidence heads."""
 
@@ -699,6 +733,20 @@ class DraftConfig(Section):
     """Train the confidence head."""
     confidence_uses_markov_embedding: bool = True
     """Feed the confidence head ``[post-norm hidden; W1[prev token]]``."""
+    attention: Literal["gqa", "mla"] = "gqa"
+    """Every layer's attention: ``gqa`` (``num_attention_heads``/``num_key_value_heads``/``head_dim``) or
+    ``mla`` (its shape in ``mla``; ``num_attention_heads`` heads)."""
+    mla: MLAConfig | None = None
+    """The latent attention's shape, required with ``attention: mla``."""
+
+    @model_validator(mode="after")
+    def _mla_shape_given(self) -> DraftConfig:
+        if self.attention == "mla" and self.mla is None:
+            raise ValueError(
+                "attention is mla, but trainer.draft.mla is not set. Fix: give its shape, e.g. mla: {q_lora_rank: "
+                "1536, kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128}"
+            )
+        return self
 
 
 class OptimizerConfig(Section):

@@ -21,6 +21,12 @@ Tensor names (no ``model.`` prefix; SGLang strips one if present), with ``i`` th
 Note that SGLang's DFlash loader silently ignores names it does not know, so a wrong name would
 serve an uninitialised draft: the test compares the full name set.
 
+A latent-attention draft (``trainer.draft.attention: mla``) has, in place of the q/k/v projections and
+norms, ``layers.i.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj, o_proj, g_proj}.weight`` (the public K3 MLA DSpark drafters' names) and is exported as
+``KimiK3DSparkMLADraftModel`` (``model_type: kimi_k3_dspark``) with ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``mla_use_output_gate`` and ``rope_interleave``.
+
 Config keys SGLang reads (through transformers' ``AutoConfig`` with ``model_type: qwen3``):
 ``architectures: [Qwen3DSparkModel]``, the Qwen3 shape keys, ``rope_theta`` / ``rope_scaling``,
 ``dflash_config.{block_size, target_layer_ids, num_target_layers, mask_token_id, markov_rank,
@@ -49,6 +55,9 @@ from runtime.trainer.draft_spec import DraftSpec
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = EXPORT_CONFIG_FILE
 ARCHITECTURE = "Qwen3DSparkModel"
+MLA_ARCHITECTURE = "KimiK3DSparkMLADraftModel"
+"""The architecture a latent-attention draft is exported as (SGLang 0.5.23 has no loader for it)."""
+MLA_MODEL_TYPE = "kimi_k3_dspark"
 IGNORED_ON_IMPORT = ("embed_tokens.", "lm_head.", "rotary_emb.")
 """Name prefixes (after an optional ``model.``) that a draft checkpoint may carry and we ignore,
 as SGLang does: the frozen vocabulary tensors come from the target."""
@@ -74,7 +83,7 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
         "markov_rank": draft.markov_rank,
         "markov_head_type": draft.markov_type,
     }
-    return {
+    config = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": draft.hidden_size,
@@ -101,6 +110,24 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
         "enable_confidence_head": draft.confidence_head,
         "confidence_head_with_markov": draft.confidence_head and draft.confidence_uses_markov_embedding,
     }
+    if draft.attention == "mla" and draft.mla is not None:
+        # The K3 MLA DSpark loaders (SGLang's KimiK3DSparkMLADraftModel, registered after 0.5.23) read the
+        # latent shape from these keys; the tensors already carry their names.
+        mla = draft.mla
+        config.update(
+            architectures=[MLA_ARCHITECTURE],
+            model_type=MLA_MODEL_TYPE,
+            head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+            num_key_value_heads=draft.num_attention_heads,
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            mla_use_output_gate=mla.use_output_gate,
+            rope_interleave=mla.rope_interleave,
+        )
+    return config
 
 
 def export_draft(model: torch.nn.Module, target: Path, spec: DraftSpec, *, dtype: torch.dtype, is_main: bool) -> Path:

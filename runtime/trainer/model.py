@@ -67,6 +67,9 @@ class AttentionInputs:
     """bool [Q, ctx_len + Q] for sdpa, a BlockMask for flex."""
     ctx_len: int
     """Context length the keys are laid out with (>= T; padded for flex)."""
+    latent_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Latent attention's rotary tables (cos/sin of the context, then of the slots) at its rotary
+    dimension; None for a draft without ``mla`` layers."""
 
 
 class DraftAttention(nn.Module):
@@ -111,6 +114,110 @@ class DraftAttention(nn.Module):
         return self.o_proj(out)
 
 
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Channels ``(0, 1), (2, 3), ...`` regrouped as ``(0, 2, ...), (1, 3, ...)``: an interleaved rotary
+    pair becomes a neox half pair, so :func:`apply_rotary` rotates it (queries and keys alike, so their
+    dot products are those of the interleaved rotation)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float | None
+) -> torch.Tensor:
+    """``q [Q, heads, d]`` over ``k [S, kv_heads, d]`` / ``v [S, kv_heads, dv]`` under the block mask:
+    ``[Q, heads, dv]``."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if inputs.backend == "flex":
+        out = _flex_attention()(q, k, v, block_mask=inputs.mask, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention of draft slots over ``[context; own block]`` (``trainer.draft.attention:
+    mla``; the shape in ``trainer.draft.mla``). Each token, context or slot, gives one compressed latent
+    ``c = kv_a_layernorm(kv_a_proj_with_mqa(t)[:rank])`` and one rotary key head shared by all heads; the
+    heads' keys and values are ``kv_b_proj(c)`` (the expanded form). With :attr:`absorbed` the scores and
+    values are computed in the latent space instead (``kv_b_proj`` folded into the query and the output),
+    which gives the same result. Queries come from the slots through ``q_a_proj -> q_a_layernorm ->
+    q_b_proj``; an output gate ``sigmoid(g_proj(x))`` multiplies each head's output before ``o_proj``.
+    Module names are those of the public K3 MLA DSpark drafters."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        m = cfg.mla
+        if m is None:
+            raise ValueError("trainer.draft.mla is not set: a latent attention needs its shape")
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim, self.rank = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
+        qk = self.nope_dim + self.rope_dim
+        h = cfg.hidden_size
+        self.q_lora = m.q_lora_rank is not None
+        if m.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+        self.g_proj = nn.Linear(h, self.num_heads * self.v_dim, bias=False) if m.use_output_gate else None
+        self.interleave = m.rope_interleave
+        self.scale = qk**-0.5
+        self.absorbed = False
+        """Scores and values in the latent space (the same result; fewer FLOPs per context token)."""
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(_deinterleave(x) if self.interleave else x, cos, sin)
+
+    def _latent(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's normalised latent ``[N, rank]`` and rotated shared key head ``[N, 1, rope]``."""
+        compressed, key_rope = self.kv_a_proj_with_mqa(tokens).split([self.rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(compressed), self._rotate(key_rope.unsqueeze(1), cos, sin)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """``x [Q, H]`` (after input_layernorm), ``context [T, H]`` -> ``[Q, H]``."""
+        if inputs.latent_rope is None:
+            raise RuntimeError("the attention inputs carry no latent rotary tables (an mla draft builds them)")
+        cos_ctx, sin_ctx, cos_draft, sin_draft = inputs.latent_rope
+        q_len, ctx_tokens = x.shape[0], context.shape[0]
+        query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_rope = query.view(q_len, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = self._rotate(q_rope, cos_draft, sin_draft)
+        latent_ctx, rope_ctx = self._latent(context, cos_ctx, sin_ctx)
+        latent_draft, rope_draft = self._latent(x, cos_draft, sin_draft)
+        if inputs.ctx_len > ctx_tokens:
+            pad = inputs.ctx_len - ctx_tokens
+            latent_ctx = F.pad(latent_ctx, (0, 0, 0, pad))
+            rope_ctx = F.pad(rope_ctx, (0, 0, 0, 0, 0, pad))
+        latent = torch.cat([latent_ctx, latent_draft], dim=0)
+        key_rope = torch.cat([rope_ctx, rope_draft], dim=0)
+        if self.absorbed:
+            expand = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+            up_key, up_value = expand.split([self.nope_dim, self.v_dim], dim=1)
+            q = torch.cat([torch.einsum("qhn,hnr->qhr", q_nope, up_key), q_rope], dim=-1)
+            k = torch.cat([latent.unsqueeze(1), key_rope], dim=-1)
+            out_latent = attend(q, k, latent.unsqueeze(1), inputs, self.scale)
+            out = torch.einsum("qhr,hvr->qhv", out_latent, up_value)
+        else:
+            keys_values = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, v = keys_values.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, key_rope.expand(-1, self.num_heads, -1)], dim=-1)
+            out = attend(torch.cat([q_nope, q_rope], dim=-1), k, v, inputs, self.scale)
+        out = out.reshape(q_len, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+
 _FLEX: Any = None
 
 
@@ -145,7 +252,7 @@ class DraftDecoderLayer(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn: nn.Module = LatentAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
         self.compile_forward = False
@@ -264,6 +371,12 @@ class DSparkDraft(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.latent_rope_dim = cfg.mla.qk_rope_head_dim if cfg.attention == "mla" and cfg.mla is not None else 0
+        if self.latent_rope_dim:  # the latent attention rotates its own rotary part, at the same base and scaling
+            latent_freq, self.latent_rope_scale = inverse_frequencies(
+                self.latent_rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+            )
+            self.register_buffer("latent_rope_inv_freq", latent_freq, persistent=False)
         self.register_buffer("embed_weight", torch.empty(0), persistent=False)
         self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
         self.reset_parameters()
@@ -313,7 +426,22 @@ class DSparkDraft(nn.Module):
         else:
             ctx_len = layout.seq_len
             mask = dense_block_mask(layout.anchors, layout.keep, ctx_len, block_size)
-        return AttentionInputs(cos_ctx, sin_ctx, cos_draft, sin_draft, self.attention_backend, mask, ctx_len)
+        latent_rope = None
+        if self.latent_rope_dim:
+            latent_rope = (
+                *cos_sin(ctx_positions, self.latent_rope_inv_freq, self.latent_rope_scale, dtype),
+                *cos_sin(layout.positions.reshape(-1), self.latent_rope_inv_freq, self.latent_rope_scale, dtype),
+            )
+        return AttentionInputs(
+            cos_ctx,
+            sin_ctx,
+            cos_draft,
+            sin_draft,
+            self.attention_backend,
+            mask,
+            ctx_len,
+            latent_rope,  # type: ignore[arg-type]
+        )
 
     def draft_hidden(self, hs: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Post-norm draft hidden states [N, S, H] of one sample."""

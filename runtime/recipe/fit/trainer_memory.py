@@ -4,6 +4,7 @@ weights + AdamW), at ``data.max_length``."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from runtime.recipe.fit.report import Finding, FitReport
 from runtime.recipe.fit.store_budget import largest_sample
@@ -14,20 +15,55 @@ TRAINER_MEMORY_HEADROOM = 0.9
 """Share of one accelerator's memory a trainer rank may plan to use (the rest: allocator, NCCL, ...)."""
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one draft layer's attention costs, whatever its kind (``trainer.draft.attention``)."""
+
+    params: int
+    """Parameters of the layer's attention (projections, norms, gate)."""
+    context_params: int
+    """Parameters applied to every context token in the layer (its keys and values, both sources)."""
+    key_width: int
+    """Per context token and layer: the key and value elements the layer keeps (activations)."""
+    heads: int
+    score_dim: int
+    """Per head: the query/key dimension of a score."""
+    value_dim: int
+    """Per head: the value dimension."""
+
+
+def attention_shape(draft: DraftConfig) -> AttentionShape:
+    """The shape of the draft's attention: grouped-query (``gqa``) or latent (``mla``)."""
+    h, heads = draft.hidden_size, draft.num_attention_heads
+    if draft.attention == "mla" and draft.mla is not None:
+        m = draft.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk
+        else:
+            query = h * heads * qk
+        latent = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        expand = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        gate = h * heads * m.v_head_dim if m.use_output_gate else 0
+        return AttentionShape(
+            params=query + latent + expand + heads * m.v_head_dim * h + gate,
+            context_params=latent + expand,
+            key_width=m.kv_lora_rank + m.qk_rope_head_dim + heads * (qk + m.v_head_dim),
+            heads=heads,
+            score_dim=qk,
+            value_dim=m.v_head_dim,
+        )
+    kv, hd = draft.num_key_value_heads, draft.head_dim
+    params = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q, k, v, o, q/k norms
+    if draft.attention_bias:
+        params += heads * hd + 2 * kv * hd + h
+    return AttentionShape(params, 2 * h * kv * hd, 3 * kv * hd, heads, hd, hd)
+
+
 def draft_parameter_counts(draft: DraftConfig, num_aux_layers: int, vocab_size: int) -> dict[str, int]:
     """Trainable and frozen parameter counts of the DSpark draft, by part."""
-    h, heads, kv, hd, inter = (
-        draft.hidden_size,
-        draft.num_attention_heads,
-        draft.num_key_value_heads,
-        draft.head_dim,
-        draft.intermediate_size,
-    )
-    bias = draft.attention_bias
-    attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q, k, v, o, q/k norms
-    if bias:
-        attention += heads * hd + 2 * kv * hd + h
-    layer = attention + 3 * h * inter + 2 * h
+    h, inter = draft.hidden_size, draft.intermediate_size
+    layer = attention_shape(draft).params + 3 * h * inter + 2 * h
     markov = 2 * vocab_size * draft.markov_rank
     confidence = (h + draft.markov_rank + 1) if draft.confidence_head else 0
     counts = {
@@ -57,7 +93,7 @@ def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
     slots = recipe.trainer.loss.num_anchors * d.block_size
     chunk_slots = min(recipe.trainer.loss.objective_chunk_blocks, recipe.trainer.loss.num_anchors) * d.block_size
     sample = largest_sample(recipe)
-    kv = d.num_key_value_heads * d.head_dim
+    kv_width = attention_shape(d).key_width
     return {
         "fp32 master params (sharded)": math.ceil(4 * p / world),
         "AdamW moments (sharded)": math.ceil(8 * p / world),
@@ -66,7 +102,7 @@ def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
         "frozen embedding + lm_head": compute_bytes * counts["frozen_embedding_and_lm_head"],
         "input sample (hs, lhs, ids, mask)": sample.total_bytes,
         "context projection activations": 3 * t * h * compute_bytes,
-        "context keys/values (all layers)": d.num_layers * 3 * t * kv * compute_bytes,
+        "context keys/values (all layers)": d.num_layers * t * kv_width * compute_bytes,
         "draft slot activations": d.num_layers * slots * (10 * h + 4 * d.intermediate_size) * compute_bytes,
         "loss chunk (fp32 logits/softmax)": 5 * chunk_slots * v * 4,
     }
