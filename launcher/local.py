@@ -273,6 +273,11 @@ class LocalRun:
             f"job.stop_grace_s = {self.stop_grace_s:.0f} s); `{resume}` continues from the last one there is"
         )
 
+    def how_to_go_on(self) -> str:
+        """``resume with `...``` (a probe: ``run the probe again with `...```)."""
+        verb = "run the probe again with" if self.probe else "resume with"
+        return f"{verb} `{self.resume_command()}`"
+
     def resume_command(self) -> str:
         """The command that continues this job from its newest checkpoint (a probe: runs it again)."""
         if self.probe:
@@ -298,7 +303,7 @@ class LocalRun:
         if not ordered:
             return None
         first = self.first_death = first_cause(ordered)
-        resume = "" if first.says_how_to_resume() else f"; resume with `{self.resume_command()}`"
+        resume = "" if first.says_how_to_resume() else f"; {self.how_to_go_on()}"
         print(f"[local] FAILED: {first.pointed()}{resume}", file=sys.stderr, flush=True)
         return first
 
@@ -310,7 +315,7 @@ class LocalRun:
             return
         print(
             f"[local] the cause, above: {first.cause()} (what its peers logged after it are consequences); "
-            f"resume with `{self.resume_command()}`",
+            f"{self.how_to_go_on()}",
             file=sys.stderr,
             flush=True,
         )

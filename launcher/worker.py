@@ -39,7 +39,7 @@ from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.plots import plot_metrics
 from runtime.recipe import RESOLVED_FILENAME, load_resolved
 from runtime.shared import contracts
-from runtime.shared.contracts import resume_command_of
+from runtime.shared.contracts import how_to_go_on, resume_command_of
 
 STOP_POLL_S = 1.0
 """How often a capture task looks for the batch script's stop file."""
@@ -159,7 +159,7 @@ def _death_line(job_dir: Path, death: Death) -> str:
     shared job folder by whichever task saw its own first), with the resume command; a later death is
     named a consequence of that cause."""
     first = claim_first_death(job_dir, death)
-    resume = f"resume with `{resume_command_of(job_dir)}`"
+    resume = how_to_go_on(job_dir)
     if (first.component, first.rank) == (death.component, death.rank):
         return f"FAILED (the first task to die): {death.describe()}; {resume}"
     return f"{death.describe()}: a consequence of {first.describe()}, which died first (the cause); {resume}"

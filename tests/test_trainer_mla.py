@@ -60,11 +60,17 @@ def _reference_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
 
 
 def _reference_latent_attention(
-    attn: LatentAttention, x: torch.Tensor, context: torch.Tensor, layout: BlockLayout, inv_freq: torch.Tensor, scale: float
+    attn: LatentAttention,
+    x: torch.Tensor,
+    context: torch.Tensor,
+    layout: BlockLayout,
+    inv_freq: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """The attention of every slot, one query at a time, with nothing absorbed: each key is expanded from
     its token's latent, and a slot of block b sees context tokens before its anchor and its own block."""
     h = attn.num_heads
+
     def norm(layer: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:  # RMSNorm in fp32, as Qwen3 and the draft do
         t32 = t.float()
         return layer.weight * (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + layer.eps)).to(t.dtype)

@@ -33,9 +33,16 @@ POLL_S = 0.2
 MIB = 2**20
 
 
+PATTERN_PERIOD = 251
+"""The object's bytes repeat 0..250: not constant (a read of the wrong bytes or offset shows), and built
+from one period, so making a 1 GiB object costs 1 GiB (an int64 ``arange`` of it took 16 GiB and had
+the node's OOM killer end the probe)."""
+
+
 def _pattern(object_bytes: int) -> torch.Tensor:
-    """The bytes of every object: not constant, so a read of the wrong bytes shows."""
-    return (torch.arange(object_bytes, dtype=torch.int64) % 251).to(torch.uint8)
+    """The bytes of every object (see :data:`PATTERN_PERIOD`)."""
+    period = torch.arange(PATTERN_PERIOD, dtype=torch.int16).to(torch.uint8)
+    return period.repeat(-(-object_bytes // PATTERN_PERIOD))[:object_bytes].contiguous()
 
 
 def serve_link_objects(

@@ -26,7 +26,9 @@ class Problem:
     def render(self) -> str:
         """One line (plus a fix line) for an operator; a long ``--set`` it came from is shortened (a
         6,000-character value would fill the console twice)."""
-        source = self.source if len(self.source) <= SHOWN_SOURCE_CHARS else self.source[: SHOWN_SOURCE_CHARS - 4] + " ..."
+        source = (
+            self.source if len(self.source) <= SHOWN_SOURCE_CHARS else self.source[: SHOWN_SOURCE_CHARS - 4] + " ..."
+        )
         where = f" (from {source})" if source else ""
         path = self.path if len(self.path) <= SHOWN_SOURCE_CHARS else self.path[: SHOWN_SOURCE_CHARS - 4] + " ..."
         text = f"{path or '<recipe>'}{where}: {self.message}"

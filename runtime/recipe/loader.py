@@ -264,8 +264,10 @@ def apply_override(document: dict[str, Any], item: str, file: str) -> str:
     """Apply one ``a.b.c=value`` override in place (value parsed as YAML); returns the key."""
     if "=" not in item:
         shown = item if len(item) <= 80 else item[:77] + "..."
-        fix = "write --set key.path=VALUE, e.g. --set trainer.optimizer.lr=1e-4" if not item.strip() else (
-            f"write --set {shown}=VALUE"
+        fix = (
+            "write --set key.path=VALUE, e.g. --set trainer.optimizer.lr=1e-4"
+            if not item.strip()
+            else (f"write --set {shown}=VALUE")
         )
         raise RecipeError(
             file, [Problem(shown or "--set ''", "an override must look like key.path=value", fix, f"--set {shown!r}")]

@@ -71,6 +71,13 @@ def resume_command_of(job_dir: Path) -> str:
         return resume_command(job_dir, local=False)
 
 
+def how_to_go_on(job_dir: Path) -> str:
+    """``resume with `COMMAND``` for a training job, ``run the probe again with `COMMAND``` for a probe
+    (the words every failure line ends with)."""
+    command = resume_command_of(job_dir)
+    return f"run the probe again with `{command}`" if " --probe" in command else f"resume with `{command}`"
+
+
 TRAINER_EXIT_STOPPED = 143
 """A trainer rank's exit code after a stop request (SIGTERM): it finished its step, wrote a checkpoint
 and left (128 + SIGTERM, what a shell reports for a process SIGTERM ended). The supervisor reads it as

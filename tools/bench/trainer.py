@@ -52,6 +52,8 @@ try:  # a stock python3 instead of the venv's: one line, not a traceback
     import torch.nn.functional as F
 
     from runtime.recipe import Recipe, load_recipe
+    from runtime.recipe.backbones import BACKBONE_SETS
+    from runtime.recipe.fit.trainer_memory import attention_shape, draft_parameter_counts
     from runtime.recipe.schema import DraftConfig
     from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
     from runtime.trainer.model import DSparkDraft, SampleInputs
@@ -95,14 +97,17 @@ def recipe_shapes(recipe: Recipe, device: torch.device) -> Shapes:
     )
 
 
-def k3_shapes() -> Shapes:
-    """K3 draft shapes, read from the recipe so the benchmark follows it."""
-    return recipe_shapes(load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml").recipe, torch.device("cuda"))
+def k3_shapes(attention: str = "gqa") -> Shapes:
+    """K3 draft shapes, read from the recipe so the benchmark follows it; ``attention`` picks the draft
+    backbone (the recipe's GQA16, or the K3 MLA draft of runtime/recipe/backbones.py)."""
+    sets = list(BACKBONE_SETS[attention]["kimi_k3_v1c"])
+    return recipe_shapes(load_recipe(REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml", sets).recipe, torch.device("cuda"))
 
 
-def quick_shapes() -> Shapes:
-    """Tiny shapes for a CPU run."""
-    draft = k3_shapes().draft.model_copy(
+def quick_shapes(attention: str = "gqa") -> Shapes:
+    """Tiny shapes for a CPU run (with ``mla``, the tiny recipe's MLA shape)."""
+    tiny = load_recipe(REPO_ROOT / "recipes" / "tiny.yaml", list(BACKBONE_SETS[attention]["tiny"])).recipe.trainer.draft
+    draft = k3_shapes(attention).draft.model_copy(
         update=dict(
             num_layers=2,
             hidden_size=128,
@@ -113,6 +118,7 @@ def quick_shapes() -> Shapes:
             max_position_embeddings=4096,
             mask_token_id=3,
             markov_rank=16,
+            mla=tiny.mla,
         )
     )
     return Shapes(
@@ -219,13 +225,13 @@ def microstep_flops(shapes: Shapes, layout: BlockLayout) -> dict[str, float]:
     T, H, V, r = layout.seq_len, d.hidden_size, shapes.vocab, d.markov_rank
     Q = layout.num_blocks * layout.block_size
     M = int(layout.eval_mask.sum())
-    q_dim, kv_dim = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
-    per_layer_params = H * q_dim + 2 * H * kv_dim + q_dim * H + 3 * H * d.intermediate_size
+    attention = attention_shape(d)
+    per_layer_params = attention.params + 3 * H * d.intermediate_size
     visible = int(((layout.anchors * layout.keep).sum() + Q) * layout.block_size)  # keys seen, summed over queries
-    attention_fwd = 4 * visible * d.num_attention_heads * d.head_dim
+    attention_fwd = 2 * visible * attention.heads * (attention.score_dim + attention.value_dim)
     return {
         "fc (fwd + weight grad)": 4.0 * T * shapes.num_aux * H * H,
-        "context k/v (fwd + bwd)": 6.0 * d.num_layers * T * H * 2 * kv_dim,
+        "context k/v (fwd + bwd)": 6.0 * d.num_layers * T * attention.context_params,
         "draft layers (fwd + bwd)": 6.0 * d.num_layers * Q * per_layer_params,
         "attention (fwd + bwd)": 3.0 * d.num_layers * attention_fwd,
         "lm_head draft (fwd + input grad)": 4.0 * M * H * V,
@@ -643,19 +649,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-blocks", type=int, default=None, help="override objective_chunk_blocks (default: the recipe's)"
     )
+    parser.add_argument(
+        "--attention",
+        action="append",
+        choices=sorted(BACKBONE_SETS),
+        help="the draft backbone(s) of the micro-step, each timed in turn in this process (default: gqa, the "
+        "recipe's); `--attention gqa --attention mla` puts them side by side",
+    )
     args = parser.parse_args(argv)
-    if args.quick:
-        device, shapes = torch.device("cpu"), quick_shapes()
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --quick on CPU, or on the H200 machine")
-            return 0
-        device, shapes = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), k3_shapes()
+    backbones = args.attention or ["gqa"]
+    if not args.quick and not torch.cuda.is_available():
+        print("no CUDA device: run with --quick on CPU, or on the H200 machine")
+        return 0
+    device = torch.device("cpu") if args.quick else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.tokens:
-        shapes = Shapes(**{**shapes.__dict__, "tokens": args.tokens})
-    if args.chunk_blocks:
-        shapes = Shapes(**{**shapes.__dict__, "chunk_blocks": args.chunk_blocks})
+
+    def shapes_of(attention: str) -> Shapes:
+        shapes = quick_shapes(attention) if args.quick else k3_shapes(attention)
+        if args.tokens:
+            shapes = Shapes(**{**shapes.__dict__, "tokens": args.tokens})
+        if args.chunk_blocks:
+            shapes = Shapes(**{**shapes.__dict__, "chunk_blocks": args.chunk_blocks})
+        return shapes
+
+    shapes = shapes_of(backbones[0])
     repeats = args.repeats or (2 if args.quick else 3)
     sections = args.section or ["microstep", "loss"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -664,9 +682,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     matmul = matmul_tflops(shapes, device)
     if "microstep" in sections:
-        run_microstep(shapes, device, matmul, repeats, use_fsdp=not args.no_fsdp)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the model is gone with run_microstep's frame
+        for attention in backbones:
+            backbone = shapes_of(attention)
+            params = draft_parameter_counts(backbone.draft, backbone.num_aux, backbone.vocab)["trainable"]
+            print(f"[microstep] draft backbone {attention}: {params:,} trainable parameters")
+            run_microstep(backbone, device, matmul, repeats, use_fsdp=not args.no_fsdp)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the model is gone with run_microstep's frame
     if "loss" in sections:
         run_loss(shapes, device, repeats)
     if "checkpoint" in sections:

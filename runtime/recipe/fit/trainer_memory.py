@@ -38,10 +38,8 @@ def attention_shape(draft: DraftConfig) -> AttentionShape:
     if draft.attention == "mla" and draft.mla is not None:
         m = draft.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank:
-            query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk
-        else:
-            query = h * heads * qk
+        lora = m.q_lora_rank
+        query = (h * lora + lora + lora * heads * qk) if lora else h * heads * qk
         latent = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
         expand = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
         gate = h * heads * m.v_head_dim if m.use_output_gate else 0
