@@ -244,3 +244,39 @@ def test_an_mla_draft_needs_its_shape_and_the_gqa_recipes_keep_their_digest() ->
     plain, explicit = load_recipe(TINY), load_recipe(TINY, ["trainer.draft.attention=gqa"])
     assert plain.digest == explicit.digest  # the new field at its default leaves the digest as it was
     assert load_recipe(TINY, MLA_SETS).digest != plain.digest
+
+
+def test_the_k3_recipe_with_the_mla_draft_resolves_and_plans() -> None:
+    """The K3 MLA draft (runtime/recipe/backbones.py): five latent-attention layers of 96 heads; the plan
+    counts its parameters, the keys it keeps per context token and its trainer memory."""
+    from launcher.plan import make_plan
+    from runtime.recipe.backbones import K3_MLA_DRAFT_SETS
+    from runtime.recipe.fit.trainer_memory import attention_shape
+
+    k3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+    recipe = load_recipe(k3, list(K3_MLA_DRAFT_SETS)).recipe
+    shape = attention_shape(recipe.trainer.draft)
+    assert (shape.heads, shape.score_dim, shape.value_dim) == (96, 192, 128)
+    counts = draft_parameter_counts(recipe.trainer.draft, recipe.num_aux_layers, recipe.capture.vocab_size)
+    per_layer_attention = 7168 * 1536 + 1536 + 1536 * 96 * 192 + 7168 * 576 + 512 + 512 * 96 * 256 + 2 * 96 * 128 * 7168
+    assert shape.params == per_layer_attention
+    gqa = draft_parameter_counts(load_recipe(k3).recipe.trainer.draft, 5, recipe.capture.vocab_size)
+    assert counts["trainable"] - gqa["trainable"] == 5 * (
+        per_layer_attention - attention_shape(load_recipe(k3).recipe.trainer.draft).params
+    )
+    plan = make_plan(recipe)
+    assert plan.numbers["draft_trainable_params"] == counts["trainable"]
+    assert "draft" in plan.render().lower()
+
+
+def test_the_evaluation_reads_an_exported_mla_drafts_shape_back(tmp_path: Path) -> None:
+    from runtime.evaluate.draft import draft_config_from_export
+    from runtime.trainer.export import draft_config
+
+    spec = _spec()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(draft_config(spec, torch.float32)))
+    read = draft_config_from_export(path, spec)
+    assert read.attention == "mla" and read.mla == spec.draft.mla
+    built = spec.with_draft(read).build(attention_backend="sdpa")
+    assert set(built.state_dict()) == set(spec.build(attention_backend="sdpa").state_dict())

@@ -72,8 +72,24 @@ def draft_config_from_export(config_path: Path, spec: DraftSpec) -> DraftConfig:
         )
     heads = int(config["num_attention_heads"])
     rope = config.get("rope_scaling")
+    latent = "kv_lora_rank" in config  # a latent-attention (MLA) draft: its shape in the K3 MLA keys
     try:
+        mla = (
+            {
+                "q_lora_rank": config.get("q_lora_rank"),
+                "kv_lora_rank": config["kv_lora_rank"],
+                "qk_nope_head_dim": config["qk_nope_head_dim"],
+                "qk_rope_head_dim": config["qk_rope_head_dim"],
+                "v_head_dim": config["v_head_dim"],
+                "use_output_gate": bool(config.get("mla_use_output_gate", False)),
+                "rope_interleave": bool(config.get("rope_interleave", True)),
+            }
+            if latent
+            else None
+        )
         return DraftConfig(
+            attention="mla" if latent else "gqa",
+            mla=mla,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
             num_attention_heads=heads,
