@@ -162,6 +162,7 @@ def test_producer_fills_the_window_and_refills_after_the_cursor_moves(
                 sample.lhs.float(), out.hidden_states[-1][0].to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2
             )
             assert sample.hs.dtype == torch.bfloat16 and sample.mask.dtype == torch.uint8
+
         # The heartbeat is written every heartbeat_interval_s: under load it may trail the store by a sample.
         def heartbeat_counts_the_window() -> bool:
             heartbeat = consumer.read_heartbeat()

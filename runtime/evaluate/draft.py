@@ -73,7 +73,25 @@ def draft_config_from_export(config_path: Path, spec: DraftSpec) -> DraftConfig:
     heads = int(config["num_attention_heads"])
     rope = config.get("rope_scaling")
     latent = "kv_lora_rank" in config  # a latent-attention (MLA) draft: its shape in the K3 MLA keys
+    linear = config.get("linear_attn_config") or {}
     try:
+        kda_layers = {int(i) for i in linear.get("kda_layers", [])}
+        layers = (
+            ["kda" if i + 1 in kda_layers else ("mla" if latent else "gqa") for i in range(config["num_hidden_layers"])]
+            if kda_layers
+            else None
+        )
+        kda = (
+            {
+                "num_heads": linear["num_heads"],
+                "head_dim": linear["head_dim"],
+                "short_conv_kernel_size": linear.get("short_conv_kernel_size", 4),
+                "gate_lower_bound": linear.get("gate_lower_bound"),
+                "use_full_rank_gate": bool(linear.get("use_full_rank_gate", False)),
+            }
+            if kda_layers
+            else None
+        )
         mla = (
             {
                 "q_lora_rank": config.get("q_lora_rank"),
@@ -90,6 +108,8 @@ def draft_config_from_export(config_path: Path, spec: DraftSpec) -> DraftConfig:
         return DraftConfig(
             attention="mla" if latent else "gqa",
             mla=mla,
+            layers=layers,
+            kda=kda,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
             num_attention_heads=heads,
@@ -108,7 +128,7 @@ def draft_config_from_export(config_path: Path, spec: DraftSpec) -> DraftConfig:
             confidence_head=bool(config.get("enable_confidence_head", False)),
             confidence_uses_markov_embedding=bool(config.get("confidence_head_with_markov", False)),
         )
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError, TypeError) as exc:
         raise DraftSourceError(
             f"{config_path}: not a DSpark draft config ({exc}); fix: export the draft again"
         ) from None

@@ -24,8 +24,26 @@ TINY_MLA_DRAFT_SETS: tuple[str, ...] = (
 )
 """``--set`` lines for an MLA draft of the tiny recipe (4 heads of hidden 256)."""
 
+K3_HYBRID_DRAFT_SETS: tuple[str, ...] = (
+    *K3_MLA_DRAFT_SETS,
+    "trainer.draft.layers=[kda, kda, mla, kda, kda]",
+    "trainer.draft.kda={num_heads: 96, head_dim: 128, short_conv_kernel_size: 4, gate_lower_bound: -5.0, "
+    "use_full_rank_gate: true}",
+)
+"""``--set`` lines for the K3 KDA+MLA hybrid (KDA, KDA, MLA, KDA, KDA; the MLA layer alone reads the
+target's context; each KDA layer runs over one proposal block at a time, 96 heads of 128)."""
+
+TINY_HYBRID_DRAFT_SETS: tuple[str, ...] = (
+    *TINY_MLA_DRAFT_SETS,
+    "trainer.draft.num_layers=3",
+    "trainer.draft.layers=[kda, mla, kda]",
+    "trainer.draft.kda={num_heads: 4, head_dim: 32}",
+)
+"""``--set`` lines for a KDA+MLA hybrid of the tiny recipe (three layers, the middle one MLA)."""
+
 BACKBONE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "gqa": {"kimi_k3_v1c": (), "tiny": ()},
     "mla": {"kimi_k3_v1c": K3_MLA_DRAFT_SETS, "tiny": TINY_MLA_DRAFT_SETS},
+    "kda-mla": {"kimi_k3_v1c": K3_HYBRID_DRAFT_SETS, "tiny": TINY_HYBRID_DRAFT_SETS},
 }
 """Per backbone and recipe, the ``--set`` lines that give that recipe's draft this backbone."""

@@ -94,6 +94,8 @@ without, before the section existed)."""
 DIGEST_DEFAULTS_LEFT_OUT: dict[tuple[str, ...], Any] = {
     ("trainer", "draft", "attention"): "gqa",
     ("trainer", "draft", "mla"): None,
+    ("trainer", "draft", "layers"): None,
+    ("trainer", "draft", "kda"): None,
 }
 """Fields added after recipes were first digested, left out of the digest while they hold the value every
 earlier recipe meant: a job resolved before they existed keeps its digest (its checkpoints' record, its

@@ -692,8 +692,27 @@ class MLAConfig(Section):
         return value
 
 
-DRAFT_ATTENTIONS = ("gqa", "mla")
-"""The draft layers' attention: ``gqa`` (Qwen3-style grouped-query, the K3 DSpark GQA16 draft) or ``mla``."""
+class KDAConfig(Section):
+    """Kimi Delta Attention of the draft's ``kda`` layers: a gated delta-rule recurrence run over each
+    proposal block on its own (its state starts empty at every block, so no block sees another's slots),
+    reading no target context: in a hybrid draft the ``mla``/``gqa`` layers bring the context in."""
+
+    num_heads: int = Field(..., ge=1)
+    """Heads of the recurrence."""
+    head_dim: int = Field(..., ge=1)
+    """Key, query and value width per head (the state is head_dim x head_dim)."""
+    short_conv_kernel_size: int = Field(4, ge=1)
+    """Causal depthwise convolution (no bias, then SiLU) on q, k and v, over the slots of one block."""
+    gate_lower_bound: float | None = Field(-5.0, lt=0)
+    """The forget gate's log-decay per channel is ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``;
+    null: ``-exp(A_log) * softplus(f + dt_bias)``."""
+    use_full_rank_gate: bool = True
+    """The output gate as one ``g_proj`` (full rank), else ``g_b_proj(g_a_proj(x))``."""
+
+
+DRAFT_ATTENTIONS = ("gqa", "mla", "kda")
+"""The draft layers' attention: ``gqa`` (Qwen3-style grouped-query, the K3 DSpark GQA16 draft), ``mla``
+(latent attention) or ``kda`` (delta-rule recurrence within each block)."""
 
 
 class DraftConfig(Section):
@@ -737,14 +756,39 @@ class DraftConfig(Section):
     """Every layer's attention: ``gqa`` (``num_attention_heads``/``num_key_value_heads``/``head_dim``) or
     ``mla`` (its shape in ``mla``; ``num_attention_heads`` heads)."""
     mla: MLAConfig | None = None
-    """The latent attention's shape, required with ``attention: mla``."""
+    """The latent attention's shape, required when a layer is ``mla``."""
+    layers: list[Literal["gqa", "mla", "kda"]] | None = None
+    """The attention of each layer, in order (``[kda, kda, mla, kda, kda]``: the K3 KDA+MLA hybrid); null:
+    every layer ``attention``."""
+    kda: KDAConfig | None = None
+    """The delta-rule recurrence's shape, required when a layer is ``kda``."""
+
+    @property
+    def layer_attentions(self) -> tuple[str, ...]:
+        """Each layer's attention (``layers``, or ``attention`` for every layer)."""
+        return tuple(self.layers) if self.layers is not None else (self.attention,) * self.num_layers
 
     @model_validator(mode="after")
-    def _mla_shape_given(self) -> DraftConfig:
-        if self.attention == "mla" and self.mla is None:
+    def _layer_shapes_given(self) -> DraftConfig:
+        kinds = self.layer_attentions
+        if self.layers is not None and len(self.layers) != self.num_layers:
+            raise ValueError(
+                f"layers lists {len(self.layers)} attentions for num_layers {self.num_layers}. Fix: one per layer"
+            )
+        if "mla" in kinds and self.mla is None:
             raise ValueError(
                 "attention is mla, but trainer.draft.mla is not set. Fix: give its shape, e.g. mla: {q_lora_rank: "
                 "1536, kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128}"
+            )
+        if "kda" in kinds and self.kda is None:
+            raise ValueError(
+                "a layer is kda, but trainer.draft.kda is not set. Fix: give its shape, e.g. kda: {num_heads: 96, "
+                "head_dim: 128}"
+            )
+        if set(kinds) == {"kda"}:
+            raise ValueError(
+                "every layer is kda, and kda reads no target context: the draft would never see the target. Fix: make "
+                "at least one layer mla or gqa (the K3 hybrid: [kda, kda, mla, kda, kda])"
             )
         return self
 

@@ -58,6 +58,8 @@ ARCHITECTURE = "Qwen3DSparkModel"
 MLA_ARCHITECTURE = "KimiK3DSparkMLADraftModel"
 """The architecture a latent-attention draft is exported as (SGLang 0.5.23 has no loader for it)."""
 MLA_MODEL_TYPE = "kimi_k3_dspark"
+HYBRID_ARCHITECTURE = "KimiK3DSpark4KDA1MLADraftModel"
+"""The architecture a draft with ``kda`` layers is exported as (the public name of the K3 KDA+MLA hybrid)."""
 IGNORED_ON_IMPORT = ("embed_tokens.", "lm_head.", "rotary_emb.")
 """Name prefixes (after an optional ``model.``) that a draft checkpoint may carry and we ignore,
 as SGLang does: the frozen vocabulary tensors come from the target."""
@@ -110,12 +112,30 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
         "enable_confidence_head": draft.confidence_head,
         "confidence_head_with_markov": draft.confidence_head and draft.confidence_uses_markov_embedding,
     }
-    if draft.attention == "mla" and draft.mla is not None:
+    kinds = draft.layer_attentions
+    if "kda" in kinds and draft.kda is not None:
+        # The K3 layout: 1-based layer lists and the recurrence's shape in linear_attn_config.
+        kda = draft.kda
+        config.update(
+            architectures=[HYBRID_ARCHITECTURE],
+            model_type=MLA_MODEL_TYPE,
+            layer_types=list(kinds),
+            linear_attn_config={
+                "kda_layers": [i + 1 for i, kind in enumerate(kinds) if kind == "kda"],
+                "full_attn_layers": [i + 1 for i, kind in enumerate(kinds) if kind != "kda"],
+                "num_heads": kda.num_heads,
+                "head_dim": kda.head_dim,
+                "short_conv_kernel_size": kda.short_conv_kernel_size,
+                "gate_lower_bound": kda.gate_lower_bound,
+                "use_full_rank_gate": kda.use_full_rank_gate,
+            },
+        )
+    if "mla" in kinds and draft.mla is not None:
         # The K3 MLA DSpark loaders (SGLang's KimiK3DSparkMLADraftModel, registered after 0.5.23) read the
         # latent shape from these keys; the tensors already carry their names.
         mla = draft.mla
         config.update(
-            architectures=[MLA_ARCHITECTURE],
+            architectures=[HYBRID_ARCHITECTURE if "kda" in kinds else MLA_ARCHITECTURE],
             model_type=MLA_MODEL_TYPE,
             head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
             num_key_value_heads=draft.num_attention_heads,

@@ -218,6 +218,99 @@ class LatentAttention(nn.Module):
         return self.o_proj(out)
 
 
+class BlockShortConvolution(nn.Module):
+    """Causal depthwise convolution over the slots of each block (``weight [channels, kernel]``, no bias),
+    then SiLU: zero-padded at every block's first slot, so no block reads another's."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [blocks, slots, channels]`` -> the same shape."""
+        kernel = self.weight.shape[1]
+        padded = F.pad(x.transpose(1, 2), (kernel - 1, 0))
+        return F.silu(F.conv1d(padded, self.weight.unsqueeze(1), groups=self.weight.shape[0]).transpose(1, 2))
+
+
+class DeltaAttention(nn.Module):
+    """Kimi Delta Attention (``trainer.draft.kda``) over each proposal block on its own: q, k, v through a
+    short causal convolution and SiLU, q and k L2-normalised per head; per slot the state ``S [d, d]`` of a
+    head decays channel-wise by ``exp(log_decay)``, then takes the delta rule ``S += k (beta (v - k^T S))``
+    and gives ``o = q^T S / sqrt(d)``; the state starts empty at every block (no block reaches another) and
+    the layer reads no target context. ``o`` goes through an RMSNorm gated by ``sigmoid(g_proj(x))`` and
+    ``o_proj``. Module names are those of the public K3 KDA layers. The recurrence is plain PyTorch (a
+    block has 7 slots); fla-core's chunked kernels are not used."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        k = cfg.kda
+        if k is None:
+            raise ValueError("trainer.draft.kda is not set: a kda layer needs its shape")
+        self.num_heads, self.head_dim, self.block_size = k.num_heads, k.head_dim, cfg.block_size
+        width, h = k.num_heads * k.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, width, bias=False)
+        self.k_proj = nn.Linear(h, width, bias=False)
+        self.v_proj = nn.Linear(h, width, bias=False)
+        self.q_conv1d = BlockShortConvolution(width, k.short_conv_kernel_size)
+        self.k_conv1d = BlockShortConvolution(width, k.short_conv_kernel_size)
+        self.v_conv1d = BlockShortConvolution(width, k.short_conv_kernel_size)
+        self.A_log = nn.Parameter(torch.empty(k.num_heads))
+        self.f_a_proj = nn.Linear(h, k.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(k.head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.b_proj = nn.Linear(h, k.num_heads, bias=False)
+        self.full_rank_gate = k.use_full_rank_gate
+        if k.use_full_rank_gate:
+            self.g_proj = nn.Linear(h, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(h, k.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(k.head_dim, width, bias=False)
+        self.o_norm = RMSNorm(k.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(width, h, bias=False)
+        self.lower_bound = k.gate_lower_bound
+
+    @torch.no_grad()
+    def reset_recurrence(self) -> None:
+        """The recurrence's own parameters: ``A_log`` = log of U(1, 16) per head, ``dt_bias`` 0, the
+        convolutions N(0, 0.02) (called by :meth:`DSparkDraft.reset_parameters`)."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        self.dt_bias.zero_()
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.weight.normal_(0.0, INIT_STD)
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Per slot, head and key channel, the log of the state's decay (in fp32; always < 0)."""
+        gate = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, -1))
+        rate = self.A_log.float().exp()[:, None]
+        if self.lower_bound is None:
+            return -rate * F.softplus(gate)
+        return self.lower_bound * torch.sigmoid(rate * gate)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """``x [Q, H]`` (after input_layernorm; Q = blocks x block_size) -> ``[Q, H]``; ``context`` unused."""
+        blocks = x.view(-1, self.block_size, x.shape[-1])
+        heads = (self.num_heads, self.head_dim)
+        q = F.normalize(self.q_conv1d(self.q_proj(blocks)).unflatten(-1, heads).float(), dim=-1)
+        k = F.normalize(self.k_conv1d(self.k_proj(blocks)).unflatten(-1, heads).float(), dim=-1)
+        v = self.v_conv1d(self.v_proj(blocks)).unflatten(-1, heads).float()
+        beta = torch.sigmoid(self.b_proj(blocks).float())
+        decay = self.log_decay(blocks).exp()
+        state = q.new_zeros(blocks.shape[0], self.num_heads, self.head_dim, self.head_dim)  # empty at each block
+        outputs = []
+        for slot in range(self.block_size):
+            state = state * decay[:, slot, :, :, None]
+            key = k[:, slot]
+            predicted = torch.einsum("nhd,nhde->nhe", key, state)
+            delta = (v[:, slot] - predicted) * beta[:, slot, :, None]
+            state = state + torch.einsum("nhd,nhe->nhde", key, delta)
+            outputs.append(torch.einsum("nhd,nhde->nhe", q[:, slot], state))
+        out = torch.stack(outputs, dim=1).mul(self.head_dim**-0.5).to(x.dtype)  # [N, B, heads, d]
+        gate = self.g_proj(blocks) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(blocks))
+        out = self.o_norm(out) * torch.sigmoid(gate.unflatten(-1, heads))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
 _FLEX: Any = None
 
 
@@ -246,13 +339,21 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+ATTENTION_MODULES: dict[str, type[nn.Module]] = {
+    "gqa": DraftAttention,
+    "mla": LatentAttention,
+    "kda": DeltaAttention,
+}
+"""The attention module of each ``trainer.draft`` layer kind."""
+
+
 class DraftDecoderLayer(nn.Module):
     """Pre-norm decoder layer; one FSDP2 unit."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, attention: str = "gqa") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn: nn.Module = LatentAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
+        self.self_attn: nn.Module = ATTENTION_MODULES[attention](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
         self.compile_forward = False
@@ -359,7 +460,7 @@ class DSparkDraft(nn.Module):
         self.max_length = max_length
         self.fc = nn.Linear(num_aux_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftDecoderLayer(cfg, kind) for kind in cfg.layer_attentions)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(vocab_size, cfg.hidden_size, cfg.markov_rank, cfg.markov_type)
         self.confidence_head = (
@@ -371,7 +472,7 @@ class DSparkDraft(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
-        self.latent_rope_dim = cfg.mla.qk_rope_head_dim if cfg.attention == "mla" and cfg.mla is not None else 0
+        self.latent_rope_dim = cfg.mla.qk_rope_head_dim if "mla" in cfg.layer_attentions and cfg.mla is not None else 0
         if self.latent_rope_dim:  # the latent attention rotates its own rotary part, at the same base and scaling
             latent_freq, self.latent_rope_scale = inverse_frequencies(
                 self.latent_rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -403,6 +504,9 @@ class DSparkDraft(nn.Module):
                 module.weight.normal_(0.0, INIT_STD)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        for module in self.modules():
+            if isinstance(module, DeltaAttention):
+                module.reset_recurrence()
 
     def attach_frozen_vocab(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Install the target's frozen embedding and lm_head ([V, H] each, no gradients)."""

@@ -53,7 +53,7 @@ try:  # a stock python3 instead of the venv's: one line, not a traceback
 
     from runtime.recipe import Recipe, load_recipe
     from runtime.recipe.backbones import BACKBONE_SETS
-    from runtime.recipe.fit.trainer_memory import attention_shape, draft_parameter_counts
+    from runtime.recipe.fit.trainer_memory import draft_parameter_counts, layer_shapes
     from runtime.recipe.schema import DraftConfig
     from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
     from runtime.trainer.model import DSparkDraft, SampleInputs
@@ -225,15 +225,20 @@ def microstep_flops(shapes: Shapes, layout: BlockLayout) -> dict[str, float]:
     T, H, V, r = layout.seq_len, d.hidden_size, shapes.vocab, d.markov_rank
     Q = layout.num_blocks * layout.block_size
     M = int(layout.eval_mask.sum())
-    attention = attention_shape(d)
-    per_layer_params = attention.params + 3 * H * d.intermediate_size
+    layers = layer_shapes(d)
+    layer_params = sum(shape.params + 3 * H * d.intermediate_size for shape in layers)
     visible = int(((layout.anchors * layout.keep).sum() + Q) * layout.block_size)  # keys seen, summed over queries
-    attention_fwd = 2 * visible * attention.heads * (attention.score_dim + attention.value_dim)
+    attention_fwd = sum(
+        2 * visible * shape.heads * (shape.score_dim + shape.value_dim)
+        if shape.attends_context
+        else Q * shape.recurrent_flops_per_slot
+        for shape in layers
+    )
     return {
         "fc (fwd + weight grad)": 4.0 * T * shapes.num_aux * H * H,
-        "context k/v (fwd + bwd)": 6.0 * d.num_layers * T * attention.context_params,
-        "draft layers (fwd + bwd)": 6.0 * d.num_layers * Q * per_layer_params,
-        "attention (fwd + bwd)": 3.0 * d.num_layers * attention_fwd,
+        "context k/v (fwd + bwd)": 6.0 * T * sum(shape.context_params for shape in layers),
+        "draft layers (fwd + bwd)": 6.0 * Q * layer_params,
+        "attention (fwd + bwd)": 3.0 * attention_fwd,
         "lm_head draft (fwd + input grad)": 4.0 * M * H * V,
         "lm_head teacher (fwd)": 2.0 * M * H * V,
         "markov bias (fwd + bwd)": 6.0 * M * r * V,

@@ -9,7 +9,7 @@ from runtime.recipe.fit.expert_streaming import streamed_pcie_seconds
 from runtime.recipe.fit.prefill import PrefillSplit, prefill_split
 from runtime.recipe.fit.report import Finding, FitReport
 from runtime.recipe.fit.store_budget import commit_staging_slots, largest_sample
-from runtime.recipe.fit.trainer_memory import attention_shape, draft_parameter_counts
+from runtime.recipe.fit.trainer_memory import draft_parameter_counts, layer_shapes
 from runtime.recipe.schema import Recipe
 from runtime.recipe.sizes import SampleSize
 from runtime.recipe.units import format_bytes
@@ -26,12 +26,17 @@ def draft_train_flops_per_sample(recipe: Recipe) -> float:
     slots = recipe.trainer.loss.num_anchors * d.block_size
     h, v = d.hidden_size, recipe.capture.vocab_size
     counts = draft_parameter_counts(d, recipe.num_aux_layers, v)
-    shape = attention_shape(d)
+    shapes = layer_shapes(d)
     fc = 2.0 * t * recipe.num_aux_layers * h * h
-    context_kv = 2.0 * t * shape.context_params * d.num_layers
+    context_kv = 2.0 * t * sum(shape.context_params for shape in shapes)
     slot_layers = 2.0 * slots * counts["decoder_layers"]
     mean_context = t / 2 + d.block_size
-    attention = 2.0 * slots * shape.heads * (shape.score_dim + shape.value_dim) * mean_context * d.num_layers
+    attention = sum(
+        2.0 * slots * shape.heads * (shape.score_dim + shape.value_dim) * mean_context
+        if shape.attends_context
+        else 1.0 * slots * shape.recurrent_flops_per_slot
+        for shape in shapes
+    )
     markov = 2.0 * slots * d.markov_rank * v
     lm_head = 2.0 * slots * h * v
     trained = fc + context_kv + slot_layers + attention + markov

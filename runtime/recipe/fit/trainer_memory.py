@@ -30,12 +30,39 @@ class AttentionShape:
     """Per head: the query/key dimension of a score."""
     value_dim: int
     """Per head: the value dimension."""
+    recurrent_flops_per_slot: int = 0
+    """A recurrence's forward FLOPs per slot (``kda``: decay, prediction, update and readout of each
+    head's ``d x d`` state); it attends no context."""
+
+    @property
+    def attends_context(self) -> bool:
+        """Whether the layer's queries attend the context (every kind but the recurrence)."""
+        return self.recurrent_flops_per_slot == 0
 
 
-def attention_shape(draft: DraftConfig) -> AttentionShape:
-    """The shape of the draft's attention: grouped-query (``gqa``) or latent (``mla``)."""
+def attention_shape(draft: DraftConfig, kind: str | None = None) -> AttentionShape:
+    """The shape of one layer's attention (``kind``, default the draft's ``attention``): grouped-query
+    (``gqa``), latent (``mla``) or the delta-rule recurrence (``kda``)."""
     h, heads = draft.hidden_size, draft.num_attention_heads
-    if draft.attention == "mla" and draft.mla is not None:
+    kind = kind or draft.attention
+    if kind == "kda" and draft.kda is not None:
+        k = draft.kda
+        width = k.num_heads * k.head_dim
+        gate = h * width if k.use_full_rank_gate else h * k.head_dim + k.head_dim * width
+        params = (
+            3 * h * width  # q, k, v
+            + 3 * width * k.short_conv_kernel_size  # their short convolutions
+            + k.num_heads  # A_log
+            + h * k.head_dim
+            + k.head_dim * width
+            + width  # f_a, f_b, dt_bias
+            + h * k.num_heads  # b_proj
+            + gate
+            + k.head_dim  # o_norm
+            + width * h  # o_proj
+        )
+        return AttentionShape(params, 0, 0, k.num_heads, k.head_dim, k.head_dim, 8 * k.num_heads * k.head_dim**2)
+    if kind == "mla" and draft.mla is not None:
         m = draft.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         lora = m.q_lora_rank
@@ -58,15 +85,20 @@ def attention_shape(draft: DraftConfig) -> AttentionShape:
     return AttentionShape(params, 2 * h * kv * hd, 3 * kv * hd, heads, hd, hd)
 
 
+def layer_shapes(draft: DraftConfig) -> list[AttentionShape]:
+    """The attention shape of every layer, in order (``trainer.draft.layers`` or ``attention``)."""
+    return [attention_shape(draft, kind) for kind in draft.layer_attentions]
+
+
 def draft_parameter_counts(draft: DraftConfig, num_aux_layers: int, vocab_size: int) -> dict[str, int]:
     """Trainable and frozen parameter counts of the DSpark draft, by part."""
     h, inter = draft.hidden_size, draft.intermediate_size
-    layer = attention_shape(draft).params + 3 * h * inter + 2 * h
+    layers = [shape.params + 3 * h * inter + 2 * h for shape in layer_shapes(draft)]
     markov = 2 * vocab_size * draft.markov_rank
     confidence = (h + draft.markov_rank + 1) if draft.confidence_head else 0
     counts = {
-        "decoder_layers": draft.num_layers * layer,
-        "largest_layer": layer,
+        "decoder_layers": sum(layers),
+        "largest_layer": max(layers),
         "fc_context": num_aux_layers * h * h + h,
         "final_norm": h,
         "markov_head": markov,
@@ -91,7 +123,7 @@ def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
     slots = recipe.trainer.loss.num_anchors * d.block_size
     chunk_slots = min(recipe.trainer.loss.objective_chunk_blocks, recipe.trainer.loss.num_anchors) * d.block_size
     sample = largest_sample(recipe)
-    kv_width = attention_shape(d).key_width
+    kv_width = sum(shape.key_width for shape in layer_shapes(d))
     return {
         "fp32 master params (sharded)": math.ceil(4 * p / world),
         "AdamW moments (sharded)": math.ceil(8 * p / world),
@@ -100,7 +132,7 @@ def trainer_memory_per_rank(recipe: Recipe) -> dict[str, int]:
         "frozen embedding + lm_head": compute_bytes * counts["frozen_embedding_and_lm_head"],
         "input sample (hs, lhs, ids, mask)": sample.total_bytes,
         "context projection activations": 3 * t * h * compute_bytes,
-        "context keys/values (all layers)": d.num_layers * t * kv_width * compute_bytes,
+        "context keys/values (all layers)": t * kv_width * compute_bytes,
         "draft slot activations": d.num_layers * slots * (10 * h + 4 * d.intermediate_size) * compute_bytes,
         "loss chunk (fp32 logits/softmax)": 5 * chunk_slots * v * 4,
     }
