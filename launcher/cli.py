@@ -807,7 +807,10 @@ def render(argv: list[str]) -> int:
                 atomic_write_text(target, text)
                 print(f"wrote {_display_path(target)}")
     if stale:
-        print(f"out of date: {', '.join(stale)}; run `python3 -m launcher render`", file=sys.stderr)
+        again = " ".join(["python3 -m launcher render", *(shell_word(n) for n in args.recipes)])
+        if args.out is not None:
+            again += f" --out {shell_word(str(args.out))}"
+        print(f"out of date: {', '.join(stale)}; run `{again}`", file=sys.stderr)
         return 1
     return 0
 

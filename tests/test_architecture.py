@@ -516,7 +516,7 @@ def test_the_planning_walk_runs_down_once() -> None:
     path bounces on into runtime/shared and back (measured with tools/room_walk)."""
     from tools.room_walk import walk_launcher
 
-    walk, code = walk_launcher(["kimi_k3_v1c", "--plan"])
+    walk, code, _ = walk_launcher(["kimi_k3_v1c", "--plan"])
     assert code == 0
     assert walk.deepest_stack_changes == 1, walk.render(list_edges=True)
     into_shared = [edge for edge in walk.module_edges if walk.room_of(edge[1]) == "runtime.shared"]

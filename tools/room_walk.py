@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -119,8 +120,9 @@ def _qualified(frame: FrameType) -> str:
     return f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_qualname}"
 
 
-def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tuple[RoomWalk, int]:
-    """Run ``launcher.cli.main(argv)`` under the hook; returns the walk and the launcher's exit code."""
+def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tuple[RoomWalk, int, str]:
+    """Run ``launcher.cli.main(argv)`` under the hook; returns the walk, the launcher's exit code and what
+    it printed."""
     try:  # a stock python3 instead of the venv's: one line, not a traceback
         from launcher.cli import main
     except ModuleNotFoundError as missing:
@@ -134,7 +136,7 @@ def walk_launcher(argv: list[str], rooms: tuple[str, ...] = DEFAULT_ROOMS) -> tu
             code = main(argv)
         finally:
             sys.setprofile(None)
-    return walk, code
+    return walk, code, sink.getvalue()
 
 
 WALK_DIR_ENV = "DSPARK_RECIPE_WALK_DIR"
@@ -289,11 +291,29 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(walk.render() for walk in walks) or f"no recipe walk recorded in {args.recipe_walks}")
         return 0 if walks else 1
     launcher_args = args.launcher_args[1:] if args.launcher_args[:1] == ["--"] else args.launcher_args
-    walk, code = walk_launcher(launcher_args, tuple(r for r in args.rooms.split(",") if r))
+    rooms = tuple(r for r in args.rooms.split(",") if r)
+    unknown = [room for room in rooms if not _is_module(room)]
+    if unknown:
+        print(
+            f"error: --rooms names no module of this repository: {', '.join(unknown)}; fix: give module prefixes such "
+            f"as {','.join(DEFAULT_ROOMS)}",
+            file=sys.stderr,
+        )
+        return 2
+    walk, code, said = walk_launcher(launcher_args, rooms)
     print(walk.render(args.edges))
     if code:
-        print(f"the launcher exited with {code}", file=sys.stderr)
+        last = next((line for line in reversed(said.splitlines()) if line.strip()), "")
+        print(f"the launcher exited with {code}{f': {last}' if last else ''}", file=sys.stderr)
     return code
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is an importable module or package (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_trainer(recipe)
     problems += _check_devices_against_gpus(recipe)
     problems += _check_credentials(recipe)
+    problems += _check_nul(recipe)
     problems += _check_token_ids(recipe)
     problems += _check_job_timing(recipe)
     problems += check_write_places(recipe)
@@ -193,6 +194,16 @@ def _strings(value: object, path: str) -> list[tuple[str, str]]:
             items.append((path, " ".join(value)))  # an argument list: a flag and its value are two elements
         return items
     return []
+
+
+def _check_nul(recipe: Recipe) -> list[Problem]:
+    """No value holds a NUL character: no path, argument or name can (the OS refuses it at the first use,
+    far from the field)."""
+    found = {path for path, text in _strings(recipe.model_dump(mode="json"), "") if "\x00" in text}
+    return [
+        Problem(path, "holds a NUL character (\\x00), which no path, argument or name can hold", "remove it")
+        for path in sorted(found)
+    ]
 
 
 def _check_credentials(recipe: Recipe) -> list[Problem]:

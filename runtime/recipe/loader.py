@@ -763,6 +763,12 @@ def problem_from_validation_error(err: Any, document: dict[str, Any]) -> Problem
             "quote it, e.g. '0123' or 'no': YAML reads unquoted digits, numbers and true/false as numbers and "
             "booleans, not text"
         )
+    if kind == "string_type" and isinstance(err.get("input"), dt.date | dt.datetime):
+        fix = "quote it, e.g. '2024-01-01': YAML reads an unquoted date (or a !!timestamp) as a date, not text"
+    if isinstance(err.get("input"), tuple) or (
+        isinstance(err.get("input"), list) and any(isinstance(item, tuple) for item in err["input"])
+    ):
+        fix = f"write {expected or 'the value'} as a plain list or mapping: an !!omap or !!pairs tag makes pairs"
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
