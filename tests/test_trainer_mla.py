@@ -119,11 +119,13 @@ def _inputs(spec: DraftSpec, layout: BlockLayout):  # type: ignore[no-untyped-de
     return draft, attn, x, context
 
 
-def test_latent_attention_forward_and_backward_equal_an_independent_reference() -> None:
+@pytest.mark.parametrize("absorbed", [False, True], ids=["expanded", "absorbed"])
+def test_latent_attention_forward_and_backward_equal_an_independent_reference(absorbed: bool) -> None:
     spec, layout = _spec(), _layout()
     draft, attn, x, context = _inputs(spec, layout)
     x.requires_grad_(True)
     inputs = draft.attention_inputs(layout, torch.float64)
+    attn.absorbed = absorbed
     got = attn(x, context, inputs)
     want = _reference_latent_attention(attn, x, context, layout, draft.latent_rope_inv_freq, draft.latent_rope_scale)
     # float64, but RMSNorm and the rotary angles run in fp32 (as Qwen3 and the served draft): agreement
@@ -145,6 +147,7 @@ def test_the_absorbed_form_equals_the_expanded_one() -> None:
     spec, layout = _spec(), _layout()
     draft, attn, x, context = _inputs(spec, layout)
     inputs = draft.attention_inputs(layout, torch.float64)
+    assert not attn.absorbed, "the expanded form is the default (faster at K3 shapes on a GPU)"
     expanded = attn(x, context, inputs)
     attn.absorbed = True
     absorbed = attn(x, context, inputs)

@@ -41,7 +41,7 @@ from runtime.trainer.distributed import (
     init_process_group,
     shard_model,
 )
-from runtime.trainer.export import export_draft
+from runtime.trainer.export import draft_config, export_draft
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.trainer.gate import SmokeGate
 from runtime.trainer.guard import TERMS, FiniteGuard, inspect_update
@@ -240,7 +240,8 @@ class Trainer:
         # also after a restart that found every step done but no export (a crash while exporting)
         if setup.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
             export_draft(model, target, setup.draft_spec, dtype=s.param_dtype, is_main=s.is_main)
-            writer.say(f"[trainer] exported the draft for SGLang to {target}")
+            served_as = draft_config(setup.draft_spec, s.param_dtype)["architectures"][0]
+            writer.say(f"[trainer] exported the draft ({served_as}) to {target}")
             self.gate.on_export(target)
         writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s")
         barrier()

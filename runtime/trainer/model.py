@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from runtime.recipe.schema import DraftConfig
 from runtime.trainer.attention_mask import dense_block_mask, flex_block_mask, padded_context_length
@@ -114,6 +115,19 @@ class DraftAttention(nn.Module):
         return self.o_proj(out)
 
 
+WIDE_HEAD_FLEX_TILES: dict[str, int] = {
+    "BLOCK_M": 32,
+    "BLOCK_N": 32,
+    "num_stages": 1,
+    "num_warps": 4,
+    "BLOCK_M1": 16,
+    "BLOCK_N1": 32,
+    "BLOCK_M2": 32,
+    "BLOCK_N2": 16,
+}
+"""flex_attention tiles for heads wider than 256 (the absorbed latent attention)."""
+
+
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Channels ``(0, 1), (2, 3), ...`` regrouped as ``(0, 2, ...), (1, 3, ...)``: an interleaved rotary
     pair becomes a neox half pair, so :func:`apply_rotary` rotates it (queries and keys alike, so their
@@ -128,7 +142,10 @@ def attend(
     ``[Q, heads, dv]``."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if inputs.backend == "flex":
-        out = _flex_attention()(q, k, v, block_mask=inputs.mask, scale=scale, enable_gqa=True)
+        # A latent head (K3: 512 + 64 = 576 wide) overflows the shared memory of flex's default tiles on a
+        # Hopper GPU (416 KiB asked, 227 KiB there): smaller tiles, one pipeline stage, forward and backward.
+        options = WIDE_HEAD_FLEX_TILES if q.shape[-1] > 256 and q.is_cuda else None
+        out = _flex_attention()(q, k, v, block_mask=inputs.mask, scale=scale, enable_gqa=True, kernel_options=options)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
@@ -143,6 +160,11 @@ class LatentAttention(nn.Module):
     which gives the same result. Queries come from the slots through ``q_a_proj -> q_a_layernorm ->
     q_b_proj``; an output gate ``sigmoid(g_proj(x))`` multiplies each head's output before ``o_proj``.
     Module names are those of the public K3 MLA DSpark drafters."""
+
+    default_absorbed = False
+    """The form new modules take: expanded, whose keys and values are recomputed in the backward (K3 on
+    an H100: 1.63 s a micro-step in 61.5 GiB; the absorbed form through flex's small wide-head tiles took
+    29 s). The trainer benchmark times either (``--mla-form``)."""
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -172,8 +194,10 @@ class LatentAttention(nn.Module):
         self.g_proj = nn.Linear(h, self.num_heads * self.v_dim, bias=False) if m.use_output_gate else None
         self.interleave = m.rope_interleave
         self.scale = qk**-0.5
-        self.absorbed = False
-        """Scores and values in the latent space (the same result; fewer FLOPs per context token)."""
+        self.absorbed = type(self).default_absorbed
+        """Scores and values in the latent space: the same result as the expanded form (tested), without
+        each head's keys and values of every context token (4 GiB per layer at K3's 64K context: the
+        expanded form recomputes them in the backward instead of keeping them)."""
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(_deinterleave(x) if self.interleave else x, cos, sin)
@@ -182,6 +206,20 @@ class LatentAttention(nn.Module):
         """Each token's normalised latent ``[N, rank]`` and rotated shared key head ``[N, 1, rope]``."""
         compressed, key_rope = self.kv_a_proj_with_mqa(tokens).split([self.rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(compressed), self._rotate(key_rope.unsqueeze(1), cos, sin)
+
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        key_rope: torch.Tensor,
+        inputs: AttentionInputs,
+    ) -> torch.Tensor:
+        """The expanded form: every head's keys and values from the latents, then plain attention."""
+        keys_values = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = keys_values.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, key_rope.expand(-1, self.num_heads, -1)], dim=-1)
+        return attend(torch.cat([q_nope, q_rope], dim=-1), k, v, inputs, self.scale)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """``x [Q, H]`` (after input_layernorm), ``context [T, H]`` -> ``[Q, H]``."""
@@ -207,11 +245,10 @@ class LatentAttention(nn.Module):
             k = torch.cat([latent.unsqueeze(1), key_rope], dim=-1)
             out_latent = attend(q, k, latent.unsqueeze(1), inputs, self.scale)
             out = torch.einsum("qhr,hvr->qhv", out_latent, up_value)
+        elif torch.is_grad_enabled():  # each head's keys and values recomputed in the backward, not kept
+            out = checkpoint(self._expanded, q_nope, q_rope, latent, key_rope, inputs, use_reentrant=False)
         else:
-            keys_values = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
-            k_nope, v = keys_values.split([self.nope_dim, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, key_rope.expand(-1, self.num_heads, -1)], dim=-1)
-            out = attend(torch.cat([q_nope, q_rope], dim=-1), k, v, inputs, self.scale)
+            out = self._expanded(q_nope, q_rope, latent, key_rope, inputs)
         out = out.reshape(q_len, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
@@ -231,6 +268,29 @@ class BlockShortConvolution(nn.Module):
         kernel = self.weight.shape[1]
         padded = F.pad(x.transpose(1, 2), (kernel - 1, 0))
         return F.silu(F.conv1d(padded, self.weight.unsqueeze(1), groups=self.weight.shape[0]).transpose(1, 2))
+
+
+RECURRENCE_CHUNK_BLOCKS = 32
+"""Blocks whose delta-rule recurrence runs at once: each keeps a ``d x d`` state per head per slot (3.2 GB
+for K3's 512 blocks of 96 heads at 128 in one slot), so the blocks go through in chunks whose states are
+recomputed in the backward instead of kept."""
+
+
+def _delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor
+) -> torch.Tensor:
+    """The gated delta rule over the slots of each block (``[blocks, slots, heads, d]`` inputs, ``beta``
+    ``[blocks, slots, heads]``): the state starts empty at every block; returns ``q^T S`` per slot."""
+    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outputs = []
+    for slot in range(q.shape[1]):
+        state = state * decay[:, slot, :, :, None]
+        key = k[:, slot]
+        predicted = torch.einsum("nhd,nhde->nhe", key, state)
+        delta = (v[:, slot] - predicted) * beta[:, slot, :, None]
+        state = state + torch.einsum("nhd,nhe->nhde", key, delta)
+        outputs.append(torch.einsum("nhd,nhde->nhe", q[:, slot], state))
+    return torch.stack(outputs, dim=1)
 
 
 class DeltaAttention(nn.Module):
@@ -296,16 +356,14 @@ class DeltaAttention(nn.Module):
         v = self.v_conv1d(self.v_proj(blocks)).unflatten(-1, heads).float()
         beta = torch.sigmoid(self.b_proj(blocks).float())
         decay = self.log_decay(blocks).exp()
-        state = q.new_zeros(blocks.shape[0], self.num_heads, self.head_dim, self.head_dim)  # empty at each block
-        outputs = []
-        for slot in range(self.block_size):
-            state = state * decay[:, slot, :, :, None]
-            key = k[:, slot]
-            predicted = torch.einsum("nhd,nhde->nhe", key, state)
-            delta = (v[:, slot] - predicted) * beta[:, slot, :, None]
-            state = state + torch.einsum("nhd,nhe->nhde", key, delta)
-            outputs.append(torch.einsum("nhd,nhde->nhe", q[:, slot], state))
-        out = torch.stack(outputs, dim=1).mul(self.head_dim**-0.5).to(x.dtype)  # [N, B, heads, d]
+        parts = []
+        for chunk in range(0, blocks.shape[0], RECURRENCE_CHUNK_BLOCKS):
+            part = [t[chunk : chunk + RECURRENCE_CHUNK_BLOCKS] for t in (q, k, v, beta, decay)]
+            if torch.is_grad_enabled():  # the states are recomputed in the backward, not kept
+                parts.append(checkpoint(_delta_rule, *part, use_reentrant=False))
+            else:
+                parts.append(_delta_rule(*part))
+        out = torch.cat(parts).mul(self.head_dim**-0.5).to(x.dtype)  # [N, B, heads, d]
         gate = self.g_proj(blocks) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(blocks))
         out = self.o_norm(out) * torch.sigmoid(gate.unflatten(-1, heads))
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -56,7 +56,7 @@ try:  # a stock python3 instead of the venv's: one line, not a traceback
     from runtime.recipe.fit.trainer_memory import draft_parameter_counts, layer_shapes
     from runtime.recipe.schema import DraftConfig
     from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
-    from runtime.trainer.model import DSparkDraft, SampleInputs
+    from runtime.trainer.model import DSparkDraft, LatentAttention, SampleInputs
     from runtime.trainer.objective import loss_coefficients
     from runtime.trainer.vocab_objective import chunked_vocab_objective
     from runtime.transport.loopback import free_port
@@ -661,8 +661,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the draft backbone(s) of the micro-step, each timed in turn in this process (default: gqa, the "
         "recipe's); `--attention gqa --attention mla` puts them side by side",
     )
+    parser.add_argument(
+        "--mla-form",
+        choices=["absorbed", "expanded"],
+        default=None,
+        help="the latent attention's form in the micro-step (the same result; default: the trainer's, expanded)",
+    )
     args = parser.parse_args(argv)
     backbones = args.attention or ["gqa"]
+    if args.mla_form is not None:
+        LatentAttention.default_absorbed = args.mla_form == "absorbed"
     if not args.quick and not torch.cuda.is_available():
         print("no CUDA device: run with --quick on CPU, or on the H200 machine")
         return 0
