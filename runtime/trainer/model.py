@@ -163,7 +163,7 @@ class LatentAttention(nn.Module):
 
     default_absorbed = False
     """The form new modules take: expanded, whose keys and values are recomputed in the backward (K3 on
-    an H100: 1.63 s a micro-step in 61.5 GiB; the absorbed form through flex's small wide-head tiles took
+    an H100: 1.65 s a micro-step in 48.7 GiB; the absorbed form through flex's small wide-head tiles took
     29 s). The trainer benchmark times either (``--mla-form``)."""
 
     def __init__(self, cfg: DraftConfig) -> None:
