@@ -29,8 +29,11 @@ import pytest
 
 from launcher import cli as launcher_cli
 from launcher.jobs import JobRecord, write_record
+from runtime.probe.__main__ import main as probe_main
 from runtime.recipe import load_recipe, write_resolved
-from tools import compare_runs, data_prepare, data_verify, smoke_data, tiny_target
+from runtime.transport.__main__ import main as transport_main
+from tools import compare_runs, data_prepare, data_verify, replay_decodes, room_walk, smoke_data, tiny_target
+from tools.bench import speedup
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -42,6 +45,11 @@ COMMANDS: dict[str, Callable[[list[str] | None], int]] = {
     "compare_runs": compare_runs.main,
     "derive_smoke_data": smoke_data.main,
     "make_tiny_target": tiny_target.main,
+    "transport": transport_main,
+    "probe": probe_main,
+    "room_walk": room_walk.main,
+    "replay_decodes": replay_decodes.main,
+    "speedup": speedup.main,
 }
 
 KINDS = ("damage", "secret", "load-time", "os", "empty", "message", "value", "flag", "job", "data")
@@ -2070,6 +2078,68 @@ CASES += [
         ("--probe job", "run the probe again"),
         _record_with(probe=True),
     ),
+]
+
+# Every entry point ends a user error in one line (issue 44: tracebacks came from these).
+_TAMPERED_RESULTS = {"passes": [], "dtype": "save", "stop_token_ids": [2], "max_new_tokens": 100000}
+CASES += [
+    Case("transport-status-root", "job", "transport", ("status", "--job", "/"), ("recipe.resolved.json", "fix")),
+    Case(
+        "transport-status-yaml",
+        "flag",
+        "transport",
+        ("status", "--recipe", "{w}/recipes/tiny.yaml"),
+        ("recipe file", "--job"),
+    ),
+    Case(
+        "transport-master-yaml", "flag", "transport", ("master", "--recipe", "{w}/recipes/tiny.yaml"), ("recipe file",)
+    ),
+    Case(
+        "transport-status-passwd",
+        "load-time",
+        "transport",
+        ("status", "--recipe", "/etc/passwd"),
+        ("/etc/passwd", "json"),
+    ),
+    Case(
+        "transport-master-every-interface",
+        "value",
+        "transport",
+        ("master", "--recipe", f"{JOB}/recipe.resolved.json", "--host", "0.0.0.0"),
+        ("every interface", "nothing was started"),
+    ),
+    Case(
+        "probe-outside-a-job",
+        "flag",
+        "probe",
+        ("--recipe", f"{JOB}/recipe.resolved.json", "--component", "trainer"),
+        ("lacks the job's environment", "--probe"),
+    ),
+    Case(
+        "room-walk-unknown-room", "flag", "room_walk", ("--rooms", "nope", "--", "tiny", "--plan"), ("--rooms", "nope")
+    ),
+    Case(
+        "replay-dtype-attribute",
+        "data",
+        "replay_decodes",
+        ("{w}/ev",),
+        ("'dtype' is 'save'", "results.json"),
+        steps(write("ev/results.json", json.dumps(_TAMPERED_RESULTS)), write("ev/decodes.jsonl", "")),
+    ),
+    Case(
+        "replay-line-not-a-decode",
+        "data",
+        "replay_decodes",
+        ("{w}/ev",),
+        ("decodes.jsonl:1", "not a decode"),
+        steps(
+            write("ev/results.json", json.dumps({**_TAMPERED_RESULTS, "dtype": "float32"})),
+            write("ev/decodes.jsonl", "5\n"),
+        ),
+    ),
+    Case("replay-negative-limit", "value", "replay_decodes", ("{w}/ev", "--limit", "-30"), ("--limit -30",)),
+    Case("speedup-no-job", "job", "speedup", ("--job", "nope"), ("no job 'nope'",)),
+    Case("speedup-negative-prompts", "value", "speedup", ("--job", "x", "--max-prompts", "-1"), ("--max-prompts",)),
 ]
 
 

@@ -364,8 +364,9 @@ def load_resolved(path: str | Path) -> ResolvedRecipe:
         payload = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"resolved recipe {path} does not exist; the launcher writes it into the job folder "
-            "(python3 -m launcher RECIPE, or python3 -m launcher resolve RECIPE --job-dir DIR)"
+            f"resolved recipe {path} does not exist; the launcher writes it into the job folder. Fix: name a job "
+            "folder the launcher made (runs/NAME/STAMP), or make one (python3 -m launcher RECIPE, or python3 -m "
+            "launcher resolve RECIPE --job-dir DIR)"
         ) from None
     except json.JSONDecodeError as exc:
         raise RecipeError(
