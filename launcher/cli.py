@@ -50,7 +50,7 @@ from runtime.recipe.loader import (
     refuse_repeated_sets,
 )
 from runtime.recipe.site_facts import read_site_facts
-from runtime.shared.contracts import resume_command
+from runtime.shared.contracts import probe_again_command, resume_command
 from runtime.user_errors import UserError, output_place, redact, run_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -265,13 +265,15 @@ def continue_job(args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, str]
     record = jobs.find_record(job, _job_runs_dir(args), runs_dir_hint="--set job.runs_dir=FOLDER")
     job_dir = Path(record.job_dir)
     if record.probe:
+        again = probe_again_command(job_dir, record.recipe_source, local=record.mode == "local")
         raise LaunchError(
             f"job {record.job_id} ({_display_path(job_dir)}) was a --probe job: it measured the site and trained "
-            f"nothing, so there is no run to {flag.removeprefix('--')}. Fix: run the probe again, "
-            f"`python3 -m launcher {shell_word(record.recipe_source)} --probe`"
+            f"nothing, so there is no run to {flag.removeprefix('--')}. Fix: run the probe again, `{again}`"
         )
-    state = control.job_report(record).state
-    if state in ACTIVE_JOB_STATES:  # its keep_last rotation would delete the checkpoint we start from
+    report = control.job_report(record)
+    state = report.state
+    # A job sacct no longer lists (purged from its records, another cluster's) reads PENDING: not running.
+    if state in ACTIVE_JOB_STATES and not report.unlisted:  # its keep_last rotation may delete our checkpoint
         raise LaunchError(
             f"job {record.job_id} ({_display_path(job_dir)}) is still {state}: a {flag.removeprefix('--')} now would "
             "start from a checkpoint its own rotation (trainer.checkpoint.keep_last) may delete, and a resume would "

@@ -76,6 +76,8 @@ class JobReport:
     note: str = ""
     slurm_unreachable: bool = False
     """sacct could not be asked: the state is unknown, not merely pending."""
+    unlisted: bool = False
+    """sacct answered but does not list the job: just submitted, or long gone from its records."""
     resume_hint: str = ""
     """For a job that ended without completing: its newest complete checkpoint and the command that
     continues from it."""
@@ -174,6 +176,7 @@ def job_report(record: JobRecord) -> JobReport:
         components=reports,
         note=note,
         slurm_unreachable=unreachable,
+        unlisted=not components and not unreachable,
         resume_hint=resume_hint(record) if state in TERMINAL_JOB_STATES - {"COMPLETED"} else "",
         eval_line=_eval_job_line(record) if not unreachable else "",
     )

@@ -279,7 +279,7 @@ def test_a_probe_job_is_not_resumed_and_its_stop_says_to_run_the_probe_again(tmp
     write_record(record, runs)
     with pytest.raises(
         cli.LaunchError,
-        match=r"was a --probe job.*run the probe again, `python3 -m launcher recipes/tiny.yaml --probe`",
+        match=r"was a --probe job.*run the probe again, `python3 -m launcher recipes/tiny.yaml --probe --set job.runs_dir=",
     ):
         cli.continue_job(_args("--resume", str(job_dir)))
     again = (
