@@ -260,7 +260,10 @@ def write_place_problem(path: Path, *, within: Path | None = None) -> str | None
     link = f" ({path} is a symbolic link to it)" if resolved != path.expanduser().absolute() else ""
     if resolved == Path(resolved.anchor):
         return f"is the filesystem root{link}"
-    if resolved == Path.home().resolve() or (resolved.parent.name == "home" and resolved.parent.parent == Path("/")):
+    home = os.path.expanduser("~")  # with HOME set but empty this is "", not a folder: compare no cwd to it
+    if (home not in ("", "~") and resolved == Path(home).resolve()) or (
+        resolved.parent.name == "home" and resolved.parent.parent == Path("/")
+    ):
         return f"is a home folder itself{link}"
     if resolved == CHECKOUT:
         return f"is the repository itself{link}"
