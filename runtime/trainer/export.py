@@ -119,7 +119,7 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
         config.update(
             architectures=[HYBRID_ARCHITECTURE],
             model_type=MLA_MODEL_TYPE,
-            layer_types=list(kinds),
+            draft_layer_types=list(kinds),
             linear_attn_config={
                 "kda_layers": [i + 1 for i, kind in enumerate(kinds) if kind == "kda"],
                 "full_attn_layers": [i + 1 for i, kind in enumerate(kinds) if kind != "kda"],
@@ -145,6 +145,7 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
             qk_rope_head_dim=mla.qk_rope_head_dim,
             v_head_dim=mla.v_head_dim,
             mla_use_output_gate=mla.use_output_gate,
+            mla_use_nope=True,  # the K3 MLA loaders check it: the nope and rope parts of each head are apart
             rope_interleave=mla.rope_interleave,
         )
     return config

@@ -364,9 +364,13 @@ class DeltaAttention(nn.Module):
             else:
                 parts.append(_delta_rule(*part))
         out = torch.cat(parts).mul(self.head_dim**-0.5).to(x.dtype)  # [N, B, heads, d]
+        return self._gated_output(out, blocks, x.shape[0])
+
+    def _gated_output(self, out: torch.Tensor, blocks: torch.Tensor, slots: int) -> torch.Tensor:
+        """``o_proj`` of the RMSNorm of ``out [N, B, heads, d]`` gated by ``sigmoid(g_proj(x))``: ``[slots, H]``."""
         gate = self.g_proj(blocks) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(blocks))
-        out = self.o_norm(out) * torch.sigmoid(gate.unflatten(-1, heads))
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        out = self.o_norm(out) * torch.sigmoid(gate.unflatten(-1, (self.num_heads, self.head_dim)))
+        return self.o_proj(out.reshape(slots, -1))
 
 
 _FLEX: Any = None
