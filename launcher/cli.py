@@ -435,6 +435,7 @@ def submit(args: argparse.Namespace) -> int:
         return 0
     _check_environment_references(loaded, args.probe)
     if args.local:
+        loaded = _ports_from_the_range(loaded)
         _refuse_taken_local_ports(loaded)
     if not args.probe:  # the probe reads neither the target nor the data: their checks are the smoke gate's
         prepare_missing_inputs(loaded.recipe, REPO_ROOT, loaded.source)
@@ -526,6 +527,25 @@ def _refuse_running_local_jobs(loaded: LoadedRecipe) -> None:
                 f"{record.command_ref}`), or give this run other ports, e.g. --set "
                 + " --set ".join(f"{item.split()[0]}=PORT" for item in shared)
             )
+
+
+def _ports_from_the_range(loaded: LoadedRecipe) -> LoadedRecipe:
+    """``--local`` with ``DSPARK_PORT_RANGE=LOW-HIGH`` set: every port of the job that no ``--set`` names
+    comes from that range, free when taken (recorded as ``--set`` in the job's recipe, so a resume keeps
+    them). Two users' runs, or two test suites, each with its own range, never share a port."""
+    from runtime.recipe.checks import job_ports
+    from runtime.transport.loopback import ENV_PORT_RANGE, free_port
+
+    if not os.environ.get(ENV_PORT_RANGE):
+        return loaded
+    given = {item.split("=", 1)[0].strip() for item in loaded.overrides}
+    moved = [f"{field}={free_port()}" for field in job_ports(loaded.recipe) if field not in given]
+    if not moved:
+        return loaded
+    again = load_document(loaded.recipe.model_dump(mode="json"), loaded.source, moved, smoke=False)
+    again.source, again.overrides, again.smoke = loaded.source, [*loaded.overrides, *moved], loaded.smoke
+    print(f"[local] ports from {ENV_PORT_RANGE}={os.environ[ENV_PORT_RANGE]}: {', '.join(moved)}", flush=True)
+    return again
 
 
 def _refuse_taken_local_ports(loaded: LoadedRecipe) -> None:

@@ -610,3 +610,28 @@ def test_cancel_of_a_copied_running_job_folder_leaves_the_original_supervisor_al
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+def test_a_port_range_moves_every_port_of_a_local_job_that_no_set_names(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``DSPARK_PORT_RANGE`` with --local: the job's ports come from the range (two users or two suites on
+    one machine, each with its own range, never collide), recorded as --set so a resume keeps them; a
+    port the command line names stays."""
+    from launcher import cli
+    from runtime.recipe.checks import job_ports
+
+    monkeypatch.setenv("DSPARK_PORT_RANGE", "47100-47199")
+    loaded = cli._ports_from_the_range(cli.load("tiny", ["transport.metrics_port=47350"], False))
+    ports = job_ports(loaded.recipe)
+    assert ports["transport.metrics_port"] == 47350
+    moved = {field: port for field, port in ports.items() if field != "transport.metrics_port"}
+    assert moved and all(47100 <= port <= 47199 for port in moved.values()), ports
+    assert len(set(moved.values())) == len(moved)
+    assert [o for o in loaded.overrides if o.startswith("job.master_port=")] == [
+        f"job.master_port={ports['job.master_port']}"
+    ]
+    assert "[local] ports from DSPARK_PORT_RANGE=47100-47199" in capsys.readouterr().out
+    monkeypatch.delenv("DSPARK_PORT_RANGE")
+    plain = cli._ports_from_the_range(cli.load("tiny", [], False))
+    assert job_ports(plain.recipe)["job.master_port"] == load_recipe(TINY).recipe.job.master_port
