@@ -710,11 +710,6 @@ class KDAConfig(Section):
     """The output gate as one ``g_proj`` (full rank), else ``g_b_proj(g_a_proj(x))``."""
 
 
-DRAFT_ATTENTIONS = ("gqa", "mla", "kda")
-"""The draft layers' attention: ``gqa`` (Qwen3-style grouped-query, the K3 DSpark GQA16 draft), ``mla``
-(latent attention) or ``kda`` (delta-rule recurrence within each block)."""
-
-
 class DraftConfig(Section):
     """The DSpark draft: Qwen3-style decoder layers plus Markov and confidence heads."""
 
