@@ -21,6 +21,7 @@ from typing import Any
 
 from launcher.component import spawn_component, stop_process
 from launcher.eval_job import local_eval_command
+from runtime.evaluate.timing import marked, trust_note
 from runtime.recipe import ResolvedRecipe
 from runtime.recipe.loader import RESOLVED_FILENAME
 
@@ -100,8 +101,10 @@ def headline(results: dict[str, Any], results_path: Path, display: Any = str) ->
     lines = [
         f"draft {draft['label']} against an untrained draft of the same shape, {prompts} held-out prompts ({sets}), "
         f"{results['device']}:",
-        f"  {'T':>4} {'accept len':>10} {'untrained':>9} {'gain':>6} {'tok/s draft':>11} {'target alone':>12} {'speed-up':>8}",
+        f"  {'T':>4} {'accept len':>10} {'untrained':>9} {'gain':>6} {'tok/s draft':>11} {'target alone':>12} "
+        f"{'speed-up (spread)':>19}",
     ]
+    notes = []
     for entry in results["passes"]:
         trained = entry["drafts"].get(draft["label"], {})
         floor = entry["drafts"].get("untrained", {})
@@ -113,11 +116,15 @@ def headline(results: dict[str, Any], results_path: Path, display: Any = str) ->
         speedup = trained.get("speedup_vs_plain")
         lines.append(
             f"  {entry['temperature']:>4g} {_fmt(accept, 2):>10} {_fmt(floor_accept, 2):>9} {_fmt(gain, 2, '+'):>6} "
-            f"{_fmt(rate, 1):>11} {_fmt(plain, 1):>12} {_fmt(speedup, 2) + 'x' if speedup else '-':>8}"
+            f"{_fmt(rate, 1):>11} {_fmt(plain, 1):>12} {marked(speedup, trained):>19}"
         )
+        if note := trust_note(trained):
+            notes.append(f"  ? T={entry['temperature']:g}: speed-up {note}")
+    lines.extend(notes)
     lines.append(
         "  accept len: tokens emitted per verify step (SGLang's spec_accept_length; the prompt's first token "
-        "counts, nothing after a stop does)"
+        "counts, nothing after a stop does); speed-up: draft tokens/s over the target alone's, decoded "
+        "interleaved, with the range over four groups of prompts"
     )
     lines.append(f"  results  {display(results_path)} (summary.txt beside it)")
     plots = sorted(results_path.parent.glob("*.png")) + sorted(results_path.parent.parent.glob("*.png"))

@@ -23,6 +23,8 @@ from runtime.recipe import Recipe
 from runtime.shared import contracts
 
 COMPONENTS: tuple[str, ...] = ("capture", "trainer")
+THREADS_VARIABLE = "OMP_NUM_THREADS"
+"""How many CPU threads a component task computes with (torch reads it when it loads)."""
 """Het group order: group 0 is capture, group 1 is trainer."""
 
 RENDEZVOUS_VARIABLES: tuple[str, ...] = (
@@ -182,6 +184,12 @@ def component_environment(
     its job was requeued (the trainer then resumes from its run's latest checkpoint)."""
     env = {k: v for k, v in base_env.items() if k not in RENDEZVOUS_VARIABLES}
     env.update(recipe.job.env)
+    if THREADS_VARIABLE not in env:
+        # A task computes on the cores it is given (job.<component>.cpus_per_task), not torch's default
+        # of every core of the machine: the tasks of one node, and two jobs that share a machine, would
+        # otherwise run several threads per core and wait on each other (4 tiny builds at once on 2
+        # cores took 7x their CPU time). job.env or the caller's environment may say otherwise.
+        env[THREADS_VARIABLE] = str(getattr(recipe.job, placement.component).cpus_per_task)
     transport = recipe.transport
     env.update(
         {

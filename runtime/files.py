@@ -17,7 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -136,12 +136,18 @@ def append_text(target: Path, text: str, moved_by: str = "") -> None:
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (made if missing) for the block: one process at a
-    time builds or fills what the lock guards, the others wait and then find it done."""
+    time builds or fills what the lock guards, the others wait and then find it done. ``waiting`` is
+    called once, before blocking, when another process holds the lock (a waiting build says so)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -40,10 +40,29 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         index = int(worker[2:])
-        low = WORKER_PORT_BASE + index * WORKER_PORT_SPAN
-        if low + WORKER_PORT_SPAN > 32768:
-            raise pytest.UsageError(f"worker {worker}: too many xdist workers for the port ranges (at most 8)")
-        os.environ[ENV_PORT_RANGE] = f"{low}-{low + WORKER_PORT_SPAN - 1}"
+        low, span = _worker_port_range(index, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "8")))
+        os.environ[ENV_PORT_RANGE] = f"{low}-{low + span - 1}"
+
+
+def _worker_port_range(index: int, workers: int) -> tuple[int, int]:
+    """First port and count of xdist worker ``index``'s range: a share of the suite's own
+    ``DSPARK_PORT_RANGE`` when the caller gave one (two suites on one machine, each in its range, never
+    collide), else :data:`WORKER_PORT_SPAN` ports from :data:`WORKER_PORT_BASE` per worker."""
+    from runtime.transport.loopback import ENV_PORT_RANGE, port_range
+
+    given = port_range()
+    if given is not None:
+        span = (given[1] - given[0] + 1) // max(1, workers)
+        if span < 100:
+            raise pytest.UsageError(
+                f"{ENV_PORT_RANGE}={given[0]}-{given[1]} gives {workers} xdist workers {span} ports each; "
+                "a worker needs at least 100. Fix: widen the range or run fewer workers (-n)"
+            )
+        return given[0] + index * span, span
+    low = WORKER_PORT_BASE + index * WORKER_PORT_SPAN
+    if low + WORKER_PORT_SPAN > 32768:
+        raise pytest.UsageError(f"worker gw{index}: too many xdist workers for the port ranges (at most 8)")
+    return low, WORKER_PORT_SPAN
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -264,7 +264,17 @@ def test_the_run_headline_gives_trained_against_untrained_and_the_speed_up(tmp_p
             {
                 "temperature": 1.0,
                 "plain": {"overall": {"tokens_per_s": 110.0}},
-                "drafts": {"step_00000096": figures(3.0, 165.0, 1.5), "untrained": figures(1.1, 60.0, 0.55)},
+                "drafts": {
+                    "step_00000096": {
+                        **figures(3.0, 165.0, 1.5),
+                        "speedup_spread": [0.9, 2.1],
+                        "speedup_trust": "under load",
+                        "load_average": 5.2,
+                        "other_load": 3.2,
+                        "cores": 2,
+                    },
+                    "untrained": figures(1.1, 60.0, 0.55),
+                },
             },
         ],
     }
@@ -274,8 +284,13 @@ def test_the_run_headline_gives_trained_against_untrained_and_the_speed_up(tmp_p
     lines = headline(results, path)
     table = "\n".join(lines)
     assert "draft step_00000096 against an untrained draft of the same shape, 32 held-out prompts" in lines[0]
-    assert "0       3.25      1.50  +1.75       190.0        100.0    1.90x" in table
-    assert "1       3.00      1.10  +1.90       165.0        110.0    1.50x" in table
+    assert "0       3.25      1.50  +1.75       190.0        100.0               1.90x" in table
+    # A speed-up taken while other work loaded the machine is printed with its spread, marked, and said so.
+    assert "1       3.00      1.10  +1.90       165.0        110.0  1.50x (0.90-2.10)?" in table
+    assert (
+        "? T=1: speed-up taken under load (load average 5.2 on 2 core(s), 3.2 of it other work): the acceptance "
+        "lengths stand, this speed-up does not" in table
+    )
     assert str(path) in table and "slot_accept_rate.png" in table
 
 

@@ -76,7 +76,7 @@ def test_hostlist_expansion() -> None:
 
 
 def test_trainer_environment_from_its_own_het_group() -> None:
-    recipe = load_recipe(TINY, overrides=["transport.bind_address=10.0.0.5"]).recipe
+    recipe = load_recipe(TINY, overrides=["transport.bind_address=10.0.0.5", "job.trainer.cpus_per_task=2"]).recipe
     slurm = {
         "SLURM_JOB_NODELIST_HET_GROUP_0": "cap01",
         "SLURM_JOB_NODELIST_HET_GROUP_1": "trn[01-02]",
@@ -106,6 +106,13 @@ def test_trainer_environment_from_its_own_het_group() -> None:
     )
     assert not set(RENDEZVOUS_VARIABLES) & set(capture_env), "capture gets no rendezvous variables"
     assert capture_env["DSPARK_COMPONENT"] == "capture"
+    # Each task computes on the CPUs it is given, unless the caller or job.env says otherwise.
+    assert (env["OMP_NUM_THREADS"], capture_env["OMP_NUM_THREADS"]) == (
+        str(recipe.job.trainer.cpus_per_task),
+        str(recipe.job.capture.cpus_per_task),
+    )
+    told = component_environment(recipe, placement, Path("/job"), Path("/r"), {**slurm, "OMP_NUM_THREADS": "3"})
+    assert told["OMP_NUM_THREADS"] == "3"
 
 
 def test_plan_reports_k3_numbers_and_the_hbm_blocker() -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -52,9 +53,26 @@ CHAT_TEMPLATE = (
 """Plain-text turns: ``<|role|> content <|end|>``; the generation prompt is ``<|assistant|>``."""
 PROGRESS_INTERVAL_S = 5.0
 """A build prints a progress line at least this often (tokenizing, training, evaluating)."""
-BUILD_PROCEDURE_VERSION = 2
+BUILD_PROCEDURE_VERSION = 3
 """Bump when the code that turns the content into a model changes (model class, training loop,
-tokenizer construction): the cache key covers the content itself, not the source text."""
+tokenizer construction, the pinned arithmetic): the cache key covers the content itself, not the
+source text."""
+PINNED_ARITHMETIC = {
+    # One thread: a reduction split over threads sums in another order on every thread count.
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    # MKL's conditional numerical reproducibility: the same code path (and so the same rounding) on
+    # every x86-64 CPU, Intel or AMD, whatever vector units it has.
+    "MKL_CBWR": "COMPATIBLE",
+    # torch's own vectorised kernels (softmax, norms, exp) and oneDNN at AVX2 width on every CPU
+    # that has it; a wider vector adds partial sums in another order.
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+"""The arithmetic the build runs under, set before torch loads (:func:`pin_arithmetic`): the tiny
+target, and so its answers and every figure of the default run, are then the same bytes on any
+x86-64 machine and thread count for one torch release, instead of one model per machine. It also
+makes a build cost one core, so builds that share a machine do not oversubscribe it."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +307,8 @@ def regenerate_answers(
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     out = [{**row, "conversations": [dict(turn) for turn in row["conversations"]]} for row in rows]
     answers = [[i for i, turn in enumerate(row["conversations"]) if turn["role"] == "assistant"] for row in out]
-    for round_index in range(max((len(a) for a in answers), default=0)):
+    rounds = max((len(a) for a in answers), default=0)
+    for round_index in range(rounds):
         todo = [(r, a[round_index]) for r, a in enumerate(answers) if len(a) > round_index]
         prompts = [
             chat_tokenize.tokenize_prompt(tokenizer, out[r]["conversations"][:turn], out[r]["id"]) for r, turn in todo
@@ -319,7 +338,11 @@ def regenerate_answers(
                 (i for i, t in enumerate(tokens) if t in (end_id, tiny_corpus.EOS_ID, tiny_corpus.PAD_ID)), len(tokens)
             )
             out[r]["conversations"][turn]["content"] = tokenizer.decode(tokens[:stop]).strip()
-        log(f"[make_tiny_target] regenerated answer {round_index + 1} of {len(todo)} conversations")
+        how = "greedy" if sample_seed is None else "sampled at temperature 1"
+        log(
+            f"[make_tiny_target] {how} answers: turn {round_index + 1} of {rounds} answered in {len(todo)} "
+            "conversations"
+        )
     return out
 
 
@@ -473,7 +496,12 @@ def make_tiny_target(
     target_dir, chat_path = target_dir.resolve(), chat_path.resolve()
     key = spec.cache_key()
     # Builds are serialised: tests and helpers may ask for the tiny target at the same time.
-    with exclusive_lock(target_dir.parent / ".make_tiny_target.lock"):
+    lock = target_dir.parent / ".make_tiny_target.lock"
+
+    def waiting() -> None:
+        log(f"[make_tiny_target] another build of {target_dir} is running (lock {lock}); waiting for it to finish")
+
+    with exclusive_lock(lock, waiting):
         write_eval_set(spec, eval_path.resolve())
         record = cached_build(target_dir)
         if record and record.get("cache_key") == key and not force:
@@ -484,12 +512,39 @@ def make_tiny_target(
         return record
 
 
+def pin_arithmetic() -> None:
+    """Set :data:`PINNED_ARITHMETIC` in this process's environment; call before anything loads torch
+    (the command line does: every build runs in a process of its own). Where torch is loaded already
+    (a caller in-process), only the thread count can still be pinned; the build record says what held."""
+    import sys
+
+    os.environ.update(PINNED_ARITHMETIC)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def arithmetic_in_effect() -> dict[str, Any]:
+    """What the build's rounding depends on, as recorded in ``build.json``."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
+    }
+
+
 def _build(spec: TinyTargetSpec, key: str, target_dir: Path, log: Any) -> dict[str, Any]:
     """Train the tiny target and swap it into ``target_dir``; returns its build record."""
     log("[make_tiny_target] loading torch and transformers")
     import torch
 
-    log(f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {torch.get_num_threads()} threads")
+    pinned = arithmetic_in_effect()
+    log(
+        f"[make_tiny_target] building {target_dir} (key {key[:12]}) on {pinned['threads']} thread(s), "
+        f"{pinned['cpu_capability']} kernels, MKL path {pinned['mkl_cbwr'] or 'native'}, torch {pinned['torch']}"
+    )
     started, started_cpu = time.monotonic(), time.process_time()
     tokenizer = build_tokenizer(spec)
     model = train_model(spec, tokenizer, log)
@@ -511,6 +566,8 @@ def _build(spec: TinyTargetSpec, key: str, target_dir: Path, log: Any) -> dict[s
         # CPU seconds of this process (all its threads): what the build costs on a loaded machine.
         "build_cpu_seconds": round(time.process_time() - started_cpu, 1),
         "torch": torch.__version__,
+        "arithmetic": pinned,
+        "weights_sha256": hashlib.sha256((staging / "model.safetensors").read_bytes()).hexdigest(),
     }
     atomic_write_text(staging / BUILD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
     # Swap the finished folder in; a reader never sees a half-written target.
@@ -572,6 +629,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
     args = parser.parse_args(argv)
+    pin_arithmetic()
     if args.train_steps is not None and args.train_steps < 1:
         raise UserError(f"--train-steps {args.train_steps}: the target trains for at least 1 step. Fix: give 1 or more")
     check_outputs(args.out, args.chat_out, args.eval_out)

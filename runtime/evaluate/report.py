@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.evaluate.decoder import Generation
+from runtime.evaluate.timing import marked, trust_note
 
 CALIBRATION_BINS = 10
 
@@ -135,8 +136,10 @@ def results_table(results: dict[str, Any]) -> str:
         f"eval of {draft['label']} on {sum(results['sets'].values())} prompts [{sets}], {results['device']} "
         f"{results['dtype']}, block size {results['block_size']}, {results['seconds']:.0f} s",
         "",
-        f"{'draft':<22} {'T':>4} {'accept len':>10} {'tau (tf)':>8} {'tok/s':>8} {'plain tok/s':>11} {'speedup':>7}",
+        f"{'draft':<22} {'T':>4} {'accept len':>10} {'tau (tf)':>8} {'tok/s':>8} {'plain tok/s':>11} "
+        f"{'speedup (spread)':>19}",
     ]
+    notes = []
     teacher = results.get("teacher_forced", {})
     for entry in results["passes"]:
         plain_rate = entry["plain"]["overall"]["tokens_per_s"] if entry["plain"] else None
@@ -146,8 +149,12 @@ def results_table(results: dict[str, Any]) -> str:
             lines.append(
                 f"{label:<22} {entry['temperature']:>4g} {_num(overall['mean_acceptance_length']):>10} "
                 f"{_num(tau):>8} "
-                f"{_num(overall['tokens_per_s'], 1):>8} {_num(plain_rate, 1):>11} {_num(figures['speedup_vs_plain'], 2):>7}"
+                f"{_num(overall['tokens_per_s'], 1):>8} {_num(plain_rate, 1):>11} "
+                f"{marked(figures['speedup_vs_plain'], figures):>19}"
             )
+            if note := trust_note(figures):
+                notes.append(f"  ? {label} T={entry['temperature']:g}: speed-up {note}")
+    lines.extend(notes)
     lines.append(
         "  tau (tf): the trainer's teacher-forced tau on the target's greedy answers (one figure per draft; it "
         "models sampling at temperature 1)"

@@ -28,6 +28,7 @@ from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figure
 from runtime.evaluate.settings import EvalSettings, EvalSetup, TargetSettings
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.evaluate.teacher_forced import teacher_forced_tau
+from runtime.evaluate.timing import LoadSamples, cores_given, group_ratios, speedup_trust
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.user_errors import UserError
@@ -99,24 +100,6 @@ def _prompts(setup: EvalSetup) -> dict[str, list[Prompt]]:
     return {s.name: load_prompts(s, tokenizer, setup.target.vocab_size) for s in setup.eval.sets}
 
 
-def _decode_sets(
-    prompts: dict[str, list[Prompt]],
-    decode: Callable[[Prompt, torch.Generator], Generation],
-    seed: int,
-    progress: Progress,
-    what: str,
-) -> dict[str, list[Generation]]:
-    """``decode`` over every prompt of every set, each set from a generator seeded with ``seed``."""
-    out: dict[str, list[Generation]] = {}
-    for name, rows in prompts.items():
-        generator = torch.Generator().manual_seed(seed)
-        out[name] = []
-        for prompt in rows:
-            out[name].append(decode(prompt, generator))
-            progress.step(f"{what}, set {name}")
-    return out
-
-
 def evaluate(setup: EvalSetup, source: DraftSource) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Evaluate the draft of ``source`` (on the embedded route); returns the results document and
     every decode's line (:mod:`runtime.evaluate.decodes`)."""
@@ -157,7 +140,9 @@ def evaluate(setup: EvalSetup, source: DraftSource) -> tuple[dict[str, Any], lis
 
     def one_pass(temperature: float) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
         progress = Progress(total_prompts * (1 + len(drafts))) if in_parallel else serial_progress
-        entry, lines, greedy = _temperature_pass(temperature, target, drafts, prompts, stop_ids, settings, progress)
+        entry, lines, greedy = _temperature_pass(
+            temperature, target, drafts, prompts, stop_ids, settings, progress, len(temperatures) if in_parallel else 1
+        )
         teacher = {}
         if greedy:  # the teacher-forced tau runs on the target's greedy answers
             pairs = [
@@ -220,39 +205,47 @@ def _temperature_pass(
     stop_ids: Collection[int],
     settings: EvalSettings,
     progress: Progress,
+    busy_processes: int = 1,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[Generation]]]:
-    """One temperature: the target alone, then each draft, on every prompt. Returns the pass's entry of
-    ``results.json``, its decode lines, and (at temperature 0) the target's greedy answers."""
+    """One temperature: every prompt with the target alone, then with each draft, one right after the
+    other (interleaved, so the machine's load meets both sides of a speed-up alike). Returns the pass's
+    entry of ``results.json``, its decode lines, and (at temperature 0) the target's greedy answers.
+    Each decoder draws from its own generator, seeded per set, as if it decoded the set alone."""
     common = {"max_new_tokens": settings.max_new_tokens, "temperature": temperature, "stop_ids": stop_ids}
-    plain = _decode_sets(
-        prompts,
-        lambda p, g: plain_generate(target, p.prompt_id, p.input_ids, generator=g, **common),
-        settings.seed,
-        progress,
-        f"target alone, T={temperature:g}",
-    )
-    decodes = _lines(temperature, PLAIN_DECODER, prompts, plain)
-    entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
+    decoders: dict[str, Callable[[Prompt, torch.Generator], Generation]] = {
+        PLAIN_DECODER: lambda p, g: plain_generate(target, p.prompt_id, p.input_ids, generator=g, **common)
+    }
     for label, model in drafts.items():
         proposer = DraftProposer(model)
-        generated = _decode_sets(
-            prompts,
-            lambda p, g, proposer=proposer: speculative_generate(
-                target, proposer, p.prompt_id, p.input_ids, generator=g, **common
-            ),
-            settings.seed,
-            progress,
-            f"draft {label}, T={temperature:g}",
+        decoders[label] = lambda p, g, proposer=proposer: speculative_generate(
+            target, proposer, p.prompt_id, p.input_ids, generator=g, **common
         )
-        decodes += _lines(temperature, label, prompts, generated)
-        figures = _per_set(generated, lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
+    generated: dict[str, dict[str, list[Generation]]] = {decoder: {} for decoder in decoders}
+    load = LoadSamples()
+    for name, rows in prompts.items():
+        generators = {decoder: torch.Generator().manual_seed(settings.seed) for decoder in decoders}
+        for decoder in decoders:
+            generated[decoder][name] = []
+        for prompt in rows:
+            for decoder, decode in decoders.items():
+                generated[decoder][name].append(decode(prompt, generators[decoder]))
+                load.sample()
+                progress.step(f"T={temperature:g}, set {name}, {decoder}")
+    plain = generated[PLAIN_DECODER]
+    decodes = [line for decoder in decoders for line in _lines(temperature, decoder, prompts, generated[decoder])]
+    entry: dict[str, Any] = {"temperature": temperature, "plain": _per_set(plain, plain_figures), "drafts": {}}
+    cores = cores_given()
+    for label, model in drafts.items():
+        figures = _per_set(generated[label], lambda gens, m=model: pass_figures(gens, m.cfg.block_size))
         if temperature == 0.0:
             figures["greedy_agreement"] = greedy_agreement(
-                [g for n in prompts for g in generated[n]], [g for n in prompts for g in plain[n]]
+                [g for n in prompts for g in generated[label][n]], [g for n in prompts for g in plain[n]]
             )
         plain_rate = entry["plain"]["overall"]["tokens_per_s"]
         rate = figures["overall"]["tokens_per_s"]
         figures["speedup_vs_plain"] = round(rate / plain_rate, 4) if rate and plain_rate else None
+        ratios = group_ratios([g for n in prompts for g in plain[n]], [g for n in prompts for g in generated[label][n]])
+        figures.update(speedup_trust(ratios, load.median(), busy_processes, cores))
         entry["drafts"][label] = figures
     return entry, decodes, plain if temperature == 0.0 else {}
 
@@ -263,8 +256,7 @@ def _passes_in_parallel(device: str, temperatures: list[float]) -> bool:
     process, so its speed-up compares like with like), where ``fork`` shares the loaded models."""
     if device != "cpu" or len(temperatures) < 2 or not hasattr(os, "fork"):
         return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= len(temperatures)
+    return cores_given() >= len(temperatures)
 
 
 def _run_passes(one_pass: Callable[[float], Any], temperatures: list[float], in_parallel: bool) -> list[Any]:

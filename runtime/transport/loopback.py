@@ -39,7 +39,8 @@ ENV_PORT_RANGE = "DSPARK_PORT_RANGE"
 _next_in_range: dict[tuple[int, int], int] = {}
 
 
-def _port_range() -> tuple[int, int] | None:
+def port_range() -> tuple[int, int] | None:
+    """The bounds of ``DSPARK_PORT_RANGE`` (LOW-HIGH), or None when it is not set."""
     text = os.environ.get(ENV_PORT_RANGE, "").strip()
     if not text:
         return None
@@ -68,7 +69,7 @@ def free_port() -> int:
     Without ``DSPARK_PORT_RANGE`` the kernel picks one. With it, ports come from that range in turn,
     from an offset of this process's own (skipping any that cannot be bound), so successive calls in
     one process never repeat a port until the range wraps around."""
-    bounds = _port_range()
+    bounds = port_range()
     if bounds is None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((LOOPBACK, 0))
