@@ -27,6 +27,7 @@ from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.recipe.fit.slurm_request import eval_memory_request
 from runtime.recipe.loader import RESOLVED_FILENAME, refuse_repeated_sets
 from runtime.shared.checkpoint_folders import refuse_another_runs_draft, resolve_draft_source
+from runtime.shared.draft_provenance import refuse_another_runs_record
 from runtime.shared.lifecycle import exit_text
 from runtime.user_errors import UserError, output_place
 
@@ -180,6 +181,7 @@ def main(argv: list[str], repo_root: Path) -> int:
     check_eval_set_names(settings, args.eval_sets, str(resolved.path))
     source = resolve_draft_source(args.checkpoint, resolved.checkpoint_dir())
     refuse_another_runs_draft(source, resolved.checkpoint_dir(), record.job_id, args.out is not None)
+    refuse_another_runs_record(source, job_dir, args.out is not None)  # the evaluation notes a legacy draft
     if args.out is not None:
         output_place(args.out, "--out", fix="give a folder of its own for the results")
     if args.out is not None and args.out.exists() and not args.out.is_dir():

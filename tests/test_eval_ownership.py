@@ -6,6 +6,7 @@ evaluates it as that run's own; ``--out DIR`` keeps such results apart. A checkp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_runs_draft, resolve_draft_source
+from runtime.user_errors import UserError
 from tests.test_resume_continuity import _job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,3 +141,131 @@ def test_an_exported_draft_is_checked_against_its_manifest(tmp_path: Path, edit:
         "Fix: export the draft again from its checkpoint, or evaluate the checkpoint itself (--checkpoint step_00000016)"
         in message
     )
+
+
+def _export_of(job_dir: Path, job_id: str | None, step: int = 16) -> Path:
+    """An export folder written as the trainer writes one (weights, config, provenance, manifest), by job
+    ``job_id`` of folder ``job_dir``, in ``job_dir``'s checkpoints."""
+    from runtime.shared.checkpoint_integrity import write_export_manifest
+    from runtime.shared.draft_provenance import RunOrigin, write_export_provenance
+
+    export = job_dir / "checkpoints" / f"export-step_{step:08d}"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text('{"num_hidden_layers": 1}\n')
+    (export / "model.safetensors").write_bytes(bytes([len(job_id or "")]) * 64)
+    weights = write_export_provenance(export, RunOrigin(job_id, str(job_dir), "d" * 64, step))
+    write_export_manifest(export, known=weights)
+    return export
+
+
+def _job_record(job_dir: Path, job_id: str, parent: dict[str, str] | None = None) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "job.json").write_text(json.dumps({"job_id": job_id, "parent": parent}))
+
+
+def test_an_export_records_its_run_and_another_runs_copied_in_is_refused(tmp_path: Path, capsys) -> None:
+    import shutil
+
+    from runtime.shared.draft_provenance import DraftOwnerError, refuse_another_runs_record, verify_export_whole
+
+    mine, theirs = tmp_path / "runs" / "tiny" / "a", tmp_path / "runs" / "tiny" / "b"
+    _job_record(mine, "local-a")
+    _job_record(theirs, "local-b")
+    own = _export_of(mine, "local-a")
+    record = json.loads((own / "provenance.json").read_text())
+    assert (record["job_id"], record["step"], record["recipe_digest"]) == ("local-a", 16, "d" * 64)
+    assert record["weights_sha256"] == {"model.safetensors": hashlib.sha256(bytes([7]) * 64).hexdigest()}
+    assert "provenance.json" in (own / "export.sha256").read_text()  # the manifest covers it
+    source = resolve_draft_source("export-step_00000016", mine / "checkpoints")
+    refuse_another_runs_record(source, mine, out_given=False, note=print)  # its own: accepted, silently
+    verify_export_whole(own)
+    assert capsys.readouterr().out == ""
+
+    # Another run's export, copied into this run's checkpoints/ under a name of this run's.
+    foreign = _export_of(theirs, "local-b", step=8)
+    copied = mine / "checkpoints" / "export-step_00000008"
+    shutil.copytree(foreign, copied)
+    source = resolve_draft_source("export-step_00000008", mine / "checkpoints")
+    refuse_another_runs_draft(source, mine / "checkpoints", "local-a", out_given=False)  # by path: looks like ours
+    verify_export_whole(copied)  # and it is whole
+    with pytest.raises(DraftOwnerError) as err:
+        refuse_another_runs_record(source, mine, out_given=False)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"{copied / 'provenance.json'} field job_id is 'local-b', not this run's 'local-a'" in message
+    # The fix works as printed: the owner's folder still holds it, under the same name.
+    assert f"`python3 -m launcher eval {theirs} --checkpoint export-step_00000008`" in message
+    assert f"`python3 -m launcher eval {mine} --checkpoint export-step_00000008 --out DIR`" in message
+    refuse_another_runs_record(resolve_draft_source("export-step_00000008", theirs / "checkpoints"), theirs, False)
+    refuse_another_runs_record(source, mine, out_given=True)  # results kept apart
+    shutil.rmtree(foreign)  # the owner's copy is gone: the fix says where it belongs instead
+    with pytest.raises(DraftOwnerError, match=f"move {copied} out of .* under job local-b, the run that wrote it"):
+        refuse_another_runs_record(source, mine, out_given=False)
+
+    # A resumed job is the same run: its parent's export is its own.
+    resumed = tmp_path / "runs" / "tiny" / "c"
+    _job_record(resumed, "local-c", parent={"kind": "resume", "job_id": "local-a", "job_dir": str(mine)})
+    refuse_another_runs_record(resolve_draft_source(str(own), mine / "checkpoints"), resumed, out_given=False)
+    forked = tmp_path / "runs" / "tiny" / "d"
+    _job_record(forked, "local-d", parent={"kind": "fork", "job_id": "local-a", "job_dir": str(mine)})
+    with pytest.raises(DraftOwnerError, match="field job_id is 'local-a', not this run's 'local-d'"):
+        refuse_another_runs_record(resolve_draft_source(str(own), mine / "checkpoints"), forked, out_given=False)
+
+
+@pytest.mark.parametrize("manifest", ["kept", "rewritten"])
+def test_an_export_whose_weights_were_changed_is_refused(tmp_path: Path, manifest: str) -> None:
+    from runtime.shared.checkpoint_integrity import CheckpointIntegrityError
+    from runtime.shared.draft_provenance import verify_export_whole
+
+    export = _export_of(tmp_path / "job", "local-a")
+    weights = export / "model.safetensors"
+    weights.write_bytes(b"\x11" * 64)
+    if manifest == "kept":  # the manifest sees it
+        with pytest.raises(CheckpointIntegrityError, match=f"exported file {weights} is corrupt"):
+            verify_export_whole(export)
+        return
+    # The manifest rewritten to match (sha256sum * > export.sha256): the provenance record still sees it.
+    names = sorted(p.name for p in export.iterdir() if p.name != "export.sha256")
+    (export / "export.sha256").write_text(
+        "".join(f"{hashlib.sha256((export / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    )
+    with pytest.raises(UserError) as err:
+        verify_export_whole(export)
+    message = str(err.value)
+    assert f"exported file {weights} does not match {export / 'provenance.json'} field weights_sha256" in message
+    assert "Fix: export the draft again from its checkpoint, or evaluate the checkpoint itself" in message
+
+
+def test_drafts_written_before_the_records_are_accepted_with_a_note(tmp_path: Path, capsys) -> None:
+    from runtime.shared.draft_provenance import refuse_another_runs_record, verify_export_whole
+
+    job_dir = tmp_path / "job"
+    _job_record(job_dir, "local-a")
+    export = _export_of(job_dir, "local-a")
+    for name in ("provenance.json", "export.sha256"):
+        (export / name).unlink()
+    source = resolve_draft_source(str(export), job_dir / "checkpoints")
+    refuse_another_runs_record(source, job_dir, out_given=False, note=print)
+    verify_export_whole(export, note=print)
+    checkpoint = _checkpoint(job_dir, 8)
+    refuse_another_runs_record(resolve_draft_source("8", job_dir / "checkpoints"), job_dir, False, note=print)
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == (
+        f"note: export {export} has no provenance.json (written before drafts recorded their run): accepted"
+    )
+    assert "accepted as a legacy export" in said[1]
+    assert said[2].startswith(f"note: checkpoint {checkpoint} trainer_state.json records no job_id")
+
+
+def test_a_checkpoint_records_its_run_and_another_runs_is_refused(tmp_path: Path) -> None:
+    from runtime.shared.draft_provenance import DraftOwnerError, refuse_another_runs_record
+
+    job_dir = tmp_path / "job"
+    _job_record(job_dir, "local-a")
+    checkpoint = _checkpoint(job_dir, 8)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 8, "job_id": "local-b", "job_dir": "/gone"}))
+    with pytest.raises(DraftOwnerError) as err:
+        refuse_another_runs_record(resolve_draft_source("8", job_dir / "checkpoints"), job_dir, out_given=False)
+    assert f"{checkpoint / 'trainer_state.json'} field job_id is 'local-b', not this run's 'local-a'" in str(err.value)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 8, "job_id": "local-a"}))
+    refuse_another_runs_record(resolve_draft_source("8", job_dir / "checkpoints"), job_dir, out_given=False)

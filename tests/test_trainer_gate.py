@@ -101,6 +101,18 @@ def test_full_run_skips_and_counts_then_aborts_after_consecutive_skips(tmp_path:
     assert skip.state(3)["skipped_updates"] == 1
     weights = skip.exported(3)
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+    # The export and the checkpoint record their run (no job.json here: no job id), the step and the weights.
+    from runtime.shared.draft_provenance import verify_export_whole
+
+    export = skip.checkpoint_dir / "export-step_00000003"
+    provenance = json.loads((export / "provenance.json").read_text())
+    assert (provenance["job_id"], provenance["step"], set(provenance["weights_sha256"])) == (
+        None,
+        3,
+        {"model.safetensors"},
+    )
+    verify_export_whole(export)
+    assert "job_id" in skip.state(3) and "job_dir" in skip.state(3)
 
     abort = make_run(
         tmp_path,

@@ -25,7 +25,8 @@ from runtime.files import atomic_write_text
 from runtime.recipe import RecipeError, load_resolved
 from runtime.recipe.eval_settings import check_eval_set_names, eval_settings
 from runtime.shared.checkpoint_folders import DraftSourceError, refuse_another_runs_draft, resolve_draft_source
-from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_export, verify_whole
+from runtime.shared.checkpoint_integrity import CheckpointIntegrityError, verify_whole
+from runtime.shared.draft_provenance import refuse_another_runs_record, verify_export_whole
 from runtime.shared.lifecycle import stop_signals_deferred
 from runtime.trainer.checkpoints import CheckpointError
 from runtime.user_errors import UserError, redact
@@ -62,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         setup = eval_setup(resolved, settings, args.sets)
         source = resolve_draft_source(args.checkpoint, setup.checkpoint_dir)
         refuse_another_runs_draft(source, setup.checkpoint_dir, str(setup.job_dir), args.out is not None)
+        refuse_another_runs_record(source, setup.job_dir, args.out is not None, note=print)  # copied in
         if source.kind == "checkpoint" and source.path is not None:  # trusted only whole
             verify_whole(source.path, "eval", note=print)
         elif source.kind == "export" and source.path is not None:
-            verify_export(source.path, note=print)
+            verify_export_whole(source.path, note=print)
         from runtime.evaluate.runner import evaluate, evaluate_with_sglang
 
         out_dir = args.out or setup.job_dir / "eval" / source.label

@@ -339,6 +339,7 @@ def evaluate_with_sglang(
         serving_command,
         serving_environment,
     )
+    from runtime.shared.draft_provenance import run_origin
     from runtime.trainer.export import export_draft
 
     started = time.monotonic()
@@ -361,6 +362,7 @@ def evaluate_with_sglang(
             setup.draft,
             dtype=torch.bfloat16,
             is_main=True,
+            origin=run_origin(setup.job_dir, setup.recipe_digest, source.step),  # served here, not evaluated as one
         )
     assert draft_path is not None
     block_size = setup.draft.draft.block_size

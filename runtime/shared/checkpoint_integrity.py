@@ -179,30 +179,39 @@ EXPORT_MANIFEST = "export.sha256"
 ``sha256sum -c export.sha256`` there checks it by hand)."""
 
 
-def write_export_manifest(folder: Path) -> None:
-    """Record every file of an exported draft folder (before it gets its final name)."""
-    digests = file_digests(folder)
+def write_export_manifest(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Record every file of an exported draft folder (before it gets its final name); ``known`` are
+    digests already taken of some of its files (by relative path), which are not read again."""
+    known = known or {}
+    rest = sorted(p for p in folder.rglob("*") if p.is_file() and str(p.relative_to(folder)) not in known)
+    digests = {**known, **digests_of(folder, rest)}
     lines = [f"{d['sha256']}  {name}\n" for name, d in sorted(digests.items()) if name != EXPORT_MANIFEST]
     atomic_write_text(folder / EXPORT_MANIFEST, "".join(lines))
 
 
-def verify_export(folder: Path, note: Callable[[str], None] | None = None) -> None:
-    """Check an exported draft folder against its manifest: every file recorded and unchanged, none added.
-    An export from before the manifest is accepted, and ``note`` says so."""
-    manifest = folder / EXPORT_MANIFEST
+def export_fix(folder: Path) -> str:
+    """The fix for an exported draft that cannot be trusted: export again, or evaluate its checkpoint."""
     step = folder.name.removeprefix("export-")
-    fix = (
+    return (
         f"export the draft again from its checkpoint, or evaluate the checkpoint itself (--checkpoint {step})"
         if step != folder.name
         else "export the draft again from its checkpoint"
     )
+
+
+def verify_export(folder: Path, note: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]] | None:
+    """Check an exported draft folder against its manifest: every file recorded and unchanged, none added.
+    Returns the files' digests (by relative path, the manifest left out). An export from before the
+    manifest is accepted, ``note`` says so, and None is returned."""
+    manifest = folder / EXPORT_MANIFEST
+    fix = export_fix(folder)
     if not manifest.is_file():
         if note is not None:
             note(
                 f"exported draft {folder} has no {EXPORT_MANIFEST} (written before exports recorded their files): "
                 "its files cannot be checked; accepted as a legacy export"
             )
-        return
+        return None
     recorded: dict[str, str] = {}
     for number, line in enumerate(manifest.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         digest, _, name = line.partition("  ")
@@ -225,3 +234,4 @@ def verify_export(folder: Path, note: Callable[[str], None] | None = None) -> No
             f"exported file {folder / extra[0]} was not written by the export ({manifest} does not record it). "
             f"Fix: {fix}"
         )
+    return actual

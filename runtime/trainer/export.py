@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from runtime.shared.checkpoint_folders import EXPORT_CONFIG_FILE
 from runtime.shared.checkpoint_integrity import write_export_manifest
+from runtime.shared.draft_provenance import RunOrigin, write_export_provenance
 from runtime.trainer.distributed import barrier
 from runtime.trainer.draft_spec import DraftSpec
 
@@ -151,8 +152,11 @@ def draft_config(spec: DraftSpec, dtype: torch.dtype) -> dict[str, Any]:
     return config
 
 
-def export_draft(model: torch.nn.Module, target: Path, spec: DraftSpec, *, dtype: torch.dtype, is_main: bool) -> Path:
-    """Write ``target/`` (collective: every rank calls it; rank 0 writes). Returns ``target``."""
+def export_draft(
+    model: torch.nn.Module, target: Path, spec: DraftSpec, *, dtype: torch.dtype, is_main: bool, origin: RunOrigin
+) -> Path:
+    """Write ``target/`` (collective: every rank calls it; rank 0 writes), with ``provenance.json``
+    recording ``origin``, the run that wrote it. Returns ``target``."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
         tmp = target.with_name(f".tmp-{target.name}")
@@ -161,7 +165,8 @@ def export_draft(model: torch.nn.Module, target: Path, spec: DraftSpec, *, dtype
         tensors = {name: tensor.detach().to(dtype).contiguous() for name, tensor in full.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "dspark-recipes"})
         (tmp / CONFIG_FILE).write_text(json.dumps(draft_config(spec, dtype), indent=2) + "\n")
-        write_export_manifest(tmp)  # an eval checks every file against it
+        weights = write_export_provenance(tmp, origin)  # an eval refuses another run's export
+        write_export_manifest(tmp, known=weights)  # an eval checks every file against it
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

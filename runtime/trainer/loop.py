@@ -31,6 +31,7 @@ from runtime.shared.contracts import (
     SampleConsumer,
     step_sample_indices,
 )
+from runtime.shared.draft_provenance import run_origin
 from runtime.trainer import checkpoints
 from runtime.trainer.distributed import (
     all_reduce_host_sums,
@@ -239,7 +240,8 @@ class Trainer:
         target = s.checkpoint_dir / f"export-{checkpoints.step_dir_name(s.total_steps)}"
         # also after a restart that found every step done but no export (a crash while exporting)
         if setup.checkpoint.export_safetensors and (s.total_steps > start_step or not target.exists()):
-            export_draft(model, target, setup.draft_spec, dtype=s.param_dtype, is_main=s.is_main)
+            origin = run_origin(s.job_dir, setup.recipe_digest, s.total_steps)
+            export_draft(model, target, setup.draft_spec, dtype=s.param_dtype, is_main=s.is_main, origin=origin)
             served_as = draft_config(setup.draft_spec, s.param_dtype)["architectures"][0]
             writer.say(f"[trainer] exported the draft ({served_as}) to {target}")
             self.gate.on_export(target)
@@ -623,6 +625,8 @@ class Trainer:
             "skipped_updates": guard.skipped_total,
             "consecutive_skips": guard.consecutive,
             "smoke": s.smoke,
+            # whose run the checkpoint is: an eval of another job refuses it
+            **run_origin(s.job_dir, setup.recipe_digest, done).job_fields(),
         }
         started = time.monotonic()
         saved = checkpoints.save_checkpoint(
