@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.shared.acceptance_length import POOLED_KEY
 from tests.conftest import copy_repository
 from tests.support.launcher_cli import probe_overrides
 
@@ -40,7 +41,7 @@ def test_one_command_builds_what_is_missing_and_runs(tmp_path: Path) -> None:
     table = console[console.index("draft step_00000004 against an untrained draft of the same shape") :]
     for entry in results["passes"]:
         figures = entry["drafts"]["step_00000004"]["overall"]
-        row = f"{entry['temperature']:>4g} {figures['mean_acceptance_length']:>10.2f}"
+        row = f"{entry['temperature']:>4g} {figures[POOLED_KEY]:>10.2f}"
         assert row in table, (row, table)
     greedy = results["passes"][0]["drafts"]["step_00000004"]["greedy_agreement"]
     assert greedy["identical"] == greedy["prompts"] == 32, greedy  # lossless: the target's own greedy output
@@ -48,7 +49,7 @@ def test_one_command_builds_what_is_missing_and_runs(tmp_path: Path) -> None:
     # ... and the checkpoints were decoded as the run wrote them: the untrained floor first, then step 4.
     during = [json.loads(line) for line in (job_dir / "eval" / "during_training.jsonl").read_text().splitlines()]
     assert [(row["draft"], row["prompts"]) for row in during] == [("untrained", 8), ("step_00000004", 8)]
-    assert all(row["verify_steps"] > 0 and row["mean_acceptance_length"] >= 1 for row in during)
+    assert all(row["verify_steps"] > 0 and row[POOLED_KEY] >= 1 for row in during)
     # A second command finds everything in place and builds nothing.
     command += ["--set", "eval.after_training=false", "--set", "eval.checkpoint_prompts=0"]
     again = subprocess.run(command, cwd=clone, capture_output=True, text=True, timeout=1800)
