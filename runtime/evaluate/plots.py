@@ -1,8 +1,8 @@
 """Plots of eval results: acceptance length over training steps (every evaluated checkpoint of the job,
 the per-checkpoint greedy decodes of ``eval.checkpoint_prompts``, the untrained floors and the trainer's
 teacher-forced tau), and for one evaluation the per-slot accept rates and the confidence head's
-calibration. Each plot's title names the run, the draft and the prompts; each point says how many
-verify steps stand behind it. Slot k is the k-th drafted token of a block (1-based, as in
+calibration. Each plot's title names the run, the draft and the prompts; each point (or slot) says how
+many verify steps stand behind it. Slot k is the k-th drafted token of a block (1-based, as in
 ``results.json``). Drawn with matplotlib when it is installed; without it, a line says so and nothing
 else changes."""
 

@@ -141,9 +141,9 @@ def results_table(results: dict[str, Any]) -> str:
             )
     lines.append(
         "  accept len: tokens per verify step pooled over all decodes (all committed tokens / all verify steps; "
-        "SGLang's spec_accept_length, what a served target sees); per decode: the mean over decodes of each "
-        "decode's own tokens per verify step"
+        "SGLang's spec_accept_length, what a served target sees)"
     )
+    lines.append("  per decode: the mean over decodes of each decode's own tokens per verify step")
     lines.append(
         "  tau (tf): the trainer's teacher-forced tau on the target's greedy answers (one figure per draft; it "
         "models sampling at temperature 1)"
