@@ -24,6 +24,7 @@ from launcher.eval_job import local_eval_command
 from runtime.evaluate.timing import marked, trust_note
 from runtime.recipe import ResolvedRecipe
 from runtime.recipe.loader import RESOLVED_FILENAME
+from runtime.shared.acceptance_length import pooled_acceptance_length_of
 
 DURING_TRAINING_MODULE = "runtime.evaluate.during_training"
 WATCH_LOG = "eval_during_training.log"
@@ -93,7 +94,7 @@ def newest_results(job_dir: Path) -> Path | None:
 
 def headline(results: dict[str, Any], results_path: Path, display: Any = str) -> list[str]:
     """The run's closing table: the trained draft against the untrained floor at each temperature
-    (mean acceptance length), tokens/s with the draft and with the target alone, the speed-up, and
+    (pooled acceptance length), tokens/s with the draft and with the target alone, the speed-up, and
     where the results and plots are."""
     draft = results["draft"]
     prompts = sum(results["sets"].values())
@@ -108,8 +109,8 @@ def headline(results: dict[str, Any], results_path: Path, display: Any = str) ->
     for entry in results["passes"]:
         trained = entry["drafts"].get(draft["label"], {})
         floor = entry["drafts"].get("untrained", {})
-        accept = trained.get("overall", {}).get("mean_acceptance_length")
-        floor_accept = floor.get("overall", {}).get("mean_acceptance_length")
+        accept = pooled_acceptance_length_of(trained.get("overall", {}))
+        floor_accept = pooled_acceptance_length_of(floor.get("overall", {}))
         gain = None if accept is None or floor_accept is None else accept - floor_accept
         plain = (entry.get("plain") or {}).get("overall", {}).get("tokens_per_s")
         rate = trained.get("overall", {}).get("tokens_per_s")
@@ -122,9 +123,9 @@ def headline(results: dict[str, Any], results_path: Path, display: Any = str) ->
             notes.append(f"  ? T={entry['temperature']:g}: speed-up {note}")
     lines.extend(notes)
     lines.append(
-        "  accept len: tokens emitted per verify step (SGLang's spec_accept_length; the prompt's first token "
-        "counts, nothing after a stop does); speed-up: draft tokens/s over the target alone's, decoded "
-        "interleaved, with the range over four groups of prompts"
+        "  accept len: tokens emitted per verify step, pooled over all decodes (all tokens / all verify steps: "
+        "SGLang's spec_accept_length; the prompt's first token counts, nothing after a stop does); speed-up: "
+        "draft tokens/s over the target alone's, decoded interleaved, with the range over four groups of prompts"
     )
     lines.append(f"  results  {display(results_path)} (summary.txt beside it)")
     plots = sorted(results_path.parent.glob("*.png")) + sorted(results_path.parent.parent.glob("*.png"))

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.compare_runs import deviations, load_run, smooth, verdict, write_plots
+from runtime.shared.acceptance_length import LEGACY_POOLED_KEY, POOLED_KEY
+from tools.compare_runs import deviations, load_run, slot_number, smooth, verdict, write_plots
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -188,16 +189,22 @@ def test_a_run_without_a_step_is_an_error_not_empty_plots(tmp_path: Path) -> Non
     assert not (folder / "plots").exists(), "no plot drawn"
 
 
+def test_per_slot_panels_number_the_slots_as_the_evaluation_does() -> None:
+    """``acc@0`` (the trainer's key) is slot 1, the first drafted token, as in results.json."""
+    assert [slot_number(key) for key in ("acc@0", "accept@0", "acc@6")] == [1, 1, 7]
+
+
 def test_acceptance_length_is_shown_when_the_runs_were_evaluated(tmp_path: Path) -> None:
     from tools.compare_runs import render_acceptance
 
     a = load_run(make_run(tmp_path / "a", [1.0, 0.9, 0.8, 0.7], "s" * 64), "A")
     b = load_run(make_run(tmp_path / "b", [1.0, 0.9, 0.8, 0.7], "s" * 64), "B")
     assert render_acceptance([a, b]) == []  # neither evaluated: no section
-    for step, value in ((4, 1.5), (8, 2.25)):
+    # step 8 written by an older evaluation: the pooled figure under its old name is still read
+    for step, value, key in ((4, 1.5, POOLED_KEY), (8, 2.25, LEGACY_POOLED_KEY)):
         folder = tmp_path / "a" / "eval" / f"step_{step:08d}"
         folder.mkdir(parents=True)
-        drafts = {f"step_{step:08d}": {"overall": {"mean_acceptance_length": value}}, "untrained": {}}
+        drafts = {f"step_{step:08d}": {"overall": {key: value}}, "untrained": {}}
         result = {"draft": {"label": f"step_{step:08d}", "step": step}, "sets": {"s": 3}, "passes": [
             {"temperature": 0.0, "drafts": drafts}]}  # fmt: skip
         (folder / "results.json").write_text(json.dumps(result))

@@ -23,6 +23,7 @@ from runtime.evaluate.report import greedy_agreement, pass_figures
 from runtime.evaluate.settings import EvalSetFile
 from runtime.evaluate.verify import greedy_accept, sampled_accept
 from runtime.recipe import load_recipe
+from runtime.shared.acceptance_length import LEGACY_POOLED_KEY, MEAN_OF_DECODES_KEY, POOLED_KEY
 from runtime.shared.checkpoint_folders import DraftSourceError, resolve_draft_source
 from runtime.trainer.layout import BlockLayout
 from tests.conftest import REPO_ROOT
@@ -174,10 +175,10 @@ def test_acceptance_length_counts_committed_tokens_not_those_after_the_stop() ->
     assert spec.output_ids == truth[: stop + 1] and spec.stopped_by == "stop_token"
     steps = len(spec.steps)
     figures = pass_figures([spec], block_size=BLOCK)
-    assert figures["mean_acceptance_length"] == pytest.approx((stop + 1) / steps)
-    assert figures["mean_acceptance_length"] < sum(s.accepted + 1 for s in spec.steps) / steps  # offered > emitted
+    assert figures[POOLED_KEY] == figures[MEAN_OF_DECODES_KEY] == pytest.approx((stop + 1) / steps)  # one decode
+    assert figures[POOLED_KEY] < sum(s.accepted + 1 for s in spec.steps) / steps  # offered > emitted
     (line,) = generation_lines(0.0, "d", "s", [Prompt("p", prompt)], [spec])
-    assert line["acceptance_length"] == figures["mean_acceptance_length"] and line["output_ids"] == spec.output_ids
+    assert line["acceptance_length"] == figures[POOLED_KEY] and line["output_ids"] == spec.output_ids
 
     # SGLang 0.5.23's answer for this decode: meta_info as its tokenizer manager writes it
     meta = {"completion_tokens": stop + 1, "spec_verify_ct": steps, "spec_accept_length": (stop + 1) / steps}
@@ -186,11 +187,8 @@ def test_acceptance_length_counts_committed_tokens_not_those_after_the_stop() ->
         histogram[record.accepted] += 1
     outcome = RequestOutcome("p", spec.output_ids, meta["completion_tokens"], meta["spec_verify_ct"], histogram, 0.1)
     served = outcome_figures([outcome], block_size=BLOCK, wall_s=0.1)
-    assert (
-        served["mean_acceptance_length"]
-        == figures["mean_acceptance_length"]
-        == pytest.approx(meta["spec_accept_length"])
-    )
+    assert served[POOLED_KEY] == figures[POOLED_KEY] == pytest.approx(meta["spec_accept_length"])
+    assert served[MEAN_OF_DECODES_KEY] == figures[MEAN_OF_DECODES_KEY]
     assert [s["accept_rate"] for s in served["slots"]] == [s["accept_rate"] for s in figures["slots"]]
 
 
@@ -244,7 +242,9 @@ def test_pass_figures_count_acceptance_length_per_slot_rates_and_calibration() -
     figures = pass_figures(gens, block_size=3)
     assert figures["verify_steps"] == 4
     # committed tokens (5 + 3) per verify step: what was emitted, not what the steps offered (1+3+4+2)
-    assert figures["mean_acceptance_length"] == pytest.approx(8 / 4)
+    assert figures[POOLED_KEY] == pytest.approx(8 / 4)
+    # each decode's own figure (5/3 and 3/1), averaged: the short decode weighs as much as the long one
+    assert figures[MEAN_OF_DECODES_KEY] == pytest.approx((5 / 3 + 3 / 1) / 2)
     slots = figures["slots"]
     # slot 1 verified in all 4 steps, accepted in 3; slot 2 reached 3 times, accepted 2; slot 3: 2 and 1
     assert [(s["reached"], s["accept_rate"]) for s in slots] == [(4, 0.75), (3, pytest.approx(2 / 3)), (2, 0.5)]
@@ -366,13 +366,22 @@ def test_the_replay_tool_recomputes_the_figures_and_names_a_difference() -> None
         {"temperature": 0.0, "decoder": "d", "set": "b", "output_ids": [1, 2, 3, 4, 5], "verify_steps": 2},
         {"temperature": 0.0, "decoder": "target alone", "set": "a", "output_ids": [1, 2, 3]},
     ]
-    figures = {"overall": {"mean_acceptance_length": 2.0}, "sets": {"a": {"mean_acceptance_length": 1.5},
-                                                                    "b": {"mean_acceptance_length": 2.5}}}  # fmt: skip
+    figures = {
+        "overall": {POOLED_KEY: 2.0, MEAN_OF_DECODES_KEY: 2.0},  # 8 / 4 pooled; (1.5 + 2.5) / 2 per decode
+        "sets": {"a": {POOLED_KEY: 1.5, MEAN_OF_DECODES_KEY: 1.5}, "b": {POOLED_KEY: 2.5, MEAN_OF_DECODES_KEY: 2.5}},
+    }
     results = {"passes": [{"temperature": 0.0, "drafts": {"d": figures}}]}
     assert recomputed_figures(results, lines) == []
-    figures["sets"]["b"]["mean_acceptance_length"] = 3.0  # e.g. counting the tokens the steps offered
-    (difference,) = recomputed_figures(results, lines)
-    assert difference == "T=0 d b: results.json says 3.0, the decodes give 5 tokens / 2 verify steps = 2.5"
+    figures["sets"]["b"][POOLED_KEY] = 3.0  # e.g. counting the tokens the steps offered
+    figures["overall"][MEAN_OF_DECODES_KEY] = 2.0001
+    assert recomputed_figures(results, lines) == [
+        "T=0 d overall: acceptance length mean of decodes: results.json says 2.0001, the 2 decodes with a verify "
+        "step give 2.0",
+        "T=0 d b: pooled acceptance length: results.json says 3.0, the decodes give 5 tokens / 2 verify steps = 2.5",
+    ]
+    # An older run's file: the pooled figure under its old name, and no mean of decodes to check.
+    old = {"overall": {LEGACY_POOLED_KEY: 2.0}, "sets": {"a": {LEGACY_POOLED_KEY: 1.5}, "b": {LEGACY_POOLED_KEY: 2.5}}}
+    assert recomputed_figures({"passes": [{"temperature": 0.0, "drafts": {"d": old}}]}, lines) == []
 
 
 def _replay_folder(folder: Path, results: object, lines: list[object]) -> Path:

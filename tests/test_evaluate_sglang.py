@@ -27,6 +27,7 @@ from runtime.evaluate.sglang_route import (
     serving_environment,
 )
 from runtime.recipe import load_recipe
+from runtime.shared.acceptance_length import MEAN_OF_DECODES_KEY, POOLED_KEY
 from tests.conftest import REPO_ROOT
 from tests.support.launcher_cli import launch
 
@@ -138,7 +139,8 @@ def test_the_client_reads_acceptance_from_sglangs_answers(fake_server: str) -> N
     assert [o.prompt_id for o in outcomes] == ["a", "b"] and outcomes[0].output_ids == list(range(9))
     figures = outcome_figures(outcomes, block_size=3, wall_s=wall_s)
     assert figures["verify_steps"] == 6 and figures["generated_tokens"] == 14
-    assert figures["mean_acceptance_length"] == pytest.approx(14 / 6)
+    assert figures[POOLED_KEY] == pytest.approx(14 / 6)
+    assert figures[MEAN_OF_DECODES_KEY] == pytest.approx((9 / 4 + 5 / 2) / 2)  # each prompt weighs the same
     # histogram [2, 1, 1, 2]: slot 1 reached 6, accepted 4; slot 2 reached 4, accepted 3; slot 3: 3 and 2
     assert [(s["reached"], s["accept_rate"]) for s in figures["slots"]] == [
         (6, pytest.approx(4 / 6)),

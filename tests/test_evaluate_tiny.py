@@ -12,19 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from runtime.shared.acceptance_length import POOLED_KEY
 from tests.conftest import REPO_ROOT
 from tests.support.launcher_cli import launch
 
 pytestmark = pytest.mark.slow
 
 TRAINED = "step_00000032"
-GREEDY_MARGIN = 0.1
-"""How far the 32-step draft's greedy acceptance length must clear the untrained floor's."""
 SAMPLED_MARGIN = 0.07
 """How far the 32-step draft's acceptance length must clear the untrained floor at temperature 1.
 Measured 1.315 against 1.180 (tokens emitted per verify step; about 300 and 460 verify steps, standard
 errors near 0.03): 0.07 leaves half the gap for machine-to-machine variation of the draws. (The 96-step
-default run clears it by 1.0.)"""
+default run clears it by 1.0. Greedily the 32-step draft is still below the floor, 1.38 against 1.56:
+the draft first loses what an untrained one gets right and passes it near step 40, so
+tests/test_first_run.py checks the default run's 96-step draft at both temperatures.)"""
 
 
 def _eval(job_dir: Path, out: Path, *args: str) -> dict:
@@ -50,12 +51,9 @@ def test_the_trained_draft_accepts_more_than_the_untrained_one_and_decoding_stay
         agreement = passes[0.0][label]["greedy_agreement"]
         assert agreement["identical"] == agreement["prompts"] == 32, agreement
         figures = passes[0.0][label]["overall"]
-        assert figures["verify_steps"] > 100 and 1.0 <= figures["mean_acceptance_length"] <= 8.0
-    # The trained draft beats the untrained floor greedily and sampled (CI guards both claims).
-    greedy = {label: passes[0.0][label]["overall"]["mean_acceptance_length"] for label in (TRAINED, "untrained")}
-    assert greedy[TRAINED] >= greedy["untrained"] + GREEDY_MARGIN, greedy
-    trained = passes[1.0][TRAINED]["overall"]["mean_acceptance_length"]
-    floor = passes[1.0]["untrained"]["overall"]["mean_acceptance_length"]
+        assert figures["verify_steps"] > 100 and 1.0 <= figures[POOLED_KEY] <= 8.0
+    trained = passes[1.0][TRAINED]["overall"][POOLED_KEY]
+    floor = passes[1.0]["untrained"]["overall"][POOLED_KEY]
     assert trained >= floor + SAMPLED_MARGIN, (trained, floor)
     teacher = results["teacher_forced"]
     assert teacher[TRAINED]["tau"] > teacher["untrained"]["tau"] > 1.0

@@ -15,6 +15,7 @@ import pytest
 from launcher.control import CancelError, cancel_job, job_report
 from launcher.jobs import JobRecord, find_record
 from launcher.slurm_state import SlurmUnreachableError, query_sacct
+from runtime.shared.acceptance_length import POOLED_KEY
 from runtime.shared.data_files import sha256_file, write_rows
 from tests.support.fake_slurm import FakeSlurm
 from tests.support.launcher_cli import launch, probe_overrides
@@ -249,7 +250,7 @@ def test_the_run_headline_gives_trained_against_untrained_and_the_speed_up(tmp_p
     from launcher.after_training import headline
 
     def figures(accept: float, rate: float, speedup: float | None) -> dict[str, object]:
-        return {"overall": {"mean_acceptance_length": accept, "tokens_per_s": rate}, "speedup_vs_plain": speedup}
+        return {"overall": {POOLED_KEY: accept, "tokens_per_s": rate}, "speedup_vs_plain": speedup}
 
     results = {
         "draft": {"label": "step_00000096"},

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from runtime.user_errors import exit_without_package
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
     from runtime.files import DiskFullError, atomic_path
+    from runtime.shared.acceptance_length import pooled_acceptance_length_of
     from runtime.shared.checkpoint_folders import SEQUENTIAL_HASH_SCHEME
     from runtime.shared.contracts import JOB_FOLDER_SETTING
     from runtime.user_errors import UserError, output_place, require_regular_file, run_command
@@ -50,7 +52,8 @@ class PlotSpec:
     keys: tuple[str, ...]
     ylabel: str
     per_slot: bool = False
-    """One small panel per draft slot (``acc@0``, ``acc@1`` ...) instead of one axis."""
+    """One small panel per draft slot (``acc@0``, ``acc@1`` ...) instead of one axis; panels are titled
+    ``slot k`` 1-based (the k-th drafted token, as the evaluation numbers them), so ``acc@0`` is slot 1."""
     smoothed: bool = True
     """Draw a moving average over the faint raw curve; off for exact schedules (the learning rate)."""
 
@@ -84,6 +87,12 @@ def metric_rank(metric: str) -> tuple[int, str]:
         return 2, metric
     learning = metric.startswith(("loss", "acc@", "accept@", "tau", "confidence"))
     return (0 if learning else 1), metric
+
+
+def slot_number(key: str) -> int:
+    """The 1-based draft slot of a per-slot metric (``acc@0`` -> 1: the first drafted token, as the
+    evaluation's plots and ``results.json`` number them; ``metrics.jsonl`` keys count from 0)."""
+    return int(key.split("@")[1]) + 1
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -282,7 +291,7 @@ def eval_results(folder: Path | None) -> dict[str, dict]:
 
 
 def render_acceptance(runs: list[Run]) -> list[str]:
-    """Mean acceptance length of each run's newest evaluated checkpoint, per temperature, side by side
+    """Pooled acceptance length of each run's newest evaluated checkpoint, per temperature, side by side
     when every run has one (``python3 -m launcher eval``); nothing when no run was evaluated."""
     newest = []
     for run in runs:
@@ -290,7 +299,10 @@ def render_acceptance(runs: list[Run]) -> list[str]:
         newest.append(max(results, key=lambda r: r["draft"]["step"]) if results else None)
     if not any(newest):
         return []
-    lines = ["acceptance length under speculative decoding (newest evaluated checkpoint, python3 -m launcher eval):"]
+    lines = [
+        "acceptance length under speculative decoding, tokens per verify step pooled over all decodes "
+        "(newest evaluated checkpoint, python3 -m launcher eval):"
+    ]
     for run, result in zip(runs, newest, strict=True):
         if result is None:
             lines.append(f"  {run.label}: not evaluated")
@@ -298,7 +310,7 @@ def render_acceptance(runs: list[Run]) -> list[str]:
         label = result["draft"]["label"]
         cells = []
         for entry in result["passes"]:
-            value = entry["drafts"].get(label, {}).get("overall", {}).get("mean_acceptance_length")
+            value = pooled_acceptance_length_of(entry["drafts"].get(label, {}).get("overall", {}))
             cells.append(
                 f"T={entry['temperature']:g} {value:.3f}" if value is not None else f"T={entry['temperature']:g} -"
             )
@@ -371,7 +383,10 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
         if spec.per_slot:
             columns = min(4, len(present))
             rows = math.ceil(len(present) / columns)
-            figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), sharex=True, sharey=True)
+            # Constrained layout leaves room for the super title and labels above and beside the panels.
+            figure, axes = plt.subplots(
+                rows, columns, figsize=(2.6 * columns, 2.2 * rows), sharex=True, sharey=True, layout="constrained"
+            )
             panels = list(getattr(axes, "flat", [axes]))
             window = smoothing_window(runs, present, spec)
             for axis, key in zip(panels, present, strict=False):
@@ -379,20 +394,22 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
                     label = run.label if several else key
                     color, style = colors[run_index % len(colors)], styles[run_index % len(styles)]
                     _draw(axis, run, key, label, color, style, window)
-                axis.set_title(f"slot {key.split('@')[1]}", fontsize=9)
+                axis.set_title(f"slot {slot_number(key)}", fontsize=9)
                 axis.grid(alpha=0.3)
                 axis.set_ylim(0, 1)
             for axis in panels[len(present) :]:
                 axis.set_visible(False)
             figure.supxlabel("optimizer step")
-            figure.supylabel(spec.ylabel)
-            smoothing = f"; solid: moving average over {window} steps, faint: every step" if window > 1 else ""
-            figure.suptitle(
-                f"{spec.ylabel} per draft slot"
+            # Wrapped to the figure: a label longer than the panels would stretch the saved image.
+            figure.supylabel(textwrap.fill(spec.ylabel, int(2.2 * rows * 9)), fontsize=9)
+            smoothing = f"solid: moving average over {window} steps, faint: every step" if window > 1 else ""
+            title = (
+                f"{spec.ylabel} per draft slot (slot k: the k-th drafted token)"
                 + (f" ({' vs '.join(r.label for r in runs)})" if several else "")
-                + smoothing,
-                fontsize=10,
+                + (f"\n{smoothing}" if smoothing else "")
             )
+            width = int(2.6 * columns * 11)
+            figure.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
             if several:
                 panels[0].legend(fontsize=7)
         else:

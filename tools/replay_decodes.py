@@ -2,8 +2,9 @@
 
 ``python3 -m tools.replay_decodes RESULTS_FOLDER [--target DIR] [--limit N] [--device cpu]``
 
-1. The figures: every acceptance length in ``results.json`` is recomputed from ``decodes.jsonl``
-   (committed tokens summed over verify steps summed, per temperature, draft and set).
+1. The figures: every acceptance length in ``results.json`` is recomputed from ``decodes.jsonl``, per
+   temperature, draft and set: the pooled one (committed tokens summed over verify steps summed) and
+   the mean over decodes of each decode's own (:mod:`runtime.shared.acceptance_length`).
 2. The greedy outputs: every temperature-0 prompt is decoded again with plain transformers
    ``generate`` (greedy, its own KV cache, no draft) from the recorded ``prompt_ids``, and every
    decoder's recorded ``output_ids`` for that prompt (the target alone and each draft) is compared
@@ -24,6 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from runtime.shared.acceptance_length import (
+    MEAN_OF_DECODES_KEY,
+    acceptance_length_mean_of_decodes,
+    acceptance_length_pooled,
+    pooled_acceptance_length_of,
+)
 from runtime.user_errors import UserError, exit_without_package, file_kind_problem, run_command
 
 COMMAND = "tools.replay_decodes"
@@ -104,28 +111,36 @@ def _check_line(line: Any, where: str) -> None:
 
 
 def recomputed_figures(results: dict[str, Any], lines: list[dict[str, Any]]) -> list[str]:
-    """Differences between ``results.json``'s acceptance lengths and those summed from the decode lines."""
-    sums: dict[tuple[float, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """Differences between ``results.json``'s acceptance lengths (pooled, and the mean of decodes where
+    the file has it) and those computed from the decode lines."""
+    decodes: dict[tuple[float, str, str], list[tuple[int, int]]] = defaultdict(list)
     for line in lines:
         if "verify_steps" not in line:
             continue
         tokens = line.get("completion_tokens", len(line["output_ids"]))
         for scope in (line["set"], "overall"):
-            cell = sums[(float(line["temperature"]), line["decoder"], scope)]
-            cell[0] += tokens
-            cell[1] += line["verify_steps"]
+            decodes[(float(line["temperature"]), line["decoder"], scope)].append((tokens, line["verify_steps"]))
     differences = []
     for entry in results["passes"]:
         for label, figures in entry["drafts"].items():
             scopes = {"overall": figures["overall"], **figures.get("sets", {})}
             for scope, numbers in scopes.items():
-                tokens, steps = sums.get((float(entry["temperature"]), label, scope), [0, 0])
-                mine = round(tokens / steps, 6) if steps else None
-                theirs = numbers.get("mean_acceptance_length")
-                if mine != theirs:
+                pairs = decodes.get((float(entry["temperature"]), label, scope), [])
+                where = f"T={entry['temperature']:g} {label} {scope}"
+                pooled, theirs = acceptance_length_pooled(pairs), pooled_acceptance_length_of(numbers)
+                if pooled != theirs:
+                    tokens, steps = sum(t for t, _ in pairs), sum(s for _, s in pairs)
                     differences.append(
-                        f"T={entry['temperature']:g} {label} {scope}: results.json says {theirs}, the decodes give "
-                        f"{tokens} tokens / {steps} verify steps = {mine}"
+                        f"{where}: pooled acceptance length: results.json says {theirs}, the decodes give "
+                        f"{tokens} tokens / {steps} verify steps = {pooled}"
+                    )
+                if MEAN_OF_DECODES_KEY not in numbers:
+                    continue  # an older run's file: it recorded the pooled figure only
+                mean, theirs = acceptance_length_mean_of_decodes(pairs), numbers[MEAN_OF_DECODES_KEY]
+                if mean != theirs:
+                    differences.append(
+                        f"{where}: acceptance length mean of decodes: results.json says {theirs}, the "
+                        f"{sum(1 for _, s in pairs if s)} decodes with a verify step give {mean}"
                     )
     return differences
 

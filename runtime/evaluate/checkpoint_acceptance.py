@@ -26,6 +26,7 @@ from runtime.evaluate.runner import load_tokenizer, target_vocab
 from runtime.evaluate.settings import EvalSetup
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.files import append_text
+from runtime.shared.acceptance_length import MEAN_OF_DECODES_KEY, POOLED_KEY
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource, DraftSourceError, complete_checkpoints
 from runtime.trainer.checkpoints import CheckpointError
 
@@ -97,13 +98,14 @@ def checkpoint_acceptance(setup: EvalSetup, num_prompts: int) -> None:
             "prompts": len(prompts),
             "temperature": 0.0,
             "verify_steps": figures["verify_steps"],
-            "mean_acceptance_length": figures["mean_acceptance_length"],
+            POOLED_KEY: figures[POOLED_KEY],
+            MEAN_OF_DECODES_KEY: figures[MEAN_OF_DECODES_KEY],
         }
         append_text(out_path, json.dumps(record, sort_keys=True) + "\n")
         log.info(
-            "acceptance during training: %s: %.3f tokens per verify step (%d steps, %d prompts, T=0)",
+            "acceptance during training: %s: %.3f tokens per verify step pooled (%d steps, %d prompts, T=0)",
             source.label,
-            figures["mean_acceptance_length"] or 0.0,
+            figures[POOLED_KEY] or 0.0,
             figures["verify_steps"],
             len(prompts),
         )

@@ -12,7 +12,7 @@ The loop, as SGLang's DSpark decode runs it for one request:
 
 A verify step offers ``n + 1`` tokens (the accepted ones plus the target's own); the acceptance
 length reported is tokens committed per verify step
-(:func:`runtime.evaluate.report.acceptance_length`, SGLang's ``spec_accept_length``). Generation
+(:func:`runtime.shared.acceptance_length.acceptance_length`, SGLang's ``spec_accept_length``). Generation
 ends at a stop token, at ``max_new_tokens`` (tokens past either are not committed, and do not count)
 or when the next verify block would pass the position limit of the target or the draft.
 """

@@ -3,12 +3,12 @@
 A line is one prompt decoded once: ``temperature``, ``decoder`` (``target alone`` or the draft's
 label), ``set``, ``prompt_id``, ``prompt_ids`` (the token ids the target was given), ``output_ids``
 (the tokens committed, the stop token included), ``stopped_by``, ``seconds``; for a speculative
-decode also ``verify_steps``, ``acceptance_length`` (:func:`runtime.evaluate.report.acceptance_length`
+decode also ``verify_steps``, ``acceptance_length`` (:func:`runtime.shared.acceptance_length.acceptance_length`
 of this decode alone) and, from the embedded route, ``accepted_per_step`` (drafted tokens accepted at
 each verify step) or, from the SGLang route, ``accepted_histogram`` (verify steps by drafted tokens
 accepted, as SGLang reports it).
 
-With them anyone can check the figures of ``results.json`` (they are sums over these lines) and the
+With them anyone can check the figures of ``results.json`` (they are sums and means over these lines) and the
 greedy outputs against another decoder: ``python3 -m tools.replay_decodes RESULTS_FOLDER`` replays
 the temperature-0 lines with plain transformers greedy decoding.
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 from runtime.evaluate.decoder import Generation
 from runtime.evaluate.eval_sets import Prompt
-from runtime.evaluate.report import acceptance_length
 from runtime.files import atomic_write_text
+from runtime.shared.acceptance_length import acceptance_length
 
 DECODES_FILE = "decodes.jsonl"
 PLAIN_DECODER = "target alone"

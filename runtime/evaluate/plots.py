@@ -1,17 +1,20 @@
 """Plots of eval results: acceptance length over training steps (every evaluated checkpoint of the job,
 the per-checkpoint greedy decodes of ``eval.checkpoint_prompts``, the untrained floors and the trainer's
 teacher-forced tau), and for one evaluation the per-slot accept rates and the confidence head's
-calibration. Each plot's title names the run, the draft and the prompts; each point says how many
-verify steps stand behind it. Drawn with matplotlib when it is installed; without it, a line says so
-and nothing else changes."""
+calibration. Each plot's title names the run, the draft and the prompts; each point (or slot) says how
+many verify steps stand behind it. Slot k is the k-th drafted token of a block (1-based, as in
+``results.json``). Drawn with matplotlib when it is installed; without it, a line says so and nothing
+else changes."""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from runtime.files import atomic_path
+from runtime.shared.acceptance_length import pooled_acceptance_length_of
 
 OVER_STEPS_FILE = "acceptance_over_steps.png"
 DURING_TRAINING_FILE = "during_training.jsonl"
@@ -21,6 +24,8 @@ METRICS_FILE = "metrics.jsonl"
 COLORS = {0.0: "tab:blue", 1.0: "tab:orange"}
 SLOTS_FILE = "slot_accept_rate.png"
 CALIBRATION_FILE = "calibration.png"
+TITLE_CHARS_PER_INCH = 15
+"""Characters of an 8-point title line that fit one inch of figure width (with a margin)."""
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -44,11 +49,22 @@ def _color(temperature: float) -> str:
     return COLORS.get(temperature, "tab:green")
 
 
-def _title(results: dict[str, Any], what: str) -> str:
-    """``what``, the run, the draft and the prompts of one results document."""
+def _title(results: dict[str, Any], what: str, width_in: float) -> str:
+    """``what``, the run, the draft and the prompts of one results document, wrapped to fit a figure
+    ``width_in`` inches wide."""
     run = Path(results["job_dir"]).name
     prompts = sum(results["sets"].values())
-    return f"{what}: run {run}, draft {results['draft']['label']}\n{prompts} prompts ({', '.join(results['sets'])})"
+    return _wrapped(
+        [what, f"run {run}, draft {results['draft']['label']}", f"{prompts} prompts ({', '.join(results['sets'])})"],
+        width_in,
+    )
+
+
+def _wrapped(lines: list[str], width_in: float) -> str:
+    """``lines``, each wrapped to fit a figure ``width_in`` inches wide at 8 points (a long run name
+    or set list must not run past the figure's edge)."""
+    width = int(width_in * TITLE_CHARS_PER_INCH)
+    return "\n".join(textwrap.fill(line, width, break_long_words=True) for line in lines)
 
 
 def _results(eval_root: Path) -> list[dict[str, Any]]:
@@ -82,7 +98,12 @@ def draw_eval_plots(out_dir: Path, eval_root: Path) -> list[str]:
 
 
 def _slots(plt: Any, results: dict[str, Any], target: Path) -> Path:
-    figure, axis = plt.subplots(figsize=(6.5, 4.5))
+    width_in = 6.5
+    figure, axis = plt.subplots(figsize=(width_in, 4.8))
+    # How many verify steps reached each slot (a rate from 3 is not one from 300), for the trained
+    # draft at each temperature: one line per temperature under the slot's tick, where labels cannot
+    # collide with each other or with the curves.
+    counts: list[tuple[float, dict[int, int | None]]] = []
     for entry in results["passes"]:
         temperature = entry["temperature"]
         for label, figures in entry["drafts"].items():
@@ -98,22 +119,34 @@ def _slots(plt: Any, results: dict[str, Any], target: Path) -> Path:
                 color=_color(temperature),
                 label=f"{label}, T={temperature:g}",
             )
-            if trained:  # how many verify steps reached each slot: a rate from 3 is not one from 300
-                for x, y, slot in zip(xs, ys, slots, strict=True):
-                    if slot["reached"]:
-                        axis.annotate(
-                            f"n={slot['reached']}", (x, y), textcoords="offset points", xytext=(3, 5), fontsize=6
-                        )
-    axis.set_xlabel("slot (drafted token k of the block)")
+            if trained:
+                counts.append((temperature, {s["slot"]: s["reached"] for s in slots}))
+    ticks = sorted({k for _, reached in counts for k in reached})
+    if ticks:
+        axis.set_xticks(ticks)
+        axis.set_xticklabels(
+            [str(k) + "".join(f"\n{_count(reached.get(k))}" for _, reached in counts) for k in ticks], fontsize=7
+        )
+    below = ", ".join(f"T={t:g}" for t, _ in counts)
+    axis.set_xlabel(
+        "slot k (the k-th drafted token of the block)"
+        + (f"\nbelow each slot: verify steps that reached it, trained draft, {below}" if counts else ""),
+        fontsize=8,
+    )
     axis.set_ylabel("accept rate (given the earlier slots accepted)")
     axis.set_ylim(0, 1.05)
-    axis.set_title(_title(results, "per-slot accept rate"), fontsize=8)
+    axis.set_title(_title(results, "per-slot accept rate", width_in), fontsize=8)
     return _save(plt, figure, axis, target)
+
+
+def _count(reached: int | None) -> str:
+    return "-" if reached is None else str(reached)
 
 
 def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None:
     label = results["draft"]["label"]
-    figure, axis = plt.subplots(figsize=(5, 5))
+    width_in = 5.0
+    figure, axis = plt.subplots(figsize=(width_in, 5.4))
     drew = False
     for entry in results["passes"]:
         figures = entry["drafts"].get(label, {}).get("overall", {})
@@ -132,14 +165,14 @@ def _calibration(plt: Any, results: dict[str, Any], target: Path) -> Path | None
     axis.plot([0, 1], [0, 1], linestyle="--", color="grey", label="calibrated")
     axis.set_xlabel("confidence head: predicted acceptance")
     axis.set_ylabel("observed acceptance")
-    axis.set_title(_title(results, "confidence calibration (slot numbers beside the points)"), fontsize=8)
+    axis.set_title(_title(results, "confidence calibration (slot k beside its point)", width_in), fontsize=8)
     axis.set_xlim(0, 1)
     axis.set_ylim(0, 1)
     return _save(plt, figure, axis, target)
 
 
 def _over_steps(plt: Any, documents: list[dict[str, Any]], eval_root: Path, target: Path) -> Path:
-    """Acceptance length against training step: each full evaluation of a checkpoint (per temperature),
+    """Pooled acceptance length against training step: each full evaluation of a checkpoint (per temperature),
     the greedy decodes of every checkpoint during training, the untrained floors (one line per
     temperature, in its color) and the trainer's teacher-forced tau from its metrics."""
     series: dict[float, list[tuple[int, float, int]]] = {}
@@ -152,14 +185,15 @@ def _over_steps(plt: Any, documents: list[dict[str, Any]], eval_root: Path, targ
             temperature = entry["temperature"]
             for label, figures in entry["drafts"].items():
                 overall = figures["overall"]
-                value = overall["mean_acceptance_length"]
+                value = pooled_acceptance_length_of(overall)  # an older run's results.json too
                 if value is None:
                     continue
                 if label == "untrained":
                     floor[temperature] = (value, overall["verify_steps"])
                 elif label == document["draft"]["label"] and step is not None:
                     series.setdefault(temperature, []).append((step, value, overall["verify_steps"]))
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    width_in = 7.0
+    figure, axis = plt.subplots(figsize=(width_in, 4.5))
     for temperature, points in sorted(series.items()):
         points.sort()
         xs, ys, counts = zip(*points, strict=True)
@@ -174,22 +208,23 @@ def _over_steps(plt: Any, documents: list[dict[str, Any]], eval_root: Path, targ
             color=_color(temperature),
             label=f"untrained floor, T={temperature:g} ({value:.2f}, n={steps})",
         )
-    during = [r for r in _jsonl(eval_root / DURING_TRAINING_FILE) if r.get("mean_acceptance_length") is not None]
+    during = [(r, pooled_acceptance_length_of(r)) for r in _jsonl(eval_root / DURING_TRAINING_FILE)]
+    during = [(r, value) for r, value in during if value is not None]
     if during:
-        during.sort(key=lambda r: r["step"])
-        first = during[0]
+        during.sort(key=lambda pair: pair[0]["step"])
+        first = during[0][0]
         axis.plot(
-            [r["step"] for r in during],
-            [r["mean_acceptance_length"] for r in during],
+            [r["step"] for r, _ in during],
+            [value for _, value in during],
             marker="s",
             markersize=4,
             color="tab:purple",
             label=f"each checkpoint, T=0, {first['prompts']} prompts of {first['set']} (during training)",
         )
-        for r in during:
+        for r, value in during:
             axis.annotate(
                 f"n={r['verify_steps']}",
-                (r["step"], r["mean_acceptance_length"]),
+                (r["step"], value),
                 textcoords="offset points",
                 xytext=(3, -10),
                 fontsize=6,
@@ -200,10 +235,15 @@ def _over_steps(plt: Any, documents: list[dict[str, Any]], eval_root: Path, targ
         axis.plot(*zip(*sorted(tau), strict=True), color="grey", linewidth=0.8, alpha=0.7,
                   label="trainer's teacher-forced tau (training batches)")  # fmt: skip
     axis.set_xlabel("training step")
-    axis.set_ylabel("mean acceptance length (tokens per verify step)")
+    axis.set_ylabel("acceptance length (tokens per verify step,\npooled over the decodes)")
     axis.set_title(
-        f"acceptance over training: run {eval_root.parent.name}\n{'; '.join(sorted(prompts)) or 'no full eval yet'}"
-        " (n: verify steps behind a point)",
+        _wrapped(
+            [
+                f"acceptance over training: run {eval_root.parent.name}",
+                f"{'; '.join(sorted(prompts)) or 'no full eval yet'} (n: verify steps behind a point)",
+            ],
+            width_in,
+        ),
         fontsize=8,
     )
     return _save(plt, figure, axis, target)
@@ -215,7 +255,8 @@ def _save(plt: Any, figure: Any, axis: Any, target: Path) -> Path:
     figure.tight_layout()
     try:
         with atomic_path(target) as tmp:  # a full disk leaves no temp file and says so in one line
-            figure.savefig(tmp, dpi=100, format="png")
+            # "tight": the saved image grows to hold every label (the title is never cut)
+            figure.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
     finally:
         plt.close(figure)
     return target

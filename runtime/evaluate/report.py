@@ -1,7 +1,8 @@
 """The figures of an eval pass, from its generations.
 
-- ``mean_acceptance_length``: see :func:`acceptance_length` (the one definition every route, figure,
-  plot and document uses).
+- ``acceptance_length_pooled`` (the headline) and ``acceptance_length_mean_of_decodes``: see
+  :mod:`runtime.shared.acceptance_length` (the one definition every route, figure, plot, tool and
+  document uses).
 - Per slot ``k = 1..block_size``: ``reached`` (steps that verified slot k: every earlier slot was
   accepted), ``accept_rate`` (accepted / reached: the conditional rate, what the confidence head
   predicts) and ``cumulative_rate`` (accepted / steps: how often the step got that far).
@@ -18,20 +19,9 @@ from typing import Any
 
 from runtime.evaluate.decoder import Generation
 from runtime.evaluate.timing import marked, trust_note
+from runtime.shared.acceptance_length import MEAN_OF_DECODES_KEY, POOLED_KEY, acceptance_lengths
 
 CALIBRATION_BINS = 10
-
-
-def acceptance_length(committed_tokens: int, verify_steps: int) -> float | None:
-    """Acceptance length: tokens committed to the output per verify step, as SGLang serves it
-    (``spec_accept_length`` = ``completion_tokens / spec_verify_ct``).
-
-    ``committed_tokens`` are the tokens the decode emitted: the first one, which the target picks
-    from the prompt's prefill before any verify step, counts; a token past the stop token or past
-    ``max_new_tokens`` does not (a verify step's bonus token after a stop is never emitted). Over
-    several decodes it is their committed tokens summed over their verify steps summed. None without
-    a verify step."""
-    return _ratio(committed_tokens, verify_steps)
 
 
 def pass_figures(generations: Sequence[Generation], block_size: int) -> dict[str, Any]:
@@ -60,7 +50,7 @@ def pass_figures(generations: Sequence[Generation], block_size: int) -> dict[str
         "prompts": len(generations),
         "generated_tokens": tokens,
         "verify_steps": len(steps),
-        "mean_acceptance_length": acceptance_length(tokens, len(steps)),
+        **acceptance_lengths((len(g.output_ids), len(g.steps)) for g in generations),
         "slots": [
             {
                 "slot": k + 1,
@@ -136,8 +126,8 @@ def results_table(results: dict[str, Any]) -> str:
         f"eval of {draft['label']} on {sum(results['sets'].values())} prompts [{sets}], {results['device']} "
         f"{results['dtype']}, block size {results['block_size']}, {results['seconds']:.0f} s",
         "",
-        f"{'draft':<22} {'T':>4} {'accept len':>10} {'tau (tf)':>8} {'tok/s':>8} {'plain tok/s':>11} "
-        f"{'speedup (spread)':>19}",
+        f"{'draft':<22} {'T':>4} {'accept len':>10} {'per decode':>10} {'tau (tf)':>8} {'tok/s':>8} "
+        f"{'plain tok/s':>11} {'speedup (spread)':>19}",
     ]
     notes = []
     teacher = results.get("teacher_forced", {})
@@ -147,14 +137,19 @@ def results_table(results: dict[str, Any]) -> str:
             overall = figures["overall"]
             tau = teacher.get(label, {}).get("tau")
             lines.append(
-                f"{label:<22} {entry['temperature']:>4g} {_num(overall['mean_acceptance_length']):>10} "
-                f"{_num(tau):>8} "
+                f"{label:<22} {entry['temperature']:>4g} {_num(overall[POOLED_KEY]):>10} "
+                f"{_num(overall.get(MEAN_OF_DECODES_KEY)):>10} {_num(tau):>8} "
                 f"{_num(overall['tokens_per_s'], 1):>8} {_num(plain_rate, 1):>11} "
                 f"{marked(figures['speedup_vs_plain'], figures):>19}"
             )
             if note := trust_note(figures):
                 notes.append(f"  ? {label} T={entry['temperature']:g}: speed-up {note}")
     lines.extend(notes)
+    lines.append(
+        "  accept len: tokens per verify step pooled over all decodes (all committed tokens / all verify steps; "
+        "SGLang's spec_accept_length, what a served target sees)"
+    )
+    lines.append("  per decode: the mean over decodes of each decode's own tokens per verify step")
     lines.append(
         "  tau (tf): the trainer's teacher-forced tau on the target's greedy answers (one figure per draft; it "
         "models sampling at temperature 1)"

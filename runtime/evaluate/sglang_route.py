@@ -31,8 +31,8 @@ from typing import Any
 
 from runtime.capture.engine_sglang import SERVER_MODULE, _find_key, http_request, serving_arguments
 from runtime.evaluate.eval_sets import Prompt
-from runtime.evaluate.report import acceptance_length
 from runtime.recipe.schema import SGLangSettings
+from runtime.shared.acceptance_length import acceptance_lengths
 
 VERIFY_MODE_VARIABLE = "SGLANG_RAGGED_VERIFY_MODE"
 SIMULATED_ACCEPTANCE_VARIABLE = "SGLANG_SIMULATE_ACC_LEN"
@@ -167,7 +167,8 @@ class EvalClient:
 
 def outcome_figures(outcomes: Sequence[RequestOutcome], block_size: int, wall_s: float) -> dict[str, Any]:
     """The figures of :func:`runtime.evaluate.report.pass_figures` from SGLang's counts: acceptance
-    length is completion tokens per verify step (SGLang's own ``spec_accept_length``); per-slot rates
+    length is completion tokens per verify step (SGLang's own ``spec_accept_length``), pooled and
+    per-decode mean (:mod:`runtime.shared.acceptance_length`); per-slot rates
     come from the accepted-drafts histograms (None when the server reports none)."""
     steps = sum(o.verify_steps for o in outcomes)
     tokens = sum(o.completion_tokens for o in outcomes)
@@ -193,7 +194,7 @@ def outcome_figures(outcomes: Sequence[RequestOutcome], block_size: int, wall_s:
         "prompts": len(outcomes),
         "generated_tokens": tokens,
         "verify_steps": steps,
-        "mean_acceptance_length": acceptance_length(tokens, steps),
+        **acceptance_lengths((o.completion_tokens, o.verify_steps) for o in outcomes),
         "slots": slots,
         "seconds": round(wall_s, 4),
         "tokens_per_s": round(tokens / wall_s, 6) if wall_s > 0 else None,

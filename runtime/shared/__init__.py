@@ -9,6 +9,8 @@ runtime components all import.
   smoke gate and the SGLang engine run; applying the patch is runtime/sglang_patching, run by
   ``tools/check_patch``);
 - ``lifecycle``, ``prompt_order``: a child that dies with its parent; g -> epoch and data row.
+- ``acceptance_length``: the evaluation's headline figure, pooled and per-decode mean, defined once,
+  and the one reader of it in ``results.json`` (old runs' files too).
 
 The recipe schema, its checks and the capture-fit and throughput model (``runtime.recipe``, with
 ``runtime.recipe.fit``) are the same layer's lower floor: this package imports them, never the reverse. Nothing here imports torch, and

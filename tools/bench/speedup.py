@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.shared.acceptance_length import POOLED_KEY, acceptance_lengths
 from runtime.user_errors import exit_without_package, run_command
 
 try:  # a stock python3 instead of the venv's: one line, not a traceback
@@ -77,7 +78,6 @@ def bench_job(
     """Acceptance and tokens/s of each draft against the target alone, interleaved per prompt."""
     from runtime.evaluate.decoder import plain_generate, speculative_generate
     from runtime.evaluate.draft import DraftProposer
-    from runtime.evaluate.report import acceptance_length
 
     if device == "cpu":
         torch.set_num_threads(1)  # one sequence: a chain of small operations (what the evaluation does)
@@ -90,7 +90,8 @@ def bench_job(
         for label, model in drafts.items():
             proposer = DraftProposer(model)
             plain_s = spec_s = 0.0
-            plain_tokens = spec_tokens = steps = 0
+            plain_tokens = spec_tokens = 0
+            decodes: list[tuple[int, int]] = []  # (committed tokens, verify steps) of each speculative decode
             same = 0
             for index, prompt in enumerate(prompts):
                 seed = settings.seed + index
@@ -109,10 +110,10 @@ def bench_job(
                 spec_s += spec.seconds
                 plain_tokens += len(plain.output_ids)
                 spec_tokens += len(spec.output_ids)
-                steps += len(spec.steps)
+                decodes.append((len(spec.output_ids), len(spec.steps)))
                 same += plain.output_ids == spec.output_ids
             row["drafts"][label] = {
-                "mean_acceptance_length": acceptance_length(spec_tokens, steps),
+                **acceptance_lengths(decodes),
                 "tokens_per_s": spec_tokens / spec_s,
                 "plain_tokens_per_s": plain_tokens / plain_s,
                 "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),
@@ -261,11 +262,13 @@ def _main(argv: list[str] | None) -> int:
         for row in result["passes"]:
             for label, f in row["drafts"].items():
                 same = "-" if f["identical_outputs"] is None else f"{f['identical_outputs']}/{result['prompts']}"
-                accept = "-" if f["mean_acceptance_length"] is None else f"{f['mean_acceptance_length']:.3f}"
+                pooled = f[POOLED_KEY]
+                accept = "-" if pooled is None else f"{pooled:.3f}"
                 print(
                     f"{label:<16} {row['temperature']:>4g} {accept:>10} {f['tokens_per_s']:>8.1f} "
                     f"{f['plain_tokens_per_s']:>11.1f} {f['speedup']:>7.2f}x {same}"
                 )
+        print("accept len: tokens per verify step pooled over all decodes (SGLang's spec_accept_length)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
