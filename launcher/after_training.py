@@ -21,10 +21,10 @@ from typing import Any
 
 from launcher.component import spawn_component, stop_process
 from launcher.eval_job import local_eval_command
-from runtime.evaluate.timing import marked, trust_note
 from runtime.recipe import ResolvedRecipe
 from runtime.recipe.loader import RESOLVED_FILENAME
 from runtime.shared.acceptance_length import pooled_acceptance_length_of
+from runtime.shared.speedup_trust import marked, trust_note
 
 DURING_TRAINING_MODULE = "runtime.evaluate.during_training"
 WATCH_LOG = "eval_during_training.log"

@@ -435,6 +435,8 @@ def submit(args: argparse.Namespace) -> int:
         return 0
     _check_environment_references(loaded, args.probe)
     if args.local:
+        if not args.probe:
+            _refuse_a_gpu_recipe_without_a_gpu(loaded)
         loaded = _ports_from_the_range(loaded)
         _refuse_taken_local_ports(loaded)
     if not args.probe:  # the probe reads neither the target nor the data: their checks are the smoke gate's
@@ -527,6 +529,25 @@ def _refuse_running_local_jobs(loaded: LoadedRecipe) -> None:
                 f"{record.command_ref}`), or give this run other ports, e.g. --set "
                 + " --set ".join(f"{item.split()[0]}=PORT" for item in shared)
             )
+
+
+def _refuse_a_gpu_recipe_without_a_gpu(loaded: LoadedRecipe) -> None:
+    """A ``--local`` run whose recipe puts a component on ``cuda`` needs a GPU on this machine: one line
+    before anything is built or started (its target build would otherwise fail minutes in)."""
+    from runtime.shared.gpu_presence import require_gpu
+
+    recipe = loaded.recipe
+    on_cuda = [
+        field
+        for field, device in (
+            ("capture.device", recipe.capture.device),
+            ("trainer.device", recipe.trainer.device),
+            ("eval.device", recipe.eval.device if recipe.eval is not None else None),
+        )
+        if device == "cuda"
+    ]
+    if on_cuda:
+        require_gpu(f"{loaded.source} --local ({', '.join(on_cuda)}: cuda)")
 
 
 def _ports_from_the_range(loaded: LoadedRecipe) -> LoadedRecipe:

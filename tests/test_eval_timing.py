@@ -1,4 +1,4 @@
-"""Unit tests of runtime.evaluate.timing: a speed-up's spread over groups of prompts, the load it was
+"""Unit tests of runtime.shared.speedup_trust: a speed-up's spread over groups of prompts, the load it was
 taken under, its verdict, and the cores a process is given."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.evaluate import timing
+from runtime.shared import speedup_trust as timing
 
 
 @dataclass

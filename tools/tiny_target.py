@@ -31,6 +31,7 @@ from typing import Any
 from runtime.files import atomic_write_text, exclusive_lock
 from runtime.shared import chat_tokenize
 from runtime.shared.data_files import write_rows
+from runtime.shared.gpu_presence import require_gpu
 from runtime.user_errors import UserError, output_place, require_regular_file, run_command
 from tools import tiny_corpus
 
@@ -101,6 +102,10 @@ class TinyTargetSpec:
     warmup_steps: int = 8
     chat_seed: int = 7
     chat_rows: int = 128
+    device: str = "cpu"
+    """Where the target is trained and answers: ``cpu`` or ``cuda`` (the one-GPU world)."""
+    train_dtype: str = "float32"
+    """Autocast dtype of the training forward on ``cuda`` (``bfloat16``); the CPU trains in float32."""
 
     def cache_key(self) -> str:
         """SHA-256 of everything the build consumes: this spec, the vocabulary, the chat template,
@@ -117,6 +122,39 @@ class TinyTargetSpec:
             "chat": tiny_corpus.generate_conversations(vocabulary, self.chat_rows, self.chat_seed, "tiny"),
         }
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+WORLDS: dict[str, TinyTargetSpec] = {
+    "tiny": TinyTargetSpec(),
+    # The one-GPU world (recipes/one_gpu.yaml): the same corpus and vocabulary, a target of 470M
+    # parameters (60M active: 32 experts, 4 per token) that a GPU is not launch-bound on when it trains,
+    # and 1,024 answered rows for the draft. Trained in bf16 on the GPU in about a minute.
+    "one_gpu": TinyTargetSpec(
+        hidden_size=768,
+        num_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=768,
+        train_conversations=8000,
+        train_steps=500,
+        batch_size=64,
+        learning_rate=1e-3,
+        warmup_steps=25,
+        chat_rows=1024,
+        device="cuda",
+        train_dtype="bfloat16",
+    ),
+}
+"""The worlds ``--world`` builds, each into ``.cache/<world>/`` (the recipe of the same name reads it)."""
+
+
+def world_paths(world: str) -> tuple[Path, Path, Path]:
+    """The default target folder, chat file and eval file of ``world`` (what its recipe expects)."""
+    root = REPO_ROOT / ".cache" / world
+    return root / "target", root / "data" / "chat.jsonl", root / "data" / "eval.jsonl"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,8 +285,9 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
 
     torch.manual_seed(spec.init_seed)
     # The per-expert loop: on a CPU it is 2-3x faster than transformers' default grouped_mm fallback
-    # (same function, same losses; measured on 2 cores, tiny shapes).
-    model = Qwen3MoeForCausalLM._from_config(build_config(spec), experts_implementation="eager")
+    # (same function, same losses; measured on 2 cores, tiny shapes). A GPU takes the grouped GEMMs.
+    experts = "eager" if spec.device == "cpu" else "grouped_mm"
+    model = Qwen3MoeForCausalLM._from_config(build_config(spec), experts_implementation=experts).to(spec.device)
     vocabulary = tiny_corpus.build_vocabulary(spec.vocab_size)
     conversations = tiny_corpus.generate_conversations(
         vocabulary, spec.train_conversations, spec.train_corpus_seed, id_prefix="train"
@@ -274,7 +313,9 @@ def train_model(spec: TinyTargetSpec, tokenizer: Any, log: Any = print) -> Any:
     for step, (ids, attention, labels) in enumerate(
         _batches(samples, spec.batch_size, spec.train_steps, spec.init_seed)
     ):
-        loss = _assistant_loss(model, ids, attention, labels)
+        ids, attention, labels = (t.to(spec.device, non_blocking=True) for t in (ids, attention, labels))
+        with torch.autocast(spec.device, dtype=getattr(torch, spec.train_dtype), enabled=spec.device != "cpu"):
+            loss = _assistant_loss(model, ids, attention, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -321,10 +362,11 @@ def regenerate_answers(
             attention[row, width - len(prompt) :] = 1
         if sample_seed is not None:
             torch.manual_seed(sample_seed + round_index)
+        device = next(model.parameters()).device
         with torch.no_grad():
             generated = model.generate(
-                input_ids=ids,
-                attention_mask=attention,
+                input_ids=ids.to(device),
+                attention_mask=attention.to(device),
                 max_new_tokens=REGENERATE_MAX_NEW_TOKENS,
                 do_sample=sample_seed is not None,
                 temperature=1.0,
@@ -332,7 +374,7 @@ def regenerate_answers(
                 top_p=1.0,
                 eos_token_id=[end_id, tiny_corpus.EOS_ID],
                 pad_token_id=tiny_corpus.PAD_ID,
-            )[:, width:]
+            )[:, width:].cpu()
         for (r, turn), tokens in zip(todo, generated.tolist(), strict=True):
             stop = next(
                 (i for i, t in enumerate(tokens) if t in (end_id, tiny_corpus.EOS_ID, tiny_corpus.PAD_ID)), len(tokens)
@@ -366,7 +408,8 @@ def evaluate_peakedness(
                 ids[row, : len(chat.input_ids)] = torch.tensor(chat.input_ids)
                 scored[row, : len(chat.input_ids)] = torch.tensor(chat.loss_mask, dtype=torch.bool)
             attention = (torch.arange(width)[None, :] < torch.tensor([len(c.input_ids) for c in group])[:, None]).long()
-            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            device = next(model.parameters()).device
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits[:, :-1].cpu()
             on_assistant = scored[:, 1:]
             best_p, best = logits[on_assistant].float().softmax(-1).max(-1)
             correct += int((best == ids[:, 1:][on_assistant]).sum())
@@ -418,7 +461,8 @@ def ensure_chat_answers(spec: TinyTargetSpec, target_dir: Path, log: Any = print
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[make_tiny_target] answering the {spec.chat_rows} chat conversations with the target (greedy and sampled)")
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    dtype = torch.float32 if spec.device == "cpu" else getattr(torch, spec.train_dtype)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(spec.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     write_rows(path, target_answered_rows(model, tokenizer, spec, log))
     return path
@@ -623,17 +667,31 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tools/make_tiny_target", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR, help="target folder (HF layout)")
-    parser.add_argument("--chat-out", type=Path, default=DEFAULT_CHAT_PATH, help="tiny chat JSONL to write")
-    parser.add_argument("--eval-out", type=Path, default=DEFAULT_EVAL_PATH, help="held-out eval JSONL to write")
+    parser.add_argument(
+        "--world",
+        choices=sorted(WORLDS),
+        default="tiny",
+        help="which world: its sizes and default paths (.cache/WORLD)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="target folder (HF layout); default .cache/WORLD/target")
+    parser.add_argument("--chat-out", type=Path, default=None, help="chat JSONL to write; default .cache/WORLD/data")
+    parser.add_argument("--eval-out", type=Path, default=None, help="held-out eval JSONL to write; default likewise")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
     parser.add_argument("--train-steps", type=int, default=None, help="override the training steps")
     args = parser.parse_args(argv)
     pin_arithmetic()
     if args.train_steps is not None and args.train_steps < 1:
         raise UserError(f"--train-steps {args.train_steps}: the target trains for at least 1 step. Fix: give 1 or more")
+    target_dir, chat_path, eval_path = world_paths(args.world)
+    args.out, args.chat_out, args.eval_out = (
+        args.out or target_dir,
+        args.chat_out or chat_path,
+        args.eval_out or eval_path,
+    )
     check_outputs(args.out, args.chat_out, args.eval_out)
-    spec = TinyTargetSpec()
+    spec = WORLDS[args.world]
+    if spec.device == "cuda":
+        require_gpu(f"tools/make_tiny_target --world {args.world}")
     if args.train_steps is not None:
         spec = dataclasses.replace(spec, train_steps=args.train_steps)
     make_tiny_target(args.out, args.chat_out, spec, eval_path=args.eval_out, force=args.force)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.evaluate.decoder import Generation
-from runtime.evaluate.timing import marked, trust_note
 from runtime.shared.acceptance_length import MEAN_OF_DECODES_KEY, POOLED_KEY, acceptance_lengths
+from runtime.shared.speedup_trust import marked, trust_note
 
 CALIBRATION_BINS = 10
 

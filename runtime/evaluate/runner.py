@@ -28,8 +28,8 @@ from runtime.evaluate.report import greedy_agreement, pass_figures, plain_figure
 from runtime.evaluate.settings import EvalSettings, EvalSetup, TargetSettings
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.evaluate.teacher_forced import teacher_forced_tau
-from runtime.evaluate.timing import LoadSamples, cores_given, group_ratios, speedup_trust
 from runtime.shared.checkpoint_folders import UNTRAINED, DraftSource
+from runtime.shared.speedup_trust import LoadSamples, cores_given, group_ratios, speedup_trust
 from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.user_errors import UserError
 

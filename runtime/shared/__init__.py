@@ -10,7 +10,12 @@ runtime components all import.
   ``tools/check_patch``);
 - ``lifecycle``, ``prompt_order``: a child that dies with its parent; g -> epoch and data row.
 - ``acceptance_length``: the evaluation's headline figure, pooled and per-decode mean, defined once,
-  and the one reader of it in ``results.json`` (old runs' files too).
+  and the one reader of it in ``results.json`` (old runs' files too);
+- ``speedup_trust``: a measured speed-up's spread, the load it was taken under and its verdict, and
+  the cores a process is given;
+- ``draft_provenance``: the run a checkpoint or export records, and the evaluation's refusal of
+  another run's draft;
+- ``gpu_presence``: whether this machine shows an NVIDIA GPU, without torch.
 
 The recipe schema, its checks and the capture-fit and throughput model (``runtime.recipe``, with
 ``runtime.recipe.fit``) are the same layer's lower floor: this package imports them, never the reverse. Nothing here imports torch, and

@@ -47,7 +47,7 @@ from runtime.trainer.frozen_vocab import load_frozen_vocab
 from runtime.trainer.gate import SmokeGate
 from runtime.trainer.guard import TERMS, FiniteGuard, inspect_update
 from runtime.trainer.layout import BlockLayout, anchor_generator, build_layout
-from runtime.trainer.metrics import MetricsWriter, progress_line, step_metrics
+from runtime.trainer.metrics import MFU_KEY, MetricsWriter, progress_line, step_metrics
 from runtime.trainer.model import DSparkDraft, SampleInputs
 from runtime.trainer.objective import SCALAR_SUMS, SLOT_SUMS, loss_coefficients
 from runtime.trainer.peer_watch import PeerLost, PeerWatch
@@ -202,7 +202,8 @@ class Trainer:
         writer.say(
             f"[trainer] {plan.kind} ({plan.reason}{': ' + str(plan.path) if plan.path else ''}); steps "
             f"{start_step}..{s.total_steps - 1} of {s.total_steps}, world {s.world_size}, device {s.device}, "
-            f"attention {s.attention_backend}, G={setup.batch.global_batch_size} ({setup.batch.micro_batch_size} x "
+            f"{str(s.param_dtype).removeprefix('torch.')}, attention {s.attention_backend}"
+            f"{', compiled regions' if s.compile_regions else ''}, G={setup.batch.global_batch_size} ({setup.batch.micro_batch_size} x "
             f"{setup.batch.gradient_accumulation_steps} x {s.world_size}), {sum(p.numel() for p in model.parameters()):,} "
             "trainable parameters"
         )
@@ -589,6 +590,11 @@ class Trainer:
             skipped_total=guard.skipped_total,
             row_indices=outcome.row_indices,
         )
+        if s.device.type == "cuda" and setup.peak_flops_per_rank:
+            # An estimate: the plan's FLOP model scaled to the tokens trained, against the recipe's peak
+            # (plan.accelerator_peak_tflops); a CPU's peak in a recipe is a planning guess, so none there.
+            achieved = setup.train_flops_per_token * record["tokens"] / step_time
+            record[MFU_KEY] = achieved / (setup.peak_flops_per_rank * s.world_size)
         return record
 
     def _any_rank_stopping(self) -> bool:

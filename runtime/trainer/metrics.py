@@ -61,6 +61,10 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+MFU_KEY = "mfu"
+"""A CUDA trainer's model FLOP utilisation estimate in its metrics (see the trainer loop's record)."""
+
+
 def progress_line(record: Mapping[str, Any], total_steps: int, elapsed_s: float, steps_done_this_run: int) -> str:
     """One human line: where the run is, how fast, what it waits for, when it ends."""
     step = int(record["step"])
@@ -72,7 +76,8 @@ def progress_line(record: Mapping[str, Any], total_steps: int, elapsed_s: float,
         f"loss {record['loss']:.4f} (ce {record['loss_ce']:.4f} l1 {record['loss_l1']:.4f} "
         f"conf {record['loss_confidence']:.4f}) tau {record['tau']:.3f} acc@0 {record['acc@0']:.3f} "
         f"lr {record['lr']:.3e} gnorm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s "
-        f"{rate * 60:.2f} step/min, data wait {100.0 * record['data_wait_fraction']:.0f}% | "
+        f"{rate * 60:.2f} step/min, data wait {100.0 * record['data_wait_fraction']:.0f}%"
+        f"{f', MFU {record[MFU_KEY]:.2f}' if MFU_KEY in record else ''} | "
         f"skipped {int(record['skipped_total'])} | ETA {eta_text}"
     )
 

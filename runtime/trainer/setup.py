@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from runtime.recipe.fit.store_budget import largest_sample
+from runtime.recipe.fit.throughput import draft_train_flops_per_sample
 from runtime.recipe.loader import ResolvedRecipe
 from runtime.recipe.schema import (
     CheckpointConfig,
@@ -83,6 +84,11 @@ class TrainerSetup:
     max_consecutive_skips: int
     idle_timeout_s: float
     """``transport.idle_timeout_s``: how long collectives and silent peers are waited for."""
+    train_flops_per_token: float = 0.0
+    """The plan's training FLOPs of a sample at ``data.max_length``, per token of it: the trainer's
+    model FLOP/s estimate (its MFU line) is this times the tokens it trains per second."""
+    peak_flops_per_rank: float = 0.0
+    """``plan.accelerator_peak_tflops`` in FLOP/s: what one rank's MFU is measured against."""
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -285,6 +291,8 @@ def setup_for_run(resolved: ResolvedRecipe, run: RunSettings) -> TrainerSetup:
         log_every_steps=t.log_every_steps,
         max_consecutive_skips=t.max_consecutive_skips,
         idle_timeout_s=recipe.transport.idle_timeout_s,
+        train_flops_per_token=draft_train_flops_per_sample(recipe) / recipe.data.max_length,
+        peak_flops_per_rank=recipe.plan.accelerator_peak_tflops * 1e12,
     )
 
 
