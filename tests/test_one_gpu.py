@@ -88,3 +88,28 @@ def test_a_shortened_one_gpu_run_trains_in_bf16_with_flex_and_beats_the_untraine
     greedy = results["passes"][0]["drafts"]
     label = results["draft"]["label"]
     assert greedy[label]["overall"][POOLED_KEY] > greedy["untrained"]["overall"][POOLED_KEY]
+
+
+def test_visible_gpus_are_the_drivers_less_those_cuda_visible_devices_hides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.shared import gpu_presence
+
+    driver, dev = tmp_path / "gpus", tmp_path / "dev"
+    dev.mkdir()
+    monkeypatch.setattr(gpu_presence, "NVIDIA_GPUS", driver)
+    monkeypatch.setattr(gpu_presence, "DEVICE_NODES", dev)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (dev / "nvidiactl").touch()
+    assert gpu_presence.visible_gpu_count() == 0, "a control node is no GPU"
+    (dev / "nvidia0").touch()
+    assert gpu_presence.visible_gpu_count() == 1, "a container without the driver's /proc folder"
+    for index in range(2):
+        (driver / f"0000:0{index}:00.0").mkdir(parents=True)
+    assert gpu_presence.visible_gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu_presence.visible_gpu_count() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_presence.visible_gpu_count() == 0
+    with pytest.raises(Exception, match="needs one NVIDIA GPU.*CUDA_VISIBLE_DEVICES hides every GPU"):
+        gpu_presence.require_gpu("recipes/one_gpu.yaml --local")

@@ -12,12 +12,16 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 """One folder per GPU the NVIDIA driver drives."""
 
 
+DEVICE_NODES = Path("/dev")
+"""Where a container that does not show the driver's /proc folder still has ``nvidiaN`` device nodes."""
+
+
 def visible_gpu_count() -> int:
     """GPUs the driver has, less those ``CUDA_VISIBLE_DEVICES`` hides (an empty value hides all)."""
     try:
         present = sum(1 for _ in NVIDIA_GPUS.iterdir())
     except OSError:
-        return 0
+        present = sum(1 for node in DEVICE_NODES.glob("nvidia*") if node.name.removeprefix("nvidia").isdigit())
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:
         return present
