@@ -4,12 +4,13 @@ chat corpus of :mod:`tools.tiny_corpus` so that its next-token distributions are
 
 Also writes the tiny chat JSONL (``data.chat_path`` of the tiny recipe) that ``tools/prepare_data``
 tokenizes: the corpus prompts with this target's own answers, since a draft must learn what its target
-says, and the held-out eval prompts. The answers are decoded once per build, on the machine that built
-the target: a CPU's own rounding makes the trained target (and so its answers) differ between machines,
-and a draft trained on another machine's answers accepts less. The target is cached by a content hash of
+says, and the held-out eval prompts. The answers are decoded once per build, by the target that was built
+(:data:`PINNED_ARITHMETIC` keeps it the same on every thread count; another torch release builds another
+target), since a draft trained on another target's answers accepts less. The target is cached by a content hash of
 the build spec: a second run with nothing changed returns at once.
 
-Usage: ``tools/make_tiny_target [--out .cache/tiny/target] [--chat-out .cache/tiny/data/chat.jsonl]``
+Usage: ``tools/make_tiny_target [--world tiny|one_gpu] [--out .cache/WORLD/target] [--chat-out .cache/WORLD/data/chat.jsonl]``
+(``one_gpu`` builds the larger world of ``recipes/one_gpu.yaml`` on a CUDA GPU.)
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ PINNED_ARITHMETIC = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
-"""The arithmetic the build runs under, set before torch loads (:func:`pin_arithmetic`): the tiny
-target, and so its answers and every figure of the default run, are then the same bytes on any
-x86-64 machine and thread count for one torch release, instead of one model per machine. It also
-makes a build cost one core, so builds that share a machine do not oversubscribe it."""
+"""The arithmetic the build runs under, set before torch loads (:func:`pin_arithmetic`), so that the tiny
+target, and with it its answers and the default run's acceptance lengths, do not depend on the thread
+count or the vector width of the machine that builds it (one model per torch release, not one per
+machine; another CPU with the same release is not tried yet, another release builds other bytes). It
+also makes a build cost one core, so builds that share a machine do not oversubscribe it."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ WORLDS: dict[str, TinyTargetSpec] = {
     # The one-GPU world (recipes/one_gpu.yaml): the same corpus and vocabulary, a target of 470M
     # parameters (60M active: 32 experts, 4 per token) and 1,024 answered rows for the draft, trained
     # under bf16 autocast on the GPU. On one H100, 500 steps took 284 s at 1.96 steps/s (assistant top-1
-    # accuracy 0.998; the loss was below 0.1 from step 200 on): 250 steps halve that.
+    # accuracy 0.998; the loss was below 0.1 from step 200 on): 250 steps, about half the time (not measured yet).
     "one_gpu": TinyTargetSpec(
         hidden_size=768,
         num_layers=8,
