@@ -4,7 +4,6 @@ world writes, and ``--local`` refuses in one line. On a GPU (``gpu`` mark): a sh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -16,7 +15,6 @@ import pytest
 from launcher.plan import make_plan
 from runtime.recipe import load_recipe
 from runtime.shared.acceptance_length import POOLED_KEY
-from runtime.shared.data_files import write_rows
 from runtime.shared.gpu_presence import visible_gpu_count
 from tests.conftest import REPO_ROOT
 from tests.support.launcher_cli import probe_overrides
@@ -26,7 +24,7 @@ K3 = REPO_ROOT / "recipes" / "kimi_k3_v1c.yaml"
 
 
 def test_the_one_gpu_recipe_resolves_plans_and_carries_the_k3_trainer_settings(tmp_path: Path) -> None:
-    from tools.tiny_target import WORLDS, held_out_eval_rows
+    from tools.tiny_target import WORLDS, write_eval_set
 
     recipe = load_recipe(ONE_GPU).recipe
     k3 = load_recipe(K3).recipe
@@ -52,8 +50,7 @@ def test_the_one_gpu_recipe_resolves_plans_and_carries_the_k3_trainer_settings(t
         spec.vocab_size,
     )
     assert recipe.data.num_rows == spec.chat_rows
-    write_rows(tmp_path / "eval.jsonl", held_out_eval_rows(spec))
-    assert recipe.eval.sets[0].sha256 == hashlib.sha256((tmp_path / "eval.jsonl").read_bytes()).hexdigest()
+    assert recipe.eval.sets[0].sha256 == write_eval_set(spec, tmp_path / "eval.jsonl")
 
 
 @pytest.mark.skipif(visible_gpu_count() > 0, reason="this machine has a GPU: the refusal is for machines without one")

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -564,8 +565,6 @@ def pin_arithmetic() -> None:
     """Set :data:`PINNED_ARITHMETIC` in this process's environment; call before anything loads torch
     (the command line does: every build runs in a process of its own). Where torch is loaded already
     (a caller in-process), only the thread count can still be pinned; the build record says what held."""
-    import sys
-
     os.environ.update(PINNED_ARITHMETIC)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
