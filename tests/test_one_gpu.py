@@ -73,12 +73,16 @@ def test_one_gpu_local_on_a_machine_without_a_gpu_is_refused_in_one_line(tmp_pat
 def test_a_shortened_one_gpu_run_trains_in_bf16_with_flex_and_beats_the_untrained_draft(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "launcher", "one_gpu", "--local", *probe_overrides(runs, short_run=False)]
-    command += ["--set", "trainer.epochs=1", "--set", "eval.checkpoint_prompts=0"]
+    command += ["--set", "trainer.epochs=1"]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-6000:]
     assert "bfloat16, attention flex, compiled regions" in console, console[-3000:]
+    assert "peak GPU memory" in console, console[-3000:]
     (job_dir,) = (runs / "one_gpu").iterdir()
+    # The checkpoint watch decoded on the GPU beside the trainer: the floor first, then the one checkpoint.
+    during = [json.loads(line) for line in (job_dir / "eval" / "during_training.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in during] == [0, 64], during
     (results_path,) = (job_dir / "eval").glob("step_*/results.json")
     results = json.loads(results_path.read_text())
     assert results["device"] == "cuda"

@@ -1,7 +1,8 @@
 """The greedy acceptance length of every checkpoint of a run while it trains (``eval.checkpoint_prompts``),
 for the acceptance-over-steps plot; run by ``python3 -m runtime.evaluate.during_training``.
 
-It loads the target and the first eval set once, decodes the untrained draft first (step 0, while
+It loads the target and the first eval set once, on ``eval.device`` (a CPU decode of a target of
+hundreds of millions of parameters falls behind a GPU trainer), decodes the untrained draft first (step 0, while
 the trainer starts), then each complete checkpoint the trainer writes, and appends one line per
 draft to ``<job>/eval/during_training.jsonl``. The trainer never waits for it: a checkpoint that
 ``keep_last`` removes before it is read is skipped with a line. SIGTERM (the run has ended) makes
@@ -22,7 +23,7 @@ from runtime.evaluate.decoder import speculative_generate
 from runtime.evaluate.draft import DraftProposer, build_draft
 from runtime.evaluate.eval_sets import load_prompts
 from runtime.evaluate.report import pass_figures
-from runtime.evaluate.runner import load_tokenizer, target_vocab
+from runtime.evaluate.runner import load_tokenizer, pick_device, target_vocab
 from runtime.evaluate.settings import EvalSetup
 from runtime.evaluate.target import TargetDecoder, load_causal_lm
 from runtime.files import append_text
@@ -54,14 +55,16 @@ def checkpoint_acceptance(setup: EvalSetup, num_prompts: int) -> None:
     """Decode ``num_prompts`` prompts of the first eval set greedily with the untrained draft, then with
     each checkpoint as it appears, until SIGTERM; one line each in ``eval/during_training.jsonl``."""
     settings = setup.eval
-    torch.set_num_threads(1)
+    device = pick_device(settings.device)
+    if device == "cpu":
+        torch.set_num_threads(1)  # a low-priority process beside the trainer: one core
     dtype = getattr(torch, setup.target.compute_dtype)
     target_path = setup.target.path
     eval_set = settings.sets[0]
     prompts = load_prompts(eval_set, load_tokenizer(target_path), setup.target.vocab_size)
     prompts = prompts[:num_prompts]
-    target = TargetDecoder(load_causal_lm(target_path, dtype, "cpu"), setup.target.aux_layer_ids)
-    embed, lm_head = target_vocab(setup.target, dtype, "cpu")
+    target = TargetDecoder(load_causal_lm(target_path, dtype, device), setup.target.aux_layer_ids)
+    embed, lm_head = target_vocab(setup.target, dtype, device)
     stop_ids = settings.stop_ids
     out_path = setup.job_dir / "eval" / RESULTS_FILE
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ def checkpoint_acceptance(setup: EvalSetup, num_prompts: int) -> None:
 
     def decode(source: DraftSource) -> None:
         try:
-            model = build_draft(source, setup.draft, seed=settings.seed, device="cpu", dtype=dtype)
+            model = build_draft(source, setup.draft, seed=settings.seed, device=device, dtype=dtype)
         except (DraftSourceError, CheckpointError, OSError) as exc:
             # keep_last removed it while we read it, or it was still being replaced: not this run's fault.
             log.info("acceptance during training: %s skipped (%s)", source.label, str(exc).splitlines()[0])

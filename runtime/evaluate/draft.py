@@ -276,7 +276,7 @@ class DraftProposer:
             # Every slot at once, from its hidden state and the Markov embedding of its previous token.
             embedded = model.markov_head.markov_w1(torch.tensor([prev[:-1]], dtype=torch.int64, device=self.device))
             scores = torch.sigmoid(model.confidence_head(hidden, embedded).to(torch.float32))[0]
-            confidence = [float(score) for score in scores]
+            confidence = [float(score) for score in scores.tolist()]  # one device-to-host read, not S
         return Proposal(
             tokens=torch.tensor(prev[1:], dtype=torch.int64),
             probs=torch.stack(probs) if probs else None,

@@ -246,7 +246,12 @@ class Trainer:
             served_as = draft_config(setup.draft_spec, s.param_dtype)["architectures"][0]
             writer.say(f"[trainer] exported the draft ({served_as}) to {target}")
             self.gate.on_export(target)
-        writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s")
+        memory = ""
+        if s.device.type == "cuda":
+            memory = (
+                f"; peak GPU memory {torch.cuda.max_memory_allocated(s.device) / 2**30:.2f} GiB allocated on rank 0"
+            )
+        writer.say(f"[trainer] finished {s.total_steps} steps in {time.monotonic() - run_started:.1f} s{memory}")
         barrier()
         return 0
 
