@@ -196,6 +196,7 @@ def _record_for(
         smoke=loaded.smoke,
         probe=probe,
         components=jobs.components_of(loaded),
+        one_node=loaded.recipe.job.layout == "one_node",
         parent=parent,
     )
 
@@ -690,7 +691,8 @@ def submit_slurm(
     atomic_write_text(job_dir / "submission.sh", script)
     record = _record_for(loaded, job_dir, str(job.job_id), "slurm", probe, parent)
     jobs.write_record(record, _runs_dir(loaded))
-    print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer hetjob")
+    shape = "one node" if loaded.recipe.job.layout == "one_node" else "hetjob"
+    print(f"submitted job {job.job_id} ({loaded.recipe.job.name}): capture + trainer {shape}")
     settings = loaded.recipe.eval
     if settings is not None and settings.after_training and not probe and not loaded.smoke:
         record.eval_job_id = eval_job.submit_eval_job(

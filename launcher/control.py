@@ -140,7 +140,8 @@ def job_report(record: JobRecord) -> JobReport:
         components, note, unreachable = {}, str(exc), True
     reports = []
     for group, (name, tasks) in enumerate(record.components.items()):
-        sacct: ComponentState | None = components.get(group)
+        # A one-node job is one plain job: both components are its steps, and its state is theirs.
+        sacct: ComponentState | None = components.get(0 if record.one_node else group)
         results = _task_results(record, name, tasks)
         # Not listed yet right after submission: the job waits to be scheduled.
         state = sacct.state.split()[0] if sacct else ("UNKNOWN" if unreachable else "PENDING")

@@ -56,6 +56,8 @@ class JobRecord:
     probe: bool
     components: dict[str, int] = field(default_factory=dict)
     """Component name -> number of tasks, in het group order."""
+    one_node: bool = False
+    """``job.layout: one_node``: one plain job whose steps are both components (sacct lists the job once)."""
     submitted_at: str = ""
     supervisor_pid: int | None = None
     """The ``--local`` supervisor process."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from runtime.recipe import Recipe
 from runtime.recipe.fit.capture_node import capture_node_fit
 from runtime.recipe.fit.report import Finding, FitReport
-from runtime.recipe.fit.slurm_request import eval_memory_request, memory_fixes, memory_request
+from runtime.recipe.fit.slurm_request import eval_memory_request, memory_fixes, memory_request, node_memory_gib
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import throughput_model
 from runtime.recipe.fit.trainer_memory import trainer_memory_fit
@@ -130,6 +130,15 @@ def _components(recipe: Recipe, numbers: dict[str, float], facts: SiteFacts) -> 
     memory the site allows (the probe's facts, or ``plan.slurm_max_mem_per_node_gib``); the time limit."""
     job = recipe.job
     report = FitReport("components (what the job asks Slurm for)")
+    if job.layout == "one_node":
+        report.rows.append(
+            (
+                "layout",
+                f"one node (job.layout: one_node): both components share its "
+                f"{max(job.capture.gpus_per_node, job.trainer.gpus_per_node)} GPU(s), "
+                f"--mem={node_memory_gib(recipe)['one node']}G (the two requests below added)",
+            )
+        )
     for name in ("capture", "trainer"):
         res = getattr(job, name)
         request = memory_request(recipe, name)
@@ -172,9 +181,10 @@ def _memory_caps(recipe: Recipe, report: FitReport, facts: SiteFacts) -> None:
     (the recipe checks refuse above it); with neither, a warning naming what the site must allow."""
     cap = recipe.plan.slurm_max_mem_per_node_gib
     unknown: list[str] = []
-    for name in ("capture", "trainer"):
-        requested = memory_request(recipe, name).requested_gib
-        measured = facts.component_fact(NODE_MEMORY_CAP_FACT, name)
+    for name, requested in node_memory_gib(recipe).items():
+        # The one node of job.layout: one_node is measured by the probe's capture task.
+        component = "capture" if name == "one node" else name
+        measured = facts.component_fact(NODE_MEMORY_CAP_FACT, component)
         if measured is not None:
             node_cap, fact = measured
             report.rows.append(
@@ -187,7 +197,10 @@ def _memory_caps(recipe: Recipe, report: FitReport, facts: SiteFacts) -> None:
                         f"the {name} node's --mem={requested}G is above the {node_cap} GiB its node allows (measured "
                         f'by the probe on {fact["where"]}: {fact["how"]}): Slurm refuses such a request ("Requested '
                         'node configuration is not available"), or the node cannot give it',
-                        tuple(memory_fixes(recipe, name)),
+                        tuple(
+                            memory_fixes(recipe, component)
+                            + (["job.layout: separate_nodes (a node for each component)"] if name == "one node" else [])
+                        ),
                     )
                 )
         elif cap is not None:

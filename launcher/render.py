@@ -1,4 +1,5 @@
-"""Render one heterogeneous Slurm batch script from a recipe.
+"""Render one Slurm batch script from a recipe: a heterogeneous job with a group per component
+(``job.layout: separate_nodes``), or a plain one-node job whose two steps share the node (``one_node``).
 
 The same renderer produces the checked-in ``sbatch/*.sbatch`` files (manual submission: the job
 folder and resolved recipe are made inside the allocation) and the script the launcher submits
@@ -16,7 +17,7 @@ from launcher.environment import COMPONENTS
 from launcher.jobs import CAPTURE_STOP_FILENAME
 from launcher.slurm_args import JOB_DIR_IN_OUTPUT, output_pattern
 from runtime.recipe import Recipe
-from runtime.recipe.fit.slurm_request import PROBE_TIME_LIMIT_MIN, memory_request, probe_memory_request
+from runtime.recipe.fit.slurm_request import PROBE_TIME_LIMIT_MIN, node_memory_gib
 from runtime.recipe.schema import ComponentResources
 from runtime.shared import contracts
 from runtime.user_errors import shell_word
@@ -87,9 +88,15 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
     """The full batch script for ``recipe``."""
     job = recipe.job
     manual = options.job_dir is None
+    one_node = job.layout == "one_node"
+    shape = (
+        "one Slurm job on one node, two components sharing it"
+        if one_node
+        else "one heterogeneous Slurm job, two components"
+    )
     lines = [
         "#!/bin/bash",
-        f"# DSpark job '{job.name}': one heterogeneous Slurm job, two components.",
+        f"# DSpark job '{job.name}': {shape}.",
         f"# Rendered by `python3 -m launcher render` from {comment_text(options.recipe_file)}. Do not edit by hand:",
         "# change the recipe and render again (the golden test in tests/test_launcher_units.py keeps sbatch/ equal).",
     ]
@@ -100,11 +107,16 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
             f"#   sbatch sbatch/{job.name}.sbatch",
             "# Edit the site settings below, or export them before sbatch.",
         ]
-    for index, component in enumerate(COMPONENTS):
-        if index:
-            lines.append("#SBATCH hetjob")
-        lines.append(f"# ---- het group {index}: {component} ({_COMPONENT_ROLE[component]}) ----")
-        lines += _sbatch_block(recipe, component, options)
+    if one_node:
+        lines.append("# ---- one node (job.layout: one_node): " + ", ".join(
+            f"{component} ({_COMPONENT_ROLE[component]})" for component in COMPONENTS) + " ----")  # fmt: skip
+        lines += _one_node_block(recipe, options)
+    else:
+        for index, component in enumerate(COMPONENTS):
+            if index:
+                lines.append("#SBATCH hetjob")
+            lines.append(f"# ---- het group {index}: {component} ({_COMPONENT_ROLE[component]}) ----")
+            lines += _sbatch_block(recipe, component, options)
     lines += ["", "set -uo pipefail", ""]
     lines += _site_settings(recipe, options)
     lines += [""]
@@ -166,19 +178,45 @@ def sbatch_lines(flags: list[tuple[str, str | None]]) -> list[str]:
 
 
 def _sbatch_block(recipe: Recipe, component: str, options: RenderOptions) -> list[str]:
+    """The ``#SBATCH`` lines of one het group. ``--mem`` comes from the plan's host memory of the node
+    plus its margin (the plan shows the parts); the probe, on the same partitions and node kinds, asks
+    for minutes and the memory it measures with."""
+    resources: ComponentResources = getattr(recipe.job, component)
+    mem_gib = node_memory_gib(recipe, options.probe)[component]
+    return _job_block(recipe, options, resources, resources.nodes, resources.tasks_per_node, mem_gib)
+
+
+def _one_node_block(recipe: Recipe, options: RenderOptions) -> list[str]:
+    """The ``#SBATCH`` lines of a ``job.layout: one_node`` job: one node with every task of both
+    components, the larger GPU and CPU counts of the two (they share them) and the sum of their memory."""
+    capture, trainer = recipe.job.capture, recipe.job.trainer
+    shared = trainer.model_copy(
+        update={
+            "cpus_per_task": max(capture.cpus_per_task, trainer.cpus_per_task),
+            "gpus_per_node": max(capture.gpus_per_node, trainer.gpus_per_node),
+        }
+    )
+    tasks = capture.tasks_per_node + trainer.tasks_per_node
+    return _job_block(recipe, options, shared, 1, tasks, node_memory_gib(recipe, options.probe)["one node"])
+
+
+def _job_block(
+    recipe: Recipe,
+    options: RenderOptions,
+    resources: ComponentResources,
+    nodes: int,
+    tasks_per_node: int,
+    mem_gib: int,
+) -> list[str]:
     job = recipe.job
-    resources: ComponentResources = getattr(job, component)
-    # --mem from the plan's host memory of the node plus its margin (the plan shows the parts); the
-    # probe, on the same partitions and node kinds, asks for minutes and the memory it measures with.
-    request = probe_memory_request(recipe, component) if options.probe else memory_request(recipe, component)
     flags = resource_flags(
         recipe,
         resources,
         job_name=job.name,
         time_limit_min=job_time_limit_min(recipe, options.probe),
-        nodes=resources.nodes,
-        tasks_per_node=resources.tasks_per_node,
-        mem_gib=request.requested_gib,
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
+        mem_gib=mem_gib,
     )
     flags += [
         ("signal", f"{PREEMPT_SIGNAL}@{job.signal_delay_s}"),
@@ -290,11 +328,24 @@ def container_args(recipe: Recipe) -> list[str]:
 def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
     lines: list[str] = []
     python = shell_word(recipe.job.python)
+    one_node = recipe.job.layout == "one_node"
     for index, component in enumerate(COMPONENTS):
         resources: ComponentResources = getattr(recipe.job, component)
+        # One node: each component is a step that shares the node's GPUs with the other (a step holds
+        # its GPUs alone unless it overlaps), with its own task count (not the job's).
+        placement = (
+            [
+                "--overlap",
+                "--nodes=1",
+                f"--ntasks={resources.tasks_per_node}",
+                f"--cpus-per-task={resources.cpus_per_task}",
+            ]
+            if one_node
+            else [f"--het-group={index}"]
+        )
         srun = [
             "srun",
-            f"--het-group={index}",
+            *placement,
             "--kill-on-bad-exit=1",
             "--unbuffered",
             f'--output="{JOB_DIR_IN_OUTPUT}/logs/${{SLURM_JOB_ID}}_{component}_%t.out"',
@@ -306,7 +357,7 @@ def _component_launches(recipe: Recipe, options: RenderOptions) -> list[str]:
             worker.append("--probe")
         variable = f"{component.upper()}_PID"
         lines += [
-            f"# het group {index}: {component}",
+            f"# step: {component} (shares the node)" if one_node else f"# het group {index}: {component}",
             " ".join(srun) + " \\",
             "    " + " ".join(worker) + " &",
             f"{variable}=$!",

@@ -105,6 +105,31 @@ def test_hetjob_runs_both_components_with_the_contract(slurm_cluster, tmp_path: 
     assert "_capture_0.out" in logs.stdout and "_trainer_3.out" in logs.stdout
 
 
+def test_one_node_layout_runs_both_components_as_steps_sharing_the_node_and_its_gpu(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """recipes/one_gpu.yaml (job.layout: one_node) on one node with one GPU: the probe job's two
+    overlapping steps start together, both see the one GPU, and the trainer reaches the capture's store."""
+    runs = tmp_path / "runs"
+    cache = f"trainer.feature_cache.dir={tmp_path / 'features'}"
+    done = launch(["one_gpu", "--probe", *probe_overrides(runs, short_run=False), "--set", cache])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "capture + trainer one node" in done.stdout
+    job_id = done.stdout.split("submitted job ", 1)[1].split()[0]
+    assert wait_for_state(job_id, runs, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED"
+    record = find_record(job_id, runs)
+    assert record.one_node
+    report = job_report(record)
+    assert [(c.name, c.state) for c in report.components] == [("capture", "COMPLETED"), ("trainer", "COMPLETED")]
+    probes = read_probes(Path(record.job_dir))
+    assert sorted(probes) == [("capture", 0), ("trainer", 0)]
+    capture, trainer = probes[("capture", 0)], probes[("trainer", 0)]
+    assert capture["env"]["SLURMD_NODENAME"] == trainer["env"]["SLURMD_NODENAME"], "one node"
+    assert capture["env"]["CUDA_VISIBLE_DEVICES"] == trainer["env"]["CUDA_VISIBLE_DEVICES"] == "0", "one GPU, shared"
+    assert trainer["env"]["WORLD_SIZE"] == "1", "the trainer step's own task count, not the job's"
+    assert capture["trainer_message"] == "trainer-ok", "trainer rank 0 reached the capture's endpoint"
+
+
 def test_cancel_cancels_both_components(slurm_cluster, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     job_id = submit(runs, "--set", "job.env.DSPARK_PROBE_HOLD_S=600")

@@ -23,6 +23,7 @@ from runtime.recipe.fit.host_memory import streamed_expert_host_bytes
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
 K3 = REPO / "recipes" / "kimi_k3_v1c.yaml"
+ONE_GPU = REPO / "recipes" / "one_gpu.yaml"
 
 SACCT_RUNNING = """JobID|JobName|State|ExitCode|Elapsed|NodeList
 41+0|tiny|RUNNING|0:0|00:00:12|node1
@@ -208,7 +209,7 @@ def test_weights_over_one_gpus_budget_but_under_the_total_hbm_are_a_blocker() ->
 
 
 def test_golden_sbatch_scripts_match_the_renderer() -> None:
-    for path in (TINY, K3):
+    for path in (TINY, K3, ONE_GPU):
         loaded = load_recipe(path, display_name=f"recipes/{path.name}")
         expected = render_script(loaded.recipe, RenderOptions(recipe_file=loaded.source))
         checked_in = (REPO / "sbatch" / f"{loaded.recipe.job.name}.sbatch").read_text()
@@ -230,6 +231,47 @@ def test_hetjob_script_shape() -> None:
     assert "srun --het-group=0" in text and "srun --het-group=1" in text
     assert ': "${K3_TARGET_DIR:?export K3_TARGET_DIR before sbatch (used by capture.target_path)}"' in text
     assert "/work/" not in text and "/root" not in text, "no absolute path of this machine"
+
+
+def test_one_node_script_shares_one_node_between_two_overlapping_steps() -> None:
+    from runtime.recipe.fit.slurm_request import memory_request
+
+    recipe = load_recipe(ONE_GPU).recipe
+    text = render_script(recipe, RenderOptions(recipe_file="recipes/one_gpu.yaml"))
+    assert "#SBATCH hetjob" not in text and "--het-group" not in text
+    assert text.count("#SBATCH --nodes=1") == 1 and "#SBATCH --ntasks-per-node=2" in text
+    assert text.count("#SBATCH --gpus-per-node=1") == 1, "one GPU for the job: the steps share it"
+    both = memory_request(recipe, "capture").requested_gib + memory_request(recipe, "trainer").requested_gib
+    assert f"#SBATCH --mem={both}G" in text, "the node holds both components' memory"
+    for component in ("capture", "trainer"):
+        assert (
+            f'srun --overlap --nodes=1 --ntasks=1 --cpus-per-task=4 --kill-on-bad-exit=1 --unbuffered --output="${{DSPARK_JOB_DIR//%/%%}}/logs/${{SLURM_JOB_ID}}_{component}_%t.out"'
+            in text
+        )  # noqa: E501
+    # The same recipe as two het groups, each on a node of its own.
+    separate = render_script(
+        load_recipe(ONE_GPU, ["job.layout=separate_nodes"]).recipe, RenderOptions(recipe_file="recipes/one_gpu.yaml")
+    )
+    assert separate.count("#SBATCH hetjob") == 1 and "srun --het-group=1" in separate and "--overlap" not in separate
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "says"),
+    [
+        (["job.trainer.nodes=2"], "job.trainer.nodes", "set job.trainer.nodes: 1, or job.layout: separate_nodes"),
+        (
+            ["job.trainer.exclusive=true"],
+            "job.trainer.exclusive",
+            "give job.capture.exclusive and job.trainer.exclusive the same value",
+        ),  # noqa: E501
+        (["plan.slurm_max_mem_per_node_gib=12"], "plan.slurm_max_mem_per_node_gib", "below the 19 GiB the one node"),
+    ],
+)
+def test_one_node_layout_refuses_what_one_node_cannot_hold(overrides: list[str], field: str, says: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(ONE_GPU, overrides)
+    problems = {p.path: p.render() for p in info.value.problems}
+    assert says in problems[field], problems
 
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path: Path) -> None:

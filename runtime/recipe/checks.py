@@ -9,7 +9,7 @@ from runtime.recipe.capture_layout import capture_shares, nodes_per_engine
 from runtime.recipe.errors import Problem
 from runtime.recipe.fit.expert_streaming import target_streaming_split
 from runtime.recipe.fit.host_memory import host_needs_per_node, streamed_expert_host_bytes
-from runtime.recipe.fit.slurm_request import memory_fixes, memory_request
+from runtime.recipe.fit.slurm_request import memory_fixes, memory_request, node_memory_gib
 from runtime.recipe.fit.store_budget import StoreBudget, store_budget
 from runtime.recipe.fit.throughput import run_steps
 from runtime.recipe.schema import Recipe, credentials_in
@@ -38,6 +38,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_nul(recipe)
     problems += _check_token_ids(recipe)
     problems += _check_job_timing(recipe)
+    problems += _check_layout(recipe)
     problems += check_write_places(recipe)
     if not problems:  # needs a consistent recipe (the streaming split)
         problems += _check_host_memory_per_node(recipe, streamed_expert_host_bytes(recipe))
@@ -170,7 +171,7 @@ def _check_memory_requests(recipe: Recipe) -> list[Problem]:
                     f"raise it to at least {request.needed_gib}, or remove it (the launcher derives it from the plan)",
                 )
             )
-        elif cap is not None and request.requested_gib > cap:
+        elif cap is not None and request.requested_gib > cap and recipe.job.layout != "one_node":
             out.append(
                 Problem(
                     "plan.slurm_max_mem_per_node_gib",
@@ -179,6 +180,58 @@ def _check_memory_requests(recipe: Recipe) -> list[Problem]:
                     "; or ".join(memory_fixes(recipe, component)) + " (and raise the cap to what they have)",
                 )
             )
+    shared = node_memory_gib(recipe).get("one node")
+    if cap is not None and shared is not None and shared > cap:
+        out.append(
+            Problem(
+                "plan.slurm_max_mem_per_node_gib",
+                f"is {cap} GiB, below the {shared} GiB the one node of job.layout: one_node needs (capture "
+                f"{memory_request(recipe, 'capture').requested_gib} GiB + trainer "
+                f"{memory_request(recipe, 'trainer').requested_gib} GiB)",
+                "job.layout: separate_nodes (each component on a node of its own), or a node with more memory "
+                "(and raise the cap to what it has)",
+            )
+        )
+    return out
+
+
+def _check_layout(recipe: Recipe) -> list[Problem]:
+    """``job.layout: one_node`` puts both components in one plain job on one node: each on one node,
+    the placement settings of the two the same (one ``#SBATCH`` block carries them), and the embedded
+    capture engine (an SGLang server takes most of each GPU's memory before the trainer starts)."""
+    job = recipe.job
+    if job.layout != "one_node":
+        return []
+    fix_layout = "or job.layout: separate_nodes"
+    out = [
+        Problem(
+            f"job.{component}.nodes",
+            f"is {getattr(job, component).nodes}, but job.layout: one_node runs both components on one node",
+            f"set job.{component}.nodes: 1, {fix_layout}",
+        )
+        for component in ("capture", "trainer")
+        if getattr(job, component).nodes != 1
+    ]
+    for setting in ("exclusive", "constraint", "extra_sbatch"):
+        capture_value, trainer_value = getattr(job.capture, setting), getattr(job.trainer, setting)
+        if capture_value != trainer_value:
+            out.append(
+                Problem(
+                    f"job.trainer.{setting}",
+                    f"is {trainer_value!r}, job.capture.{setting} is {capture_value!r}: with job.layout: one_node "
+                    "one #SBATCH block asks for the node both share",
+                    f"give job.capture.{setting} and job.trainer.{setting} the same value, {fix_layout}",
+                )
+            )
+    if recipe.capture.engine != "embedded":
+        out.append(
+            Problem(
+                "capture.engine",
+                f"is {recipe.capture.engine}, but job.layout: one_node shares the node's GPUs with the trainer, and "
+                "an SGLang server reserves most of each GPU's memory (mem_fraction_static) before the trainer starts",
+                f"capture.engine: embedded, {fix_layout}",
+            )
+        )
     return out
 
 

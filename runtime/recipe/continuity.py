@@ -33,6 +33,7 @@ SAFE_TO_CHANGE: tuple[str, ...] = (
     "job.runs_dir",
     "job.stop_grace_s",
     "job.master_port",
+    "job.layout",
     "job.capture.mem_gib",
     "job.capture.exclusive",
     "job.capture.constraint",

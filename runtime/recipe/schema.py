@@ -337,6 +337,12 @@ class JobSection(Section):
     trainer checkpoints at its next step boundary in that time); all tasks are signalled at once."""
     master_port: int = Field(29500, ge=1024, le=65535)
     """TCP port of the trainer's torch.distributed rendezvous on its first node."""
+    layout: Literal["separate_nodes", "one_node"] = "separate_nodes"
+    """Where the two components run. ``separate_nodes``: one heterogeneous job, capture (het group 0)
+    and trainer (het group 1) each on nodes of their own. ``one_node``: one plain job on one node whose
+    GPUs, cores and memory both components share (a node with one GPU); it asks for the larger of the
+    two GPU and CPU counts and the sum of the two memory requests, and starts each component as a
+    step that overlaps the other (``srun --overlap``)."""
     capture: ComponentResources = Field(default_factory=lambda: ComponentResources(gpus_per_node=8, cpus_per_task=32))
     """Het group 0: Mooncake master, capture engine and producer."""
     trainer: ComponentResources = Field(

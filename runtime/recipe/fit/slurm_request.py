@@ -164,6 +164,14 @@ def memory_request(recipe: Recipe, component: str) -> MemoryRequest:
     return MemoryRequest(component, plan_parts, margin, getattr(recipe.job, component).mem_gib)
 
 
+def node_memory_gib(recipe: Recipe, probe: bool = False) -> dict[str, int]:
+    """The ``--mem`` of each node kind the job asks for, in GiB: ``capture`` and ``trainer``, or with
+    ``job.layout: one_node`` the one node both share (``one node``: the sum of the two requests)."""
+    request = probe_memory_request if probe else memory_request
+    gib = {component: request(recipe, component).requested_gib for component in ("capture", "trainer")}
+    return {"one node": sum(gib.values())} if recipe.job.layout == "one_node" else gib
+
+
 def eval_memory_request(recipe: Recipe) -> MemoryRequest:
     """The ``--mem`` of the eval job's one node: the target served as capture serves it (one process
     per GPU, the streamed experts of every GPU in host memory) with the draft, and no Mooncake.
