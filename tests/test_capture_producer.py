@@ -264,3 +264,40 @@ def test_the_loop_ends_when_the_cursor_passes_the_last_sample(tmp_path: Path, ta
             loop.engine.close()
         finally:
             producer.close()
+
+
+WAKE_SCRIPT = """
+import os, signal, sys, threading, time
+from runtime.capture.producer import stop_on_signals, wait_for_stop
+
+stop = threading.Event()
+# A thread started before the main thread blocks SIGTERM keeps it unblocked, as CUDA's and Mooncake's
+# threads do: the kernel hands the process's SIGTERM to it, not to the main thread.
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+with stop_on_signals(stop, lambda: None):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    if sys.argv[1] == "bare":
+        stop.wait(3.0)
+    else:
+        wait_for_stop(stop)
+    print(f"{stop.is_set()} {time.monotonic() - started:.2f}")
+"""
+
+
+@pytest.mark.parametrize("how", ["bare", "polled"])
+def test_the_finished_capture_sees_a_sigterm_that_another_thread_received(how: str) -> None:
+    """The capture's last wait (every sample consumed, the master kept up until the supervisor's
+    SIGTERM) wakes for a signal the kernel delivered to another thread; a bare Event.wait() does not,
+    which on a GPU left the capture to the supervisor's SIGKILL 30 s later."""
+    done = subprocess.run(
+        [sys.executable, "-c", WAKE_SCRIPT, how], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    woke, seconds = done.stdout.split()
+    if how == "bare":  # the premise: the signal reached the process (the handler ran once the wait timed
+        # out), but it did not wake the waiting main thread
+        assert woke == "True" and float(seconds) >= 2.9, done.stdout
+    else:
+        assert woke == "True" and float(seconds) < 2.0, done.stdout

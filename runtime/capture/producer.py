@@ -263,6 +263,19 @@ def stop_on_signals(
             signal.signal(sig, old)
 
 
+STOP_POLL_S = 0.5
+"""How often the main thread wakes while it waits for a stop signal."""
+
+
+def wait_for_stop(stop: threading.Event) -> None:
+    """Wait until ``stop`` is set, waking every :data:`STOP_POLL_S`. A bare ``Event.wait()`` can sleep through
+    SIGTERM: the kernel may deliver the signal to another thread (CUDA's and Mooncake's threads leave it
+    unblocked), which sets Python's pending flag but does not wake the main thread, the only one that runs
+    the handler. On a GPU the capture slept that way until the supervisor's SIGKILL, 30 s later."""
+    while not stop.wait(STOP_POLL_S):
+        pass
+
+
 def make_engine(engine: EngineSetup, sink: Any, moe_exchange: str | None = None) -> CaptureEngine:
     """The engine the recipe names, committing through ``sink``. ``moe_exchange`` (the capture
     command line's ``--k3-moe-exchange``) overrides ``capture.moe_exchange``."""
@@ -369,5 +382,5 @@ def run_capture(setup: CaptureSetup, endpoints: Any = None, moe_exchange: str | 
             finished.set()
             producer.trainer_is_leaving()
             producer.heartbeat({"capture": {"state": "finished; waiting for the trainer to end"}})
-            stop.wait()
+            wait_for_stop(stop)
     return 0

@@ -77,7 +77,7 @@ def progress_line(record: Mapping[str, Any], total_steps: int, elapsed_s: float,
         f"conf {record['loss_confidence']:.4f}) tau {record['tau']:.3f} acc@0 {record['acc@0']:.3f} "
         f"lr {record['lr']:.3e} gnorm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s "
         f"{rate * 60:.2f} step/min, data wait {100.0 * record['data_wait_fraction']:.0f}%"
-        f"{f', MFU {record[MFU_KEY]:.1%}' if MFU_KEY in record else ''} | "
+        f"{f', MFU {100.0 * record[MFU_KEY]:.2g}%' if MFU_KEY in record else ''} | "
         f"skipped {int(record['skipped_total'])} | ETA {eta_text}"
     )
 

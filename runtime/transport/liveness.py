@@ -298,8 +298,11 @@ class HeartbeatWriter:
         Rank 0's segment also holds the cursor, lives on the node that reads both, and only a
         trainer restart takes it away. Only this one object goes there; samples stay where they were.
         """
-        if not self._put_lock.acquire(timeout=CLOSING_BEAT_WAIT_S if final else -1):
-            log.debug("the closing heartbeat is skipped: another beat is still being put")
+        # Never wait long behind another beat: one stuck in a put into a segment that is going away
+        # (trainer rank 0's, as the run ends) holds the lock until the transfer times out, and the
+        # capture's main thread, which beats on every state change, must stay free to see its stop.
+        if not self._put_lock.acquire(timeout=CLOSING_BEAT_WAIT_S):
+            log.debug("a heartbeat is skipped: another beat is still being put (the next one carries its state)")
             return
         try:
             self._place(data, final)
