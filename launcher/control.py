@@ -50,7 +50,8 @@ class ComponentReport:
     """One component's state for an operator."""
 
     name: str
-    het_group: int
+    het_group: int | None
+    """None for a ``job.layout: one_node`` job (its components are steps of one plain job)."""
     state: str
     tasks: int
     results: dict[int, str] = field(default_factory=dict)
@@ -100,7 +101,7 @@ class JobReport:
         for c in self.components:
             ok = sum(1 for r in c.results.values() if r == "success")
             lines.append(
-                f"  {c.name:<10} {c.het_group:>5} {c.state:<12} {c.exit_code or '-':<6} "
+                f"  {c.name:<10} {'-' if c.het_group is None else c.het_group:>5} {c.state:<12} {c.exit_code or '-':<6} "
                 f"{ok}/{c.tasks:<7} {c.elapsed or '-':<10} {c.nodes or '-'}"
                 + (f"  (waiting: {c.reason})" if c.reason else "")
             )
@@ -150,7 +151,7 @@ def job_report(record: JobRecord) -> JobReport:
         reports.append(
             ComponentReport(
                 name=name,
-                het_group=group,
+                het_group=None if record.one_node else group,
                 state=state,
                 tasks=tasks,
                 results=results,

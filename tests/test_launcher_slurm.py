@@ -120,7 +120,10 @@ def test_one_node_layout_runs_both_components_as_steps_sharing_the_node_and_its_
     record = find_record(job_id, runs)
     assert record.one_node
     report = job_report(record)
-    assert [(c.name, c.state) for c in report.components] == [("capture", "COMPLETED"), ("trainer", "COMPLETED")]
+    assert [(c.name, c.state, c.het_group) for c in report.components] == [
+        ("capture", "COMPLETED", None),
+        ("trainer", "COMPLETED", None),
+    ], "both read from the one plain job, no het group"
     probes = read_probes(Path(record.job_dir))
     assert sorted(probes) == [("capture", 0), ("trainer", 0)]
     capture, trainer = probes[("capture", 0)], probes[("trainer", 0)]
