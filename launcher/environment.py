@@ -129,7 +129,9 @@ def resolve_address(recipe: Recipe, host: str, local: bool) -> str:
 
 
 def slurm_placement(recipe: Recipe, component: str, env: Mapping[str, str]) -> TaskPlacement:
-    """Placement of the current srun task from its het group's Slurm variables."""
+    """Placement of the current srun task from its het group's Slurm variables. A ``job.layout: one_node``
+    job has no het groups: both components read the job's one node list, or their own node, which is the
+    same node, and the world size is their step's ``--ntasks``."""
     group = het_group_index(component)
     capture_nodes = _group_nodelist(env, 0)
     own_nodes = _group_nodelist(env, group)

@@ -108,8 +108,8 @@ def render_script(recipe: Recipe, options: RenderOptions) -> str:
             "# Edit the site settings below, or export them before sbatch.",
         ]
     if one_node:
-        lines.append("# ---- one node (job.layout: one_node): " + ", ".join(
-            f"{component} ({_COMPONENT_ROLE[component]})" for component in COMPONENTS) + " ----")  # fmt: skip
+        roles = ", ".join(f"{component} ({_COMPONENT_ROLE[component]})" for component in COMPONENTS)
+        lines.append(f"# ---- one node (job.layout: one_node): {roles} ----")
         lines += _one_node_block(recipe, options)
     else:
         for index, component in enumerate(COMPONENTS):

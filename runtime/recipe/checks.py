@@ -156,12 +156,12 @@ def _check_target_attention(recipe: Recipe) -> list[Problem]:
 
 
 def _check_memory_requests(recipe: Recipe) -> list[Problem]:
-    """Each component's ``--mem`` holds what the plan counts on its node and stays under the site's
-    cap ``plan.slurm_max_mem_per_node_gib``."""
+    """Each component's ``--mem`` holds what the plan counts on its node, and each node the job asks for
+    (:func:`node_memory_gib`: one per component, or the one node of ``job.layout: one_node``) stays under
+    the site's cap ``plan.slurm_max_mem_per_node_gib``."""
     out = []
-    cap = recipe.plan.slurm_max_mem_per_node_gib
-    for component in ("capture", "trainer"):
-        request = memory_request(recipe, component)
+    requests = {component: memory_request(recipe, component) for component in ("capture", "trainer")}
+    for component, request in requests.items():
         if request.explicit_gib is not None and request.explicit_gib < request.needed_gib:
             out.append(
                 Problem(
@@ -171,27 +171,24 @@ def _check_memory_requests(recipe: Recipe) -> list[Problem]:
                     f"raise it to at least {request.needed_gib}, or remove it (the launcher derives it from the plan)",
                 )
             )
-        elif cap is not None and request.requested_gib > cap and recipe.job.layout != "one_node":
-            out.append(
-                Problem(
-                    "plan.slurm_max_mem_per_node_gib",
-                    f"is {cap} GiB, below the {request.requested_gib} GiB a {component} node needs by the plan "
-                    f"({request.describe()})",
-                    "; or ".join(memory_fixes(recipe, component)) + " (and raise the cap to what they have)",
-                )
+    cap = recipe.plan.slurm_max_mem_per_node_gib
+    flagged = {problem.path.split(".")[1] for problem in out}  # their own field says it first
+    for node, gib in node_memory_gib(recipe).items():
+        if cap is None or gib <= cap or node in flagged:
+            continue
+        if node in requests:
+            needs = f"a {node} node needs by the plan ({requests[node].describe()})"
+            fix = "; or ".join(memory_fixes(recipe, node)) + " (and raise the cap to what they have)"
+        else:
+            needs = (
+                f"the one node of job.layout: one_node needs (capture {requests['capture'].requested_gib} GiB + "
+                f"trainer {requests['trainer'].requested_gib} GiB)"
             )
-    shared = node_memory_gib(recipe).get("one node")
-    if cap is not None and shared is not None and shared > cap:
-        out.append(
-            Problem(
-                "plan.slurm_max_mem_per_node_gib",
-                f"is {cap} GiB, below the {shared} GiB the one node of job.layout: one_node needs (capture "
-                f"{memory_request(recipe, 'capture').requested_gib} GiB + trainer "
-                f"{memory_request(recipe, 'trainer').requested_gib} GiB)",
+            fix = (
                 "job.layout: separate_nodes (each component on a node of its own), or a node with more memory "
-                "(and raise the cap to what it has)",
+                "(and raise the cap to what it has)"
             )
-        )
+        out.append(Problem("plan.slurm_max_mem_per_node_gib", f"is {cap} GiB, below the {gib} GiB {needs}", fix))
     return out
 
 
